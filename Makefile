@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make train` and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/default.yaml
+ARGS   ?=
+
+.PHONY: train test test-slow test-gpu bench setup clean
+
+$(PY):
+	@base=$$(scripts/find_python.sh) && echo "creating $(VENV) with $$base" && "$$base" -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/jax-overlap train --config $(CONFIG) --run-dir runs/default $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,184 @@
+"""`jax-overlap` command line: train | schedule | analyze | profile | tune.
+
+Thin on purpose: parse flags, build the typed config, call the library. The config is read
+before JAX starts so that the process can ask for exactly as many host devices as the mesh
+needs and apply XLA flag presets. User errors print one line per problem and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+from jax_overlap.config import Config, ConfigError
+
+USER_ERROR = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config", required=required, help="YAML file, e.g. configs/tiny.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default="", help="host:port of process 0 (multi-process)")
+    p.add_argument("--num-processes", type=int, default=0)
+    p.add_argument("--process-id", type=int, default=-1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jax-overlap", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model from a config")
+    _add_config_args(p)
+    _add_distributed_args(p)
+    p.add_argument("--run-dir", default="runs/latest", help="metrics.jsonl and checkpoints go here")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    p = sub.add_parser("schedule", help="print a pipeline schedule as a table")
+    p.add_argument("--schedule", required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--virtual", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
+    _add_config_args(p)
+    p.add_argument("--target", default="cpu", choices=["cpu", "a100", "h100", "h200"])
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("profile", help="trace N steps and compute CCOR, bubble, exposed comm")
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--logdir", default="")
+
+    p = sub.add_parser("tune", help="rank parallel plans with the calibrated simulator")
+    _add_config_args(p)
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--hardware", default="cpu_here")
+    p.add_argument("--measure", type=int, default=0)
+    p.add_argument("--out", default="")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def load_config(args) -> Config:
+    from jax_overlap import config
+
+    overrides = list(args.overrides)
+    if getattr(args, "coordinator", ""):
+        overrides.append(f"distributed.coordinator={args.coordinator}")
+    if getattr(args, "num_processes", 0):
+        overrides.append(f"distributed.num_processes={args.num_processes}")
+    if getattr(args, "process_id", -1) >= 0:
+        overrides.append(f"distributed.process_id={args.process_id}")
+    return config.load(args.config, overrides)
+
+
+def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
+    """Everything that must precede JAX's backend start-up, in order."""
+    from jax_overlap.mesh import force_host_devices
+
+    if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ["JAX_PLATFORMS"] = "cpu"  # no GPU here: don't probe CUDA plugins
+    needed = devices_needed or cfg.num_devices
+    force_host_devices(max(1, needed // max(1, cfg.distributed.num_processes)))
+    if cfg.overlap.xla_preset != "none":
+        from jax_overlap import xla_flags
+
+        xla_flags.apply_preset(cfg.overlap.xla_preset)
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args)
+    prepare_backend(cfg)
+    from jax_overlap import mesh, train
+
+    d = cfg.distributed
+    mesh.init_distributed(d.coordinator, d.num_processes, d.process_id, d.timeout_s)
+    result = train.run(cfg, args.run_dir, progress=not args.no_progress)
+    import jax
+
+    if jax.process_index() == 0:
+        print(json.dumps(result.summary()), flush=True)
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    from jax_overlap.pipeline.schedules import schedule_command
+
+    print(schedule_command(args.schedule, args.stages, args.microbatches, args.virtual,
+                           as_json=args.json))
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    cfg = load_config(args)
+    if args.target == "cpu":
+        prepare_backend(cfg)
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jax_overlap.analysis import report
+
+    print(report.analyze_command(cfg, args.target, as_json=args.json))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    cfg = load_config(args)
+    prepare_backend(cfg)
+    from jax_overlap.analysis import report
+
+    print(report.profile_command(cfg, args.steps, as_json=args.json, logdir=args.logdir))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    cfg = load_config(args)
+    prepare_backend(cfg, devices_needed=max(cfg.num_devices, args.devices))
+    from jax_overlap import tune
+
+    print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
+                            out=args.out, as_json=args.json))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "schedule": cmd_schedule, "analyze": cmd_analyze,
+            "profile": cmd_profile, "tune": cmd_tune}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        for line in e.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return USER_ERROR
+    except FileNotFoundError as e:
+        print(f"error: {e.filename}: file not found", file=sys.stderr)
+        return USER_ERROR
+    except ValueError as e:
+        # Library functions raise ValueError for bad user input with a message naming the
+        # field (schedules, presets); anything else is a bug and keeps its traceback.
+        if _is_user_error(e):
+            print(f"error: {e}", file=sys.stderr)
+            return USER_ERROR
+        raise
+
+
+def _is_user_error(e: ValueError) -> bool:
+    msg = str(e)
+    return any(msg.startswith(prefix) for prefix in (
+        "pipeline.", "overlap.", "model.", "mesh.", "train.", "data.", "checkpoint.", "guard.",
+        "--", "hardware", "target"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Tensor-parallel building blocks with their collectives written out.
+
+Every function here is written per device (inside `jax.shard_map`) and takes a `Parallel`
+context. With `tp_axis=None` the same code is the single-device reference: every collective
+becomes the identity, so one model definition serves the reference, the TP run and GSPMD.
+
+Megatron's pattern: a column-parallel matmul (weight split on its output dim) needs no
+communication; the following row-parallel matmul (weight split on its input dim) produces
+partial sums that one `psum` over TP completes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How the code running on one device relates to its TP group."""
+
+    tp_axis: str | None = None  # mesh axis name; None = single device / GSPMD
+    tp: int = 1
+    compute_dtype: Any = jnp.float32
+    tp_comm: str = "plain"  # plain | sequence_parallel | collective_matmul
+    cm_direction: str = "uni"  # collective matmul ring: uni | bi
+
+    @property
+    def active(self) -> bool:
+        # A size-1 axis still types values as varying, so its (free) collectives stay.
+        return self.tp_axis is not None
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Between blocks, activations are split over the sequence on TP (Megatron SP)."""
+        return self.active and self.tp_comm in ("sequence_parallel", "collective_matmul")
+
+
+def tp_index(par: Parallel) -> jax.Array:
+    return jax.lax.axis_index(par.tp_axis) if par.active else jnp.zeros((), jnp.int32)
+
+
+def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Marks values as device-varying over `axes` (so autodiff leaves their reductions to us).
+
+    jax >= 0.12 spells it `pcast(..., to='varying')`; 0.11 has `pvary`.
+    """
+    if not axes:
+        return tree
+    if hasattr(jax.lax, "pcast"):
+        return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+    return jax.tree.map(lambda x: jax.lax.pvary(x, axes), tree)
+
+
+def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
+    return jax.lax.psum(x, par.tp_axis) if par.active else x
+
+
+def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Array:
+    """x @ W with W split over its output dim: local output columns, no collective.
+
+    Under sequence parallelism the input arrives split over the sequence and is all-gathered
+    first (or, with collective matmul, gathered chunk by chunk under the partial matmuls).
+    """
+    if par.sequence_sharded:
+        from jax_overlap import collective_matmul as cm
+
+        if par.tp_comm == "collective_matmul":
+            return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction)
+        # (B, T/tp, D) -> (B, T, D) over tp
+        x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
+    return jnp.einsum("btd,dn->btn", x_btd, w_dn)
+
+
+def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
+    """h @ W with W split over its input dim: partial sums completed over TP.
+
+    Plain TP: psum, (B, T, D) on every TP rank. Sequence parallel: psum_scatter, each rank
+    keeps (B, T/tp, D) of the finished sum.
+    """
+    if par.sequence_sharded:
+        from jax_overlap import collective_matmul as cm
+
+        if par.tp_comm == "collective_matmul":
+            return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction)
+        partial_btd = jnp.einsum("btn,nd->btd", h_btn, w_nd)
+        return jax.lax.psum_scatter(partial_btd, par.tp_axis, scatter_dimension=1, tiled=True)
+    partial_btd = jnp.einsum("btn,nd->btd", h_btn, w_nd)
+    return psum_tp(partial_btd, par)  # (B, T, D) over tp
+
+
+def vocab_embed(ids_bt: jax.Array, wte_vd: jax.Array, par: Parallel) -> jax.Array:
+    """Embedding lookup with the vocabulary split over TP.
+
+    Each rank holds rows [r*V/tp, (r+1)*V/tp); ids outside them contribute zeros and one psum
+    over TP assembles the embedding.
+    """
+    v_local = wte_vd.shape[0]
+    local_ids = ids_bt - tp_index(par) * v_local
+    inside = (local_ids >= 0) & (local_ids < v_local)
+    x_btd = jnp.take(wte_vd, jnp.clip(local_ids, 0, v_local - 1), axis=0)
+    x_btd = jnp.where(inside[..., None], x_btd, 0)
+    if par.sequence_sharded:  # (B, T, D) partial -> (B, T/tp, D) summed, over tp
+        return jax.lax.psum_scatter(x_btd, par.tp_axis, scatter_dimension=1, tiled=True)
+    return psum_tp(x_btd, par)  # (B, T, D) over tp
+
+
+def vocab_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, par: Parallel
+                        ) -> jax.Array:
+    """Per-token cross-entropy with logits split over the vocabulary on TP.
+
+    Three small reductions over TP: the max (for stability), the sum of exponentials and the
+    target logit; the full (B, T, V) logits never exist on one device.
+    """
+    logits_btv = logits_btv.astype(jnp.float32)
+    v_local = logits_btv.shape[-1]
+    # The max only stabilises the exponentials; it needs no gradient.
+    local_max_bt = jax.lax.stop_gradient(logits_btv.max(-1))
+    max_bt = jax.lax.pmax(local_max_bt, par.tp_axis) if par.active else local_max_bt
+    sum_exp_bt = psum_tp(jnp.exp(logits_btv - max_bt[..., None]).sum(-1), par)
+    local_t = targets_bt - tp_index(par) * v_local
+    inside = (local_t >= 0) & (local_t < v_local)
+    picked_bt = jnp.take_along_axis(logits_btv, jnp.clip(local_t, 0, v_local - 1)[..., None],
+                                    axis=-1)[..., 0]
+    target_logit_bt = psum_tp(jnp.where(inside, picked_bt, 0.0), par)
+    return jnp.log(sum_exp_bt) + max_bt - target_logit_bt

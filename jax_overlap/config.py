@@ -1,0 +1,343 @@
+"""One typed config tree, loaded from YAML with `--set section.key=value` overrides.
+
+Every user error (missing file, unknown key, wrong type, a combination that cannot work) is
+collected into a `ConfigError` whose lines each name the field and the fix; the CLI prints them
+and exits with code 2. This module imports no JAX, so the CLI can read the config (and size the
+forced CPU device count) before the backend starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1  # data-parallel replicas
+    pp: int = 1  # pipeline stages
+    tp: int = 1  # tensor-parallel shards (Megatron-style, inside each block)
+
+
+@dataclass
+class ModelConfig:
+    kind: Literal["gpt", "bert", "resnet"] = "gpt"
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    d_ff: int = 512
+    vocab: int = 256  # byte-level data needs >= 256
+    seq_len: int = 64
+    tied_embeddings: bool = True  # output layer reuses the token embedding
+
+
+@dataclass
+class DataConfig:
+    # stdlib: the Python standard library's own source text (present on every machine);
+    # file: `path` to a UTF-8/bytes text file; synthetic: a learnable random Markov stream.
+    source: Literal["stdlib", "file", "synthetic"] = "stdlib"
+    path: str = ""
+    max_bytes: int = 8_000_000  # how much of the corpus to load
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    global_batch: int = 16  # sequences per optimizer step, over all devices
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
+
+
+@dataclass
+class PipelineConfig:
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
+    microbatches: int = 1  # per data-parallel replica per step; also gradient accumulation when pp=1
+    virtual_stages: int = 1  # chunks per pipeline stage (interleaved / zb-v)
+
+
+@dataclass
+class OverlapConfig:
+    grad_bucket_mb: float = 0.0  # 0: one reduction per gradient leaf, after the backward
+    bucket_order: Literal["backward", "largest_first"] = "backward"
+    zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
+    grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    param_sharding: Literal["replicated", "fsdp"] = "replicated"
+    window: int = 2  # fsdp: all-gather block l+window while block l computes
+    tp_comm: Literal["plain", "sequence_parallel", "collective_matmul"] = "plain"
+    collective_matmul_direction: Literal["uni", "bi"] = "uni"
+    xla_preset: str = "none"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # empty: <run_dir>/checkpoints
+    every_steps: int = 0  # 0 disables checkpointing
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = True
+    spike_sigma: float = 6.0
+    window: int = 20
+    max_skips: int = 3  # consecutive bad steps before a rollback
+    skip_batches: int = 1  # batches skipped past the ones that caused a rollback
+    lr_scale_on_rollback: float = 1.0
+
+
+@dataclass
+class FaultConfig:
+    nan_at_step: int = -1  # inject a NaN loss at this step (drills and tests); -1 off
+    spike_at_step: int = -1  # inject a loss spike at this step; -1 off
+
+
+@dataclass
+class DistributedConfig:
+    coordinator: str = ""  # host:port of process 0; empty: from env or single process
+    num_processes: int = 1
+    process_id: int = 0
+    timeout_s: int = 300  # survivors give up on a lost process after this long
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.dp * self.mesh.pp * self.mesh.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the typed tree from plain data
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """Checks one leaf value against its declared type; ints are accepted for floats."""
+    if get_origin(tp) is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(f"{where}: {value!r} is not one of {_type_name(tp)}{hint}")
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    problems.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}; "
+                    f"write a {_type_name(tp)} value")
+    return None
+
+
+def _build(cls, data: Any, where: str, problems: list[str]):
+    if not isinstance(data, dict):
+        problems.append(f"{where or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+        return cls()
+    hints = _hints(cls)
+    known = list(hints)
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"did you mean '{(where + '.') if where else ''}{close[0]}'?" if close else (
+                f"known keys: {', '.join(known)}")
+            problems.append(f"{path}: unknown key; {hint}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, path, problems)
+        else:
+            coerced = _coerce(value, tp, path, problems)
+            if coerced is not None:
+                kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError([f"--set {text}: expected section.key=value, e.g. --set train.steps=10"])
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Returns a copy of `data` with each `section.key=value` applied (values parsed as YAML)."""
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {text}: '{k}' is not a section"])
+        node[keys[-1]] = value
+    return data
+
+
+def from_dict(data: dict) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, data, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Loads a YAML config, applies overrides, checks it; raises ConfigError on any problem."""
+    data: dict = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError([f"--config {path}: file not found; pass an existing YAML file, "
+                               f"e.g. configs/tiny.yaml"])
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError([f"--config {path}: not valid YAML{at}; fix the syntax"]) from None
+    return from_dict(apply_overrides(data, list(overrides)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field rules: one line per problem, naming the field and the fix.
+
+
+def validate(cfg: Config) -> None:
+    p: list[str] = []
+    m, mo, t, pl, ov = cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.overlap
+    for name in ("dp", "pp", "tp"):
+        if getattr(m, name) < 1:
+            p.append(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
+    for name in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"):
+        if getattr(mo, name) < 1:
+            p.append(f"model.{name}: must be >= 1, got {getattr(mo, name)}")
+    if p:
+        raise ConfigError(p)
+    if mo.kind in ("gpt", "bert"):
+        if mo.d_model % mo.heads:
+            p.append(f"model.d_model: {mo.d_model} is not divisible by model.heads={mo.heads}; "
+                     f"pick d_model a multiple of heads")
+        for name in ("heads", "d_ff", "vocab"):
+            if getattr(mo, name) % m.tp:
+                p.append(f"model.{name}: {getattr(mo, name)} is not divisible by mesh.tp={m.tp}; "
+                         f"use a multiple of {m.tp} or change mesh.tp")
+        if cfg.data.source in ("stdlib", "file") and mo.vocab < 256:
+            p.append(f"model.vocab: {mo.vocab} < 256 but data.source={cfg.data.source} is "
+                     f"byte-level; set model.vocab >= 256")
+        if ov.tp_comm != "plain" and mo.seq_len % m.tp:
+            p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
+                     f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
+    chunks = m.pp * pl.virtual_stages
+    if mo.layers % chunks:
+        p.append(f"model.layers: {mo.layers} is not divisible by mesh.pp x pipeline.virtual_stages "
+                 f"= {chunks}; use a multiple of {chunks}")
+    if pl.microbatches < 1:
+        p.append(f"pipeline.microbatches: must be >= 1, got {pl.microbatches}")
+    elif t.global_batch % (m.dp * pl.microbatches):
+        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dp x "
+                 f"pipeline.microbatches = {m.dp * pl.microbatches}; use a multiple of "
+                 f"{m.dp * pl.microbatches}")
+    if m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
+        p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
+                 f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
+    if pl.schedule == "interleaved" and m.pp > 1 and pl.virtual_stages < 2:
+        p.append("pipeline.virtual_stages: interleaved needs >= 2; set pipeline.virtual_stages=2")
+    if pl.schedule == "zb-v" and m.pp > 1 and pl.virtual_stages != 2:
+        p.append("pipeline.virtual_stages: zb-v places exactly 2 chunks per stage; set it to 2")
+    if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v"):
+        p.append(f"pipeline.virtual_stages: {pl.virtual_stages} needs pipeline.schedule "
+                 f"interleaved or zb-v (got {pl.schedule}); set it to 1")
+    if t.steps < 1:
+        p.append(f"train.steps: must be >= 1, got {t.steps}")
+    if t.lr <= 0:
+        p.append(f"train.lr: must be > 0, got {t.lr}")
+    if not 1 <= ov.window <= 3 and ov.param_sharding == "fsdp":
+        p.append(f"overlap.window: {ov.window} is outside 1..3; use 1, 2 or 3")
+    if ov.grad_bucket_mb < 0:
+        p.append(f"overlap.grad_bucket_mb: must be >= 0, got {ov.grad_bucket_mb}")
+    if cfg.data.source == "file" and not cfg.data.path:
+        p.append("data.path: data.source=file needs a path; set data.path=/path/to/text.txt")
+    elif cfg.data.source == "file" and not os.path.exists(cfg.data.path):
+        p.append(f"data.path: {cfg.data.path} not found; point it at an existing text file")
+    d = cfg.distributed
+    if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+        p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")
+    elif cfg.num_devices % d.num_processes:
+        p.append(f"mesh: {cfg.num_devices} devices do not split evenly over "
+                 f"distributed.num_processes={d.num_processes}")
+    if p:
+        raise ConfigError(p)
+
+
+def check_device_count(cfg: Config, available: int) -> None:
+    """The mesh must use exactly the devices the job has."""
+    if cfg.num_devices != available:
+        raise ConfigError([
+            f"mesh: dp x pp x tp = {cfg.mesh.dp} x {cfg.mesh.pp} x {cfg.mesh.tp} = "
+            f"{cfg.num_devices}, but {available} devices are available; make the product "
+            f"{available} (e.g. --set mesh.dp={max(1, available // (cfg.mesh.pp * cfg.mesh.tp))})"])

@@ -1,0 +1,127 @@
+"""The device mesh: named axes for data (dp), pipeline (pp) and tensor (tp) parallelism.
+
+Also the two things that must happen before JAX starts its backends: forcing enough host
+devices when there is no accelerator, and `jax.distributed.initialize` for multi-process runs.
+Logical parameter axes ('vocab', 'heads', 'mlp', 'layers', ...) are bound to mesh axes here and
+nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+DP, PP, TP = "dp", "pp", "tp"
+AXES = (DP, PP, TP)
+
+# Logical axis -> mesh axis. Model code names logical axes only.
+LOGICAL_RULES: dict[str, str | None] = {
+    "batch": DP,
+    "layers": None,  # see rules_for: stacked layers are split over pp only when pp > 1
+    "vocab": TP,
+    "heads": TP,
+    "mlp": TP,
+    "embed": None,
+    "seq": None,
+    "head_dim": None,
+    "qkv": None,
+}
+
+
+def rules_for(pp: int) -> dict[str, str | None]:
+    """The logical rules for a mesh with `pp` stages: stacked layers go to pp when pp > 1."""
+    return {**LOGICAL_RULES, "layers": PP if pp > 1 else None}
+
+
+def force_host_devices(count: int, environ: dict | None = None) -> None:
+    """Asks XLA for `count` host (CPU) devices; must run before JAX initialises.
+
+    The flag only affects the CPU platform, so it is harmless on a GPU host. An existing, larger
+    setting is kept.
+    """
+    environ = os.environ if environ is None else environ
+    flag = "--xla_force_host_platform_device_count"
+    flags = environ.get("XLA_FLAGS", "").split()
+    current = [f for f in flags if f.startswith(flag + "=")]
+    if current and int(current[-1].split("=", 1)[1]) >= count:
+        return
+    flags = [f for f in flags if not f.startswith(flag + "=")] + [f"{flag}={count}"]
+    environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def init_distributed(coordinator: str = "", num_processes: int = 1, process_id: int = 0,
+                     timeout_s: int = 300, environ: dict | None = None) -> bool:
+    """Starts `jax.distributed` when the launch asks for several processes.
+
+    Explicit arguments win; otherwise JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID are read. On CPU, collectives across processes go through gloo.
+
+    Returns:
+      True when a multi-process runtime was started.
+    """
+    import jax
+
+    environ = os.environ if environ is None else environ
+    coordinator = coordinator or environ.get("JAX_COORDINATOR_ADDRESS", "")
+    if num_processes <= 1:
+        num_processes = int(environ.get("JAX_NUM_PROCESSES", "1"))
+        process_id = int(environ.get("JAX_PROCESS_ID", str(process_id)))
+    if num_processes <= 1 or not coordinator:
+        return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs: dict[str, Any] = dict(coordinator_address=coordinator, num_processes=num_processes,
+                                  process_id=process_id)
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=timeout_s,
+                                   heartbeat_timeout_seconds=max(10, timeout_s // 10))
+    except TypeError:  # older signatures lack the timeout knobs
+        jax.distributed.initialize(**kwargs)
+    return True
+
+
+def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None):
+    """A (dp, pp, tp) mesh; tp varies fastest so TP groups share the fastest links."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    needed = dp * pp * tp
+    if len(devices) < needed:
+        from jax_overlap.config import ConfigError
+        raise ConfigError([f"mesh: dp x pp x tp = {needed} devices, but only {len(devices)} are "
+                           f"available; shrink mesh.dp/pp/tp"])
+    grid = np.array(devices[:needed], dtype=object).reshape(dp, pp, tp)
+    return Mesh(grid, AXES)
+
+
+def mesh_from_config(cfg) -> Any:
+    import jax
+
+    from jax_overlap.config import check_device_count
+
+    check_device_count(cfg, jax.device_count())
+    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...], rules: dict | None = None):
+    """PartitionSpec for an array whose dimensions carry these logical axis names."""
+    from jax.sharding import PartitionSpec as P
+
+    rules = LOGICAL_RULES if rules is None else rules
+    return P(*(rules.get(a) if a is not None else None for a in logical_axes))
+
+
+def tree_specs(axes_tree: Any, rules: dict | None = None) -> Any:
+    """Maps a pytree of logical-axis tuples to a pytree of PartitionSpecs."""
+    import jax
+
+    return jax.tree.map(lambda a: logical_to_spec(a, rules), axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def tree_shardings(mesh, axes_tree: Any, rules: dict | None = None) -> Any:
+    import jax
+    from jax.sharding import NamedSharding
+
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), tree_specs(axes_tree, rules))

@@ -1,0 +1,218 @@
+"""GPT-style decoder (pre-norm, causal attention, GELU MLP) with Megatron tensor parallelism.
+
+Flax modules declare parameters at their per-device size: a module built with `tp=1` creates
+the global (logical) parameters, the same module with `tp=k` applies to one TP shard of them.
+So initialisation is done once, globally and mesh-independently, and the same code runs on the
+single-device reference, inside `shard_map` and under GSPMD.
+
+TP layout (Megatron): QKV and MLP-in are column-parallel (split over heads / d_ff), attention-out
+and MLP-out are row-parallel with a psum over TP; embedding and cross-entropy split the vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jax_overlap.collectives import (Parallel, column_parallel, row_parallel, vocab_cross_entropy,
+                                     vocab_embed)
+
+
+def _normal(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed in fp32 whatever the compute dtype (bf16 statistics drift)."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,))
+        bias = self.param("bias", nn.initializers.zeros, (d,))
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * scale + bias
+        return y.astype(x.dtype)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block, written for one device of a TP group."""
+
+    d_model: int
+    heads: int
+    d_ff: int
+    num_layers: int
+    tp: int = 1
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x_btd, par: Parallel):
+        h_local, hd = self.heads // self.tp, self.d_model // self.heads
+        f_local = self.d_ff // self.tp
+        out_std = 0.02 / math.sqrt(2 * self.num_layers)  # GPT-2's residual scaling
+        dt = par.compute_dtype
+
+        w_qkv_dh3 = self.param("w_qkv", _normal(0.02), (self.d_model, h_local, 3 * hd))
+        b_qkv_h3 = self.param("b_qkv", nn.initializers.zeros, (h_local, 3 * hd))
+        w_o_hed = self.param("w_o", _normal(out_std), (h_local, hd, self.d_model))
+        b_o_d = self.param("b_o", nn.initializers.zeros, (self.d_model,))
+        w_in_df = self.param("w_in", _normal(0.02), (self.d_model, f_local))
+        b_in_f = self.param("b_in", nn.initializers.zeros, (f_local,))
+        w_out_fd = self.param("w_out", _normal(out_std), (f_local, self.d_model))
+        b_out_d = self.param("b_out", nn.initializers.zeros, (self.d_model,))
+
+        # Attention: column-parallel QKV (local heads), row-parallel output projection.
+        y_btd = LayerNorm(name="ln_attn")(x_btd)
+        qkv_btn = column_parallel(y_btd.astype(dt), w_qkv_dh3.reshape(self.d_model, -1).astype(dt),
+                                  par)
+        b, t = qkv_btn.shape[:2]
+        qkv_bth3 = qkv_btn.reshape(b, t, h_local, 3 * hd) + b_qkv_h3.astype(dt)
+        q_bthe, k_bthe, v_bthe = jnp.split(qkv_bth3, 3, axis=-1)
+        scores_bhts = jnp.einsum("bthe,bshe->bhts", q_bthe, k_bthe).astype(jnp.float32)
+        scores_bhts = scores_bhts / math.sqrt(hd)
+        if self.causal:
+            mask_ts = jnp.tril(jnp.ones((t, t), bool))
+            scores_bhts = jnp.where(mask_ts, scores_bhts, -1e30)
+        probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(dt)
+        ctx_bthe = jnp.einsum("bhts,bshe->bthe", probs_bhts, v_bthe)
+        attn_btd = row_parallel(ctx_bthe.reshape(b, t, h_local * hd),
+                                w_o_hed.reshape(h_local * hd, self.d_model).astype(dt), par)
+        x_btd = x_btd + (attn_btd + b_o_d.astype(dt)).astype(x_btd.dtype)
+
+        # MLP: column-parallel in, row-parallel out.
+        y_btd = LayerNorm(name="ln_mlp")(x_btd)
+        h_btf = column_parallel(y_btd.astype(dt), w_in_df.astype(dt), par) + b_in_f.astype(dt)
+        h_btf = jax.nn.gelu(h_btf, approximate=True)
+        mlp_btd = row_parallel(h_btf, w_out_fd.astype(dt), par)
+        return x_btd + (mlp_btd + b_out_d.astype(dt)).astype(x_btd.dtype)
+
+
+class Embed(nn.Module):
+    vocab: int
+    d_model: int
+    seq_len: int
+    tp: int = 1
+
+    @nn.compact
+    def __call__(self, ids_bt, par: Parallel):
+        wte_vd = self.param("wte", _normal(0.02), (self.vocab // self.tp, self.d_model))
+        wpe_td = self.param("wpe", _normal(0.01), (self.seq_len, self.d_model))
+        x_btd = vocab_embed(ids_bt, wte_vd.astype(par.compute_dtype), par)
+        t = ids_bt.shape[1]
+        pos_td = wpe_td[:t].astype(par.compute_dtype)
+        if par.sequence_sharded:  # this rank holds positions [r*T/tp, (r+1)*T/tp)
+            t_local = x_btd.shape[1]
+            start = jax.lax.axis_index(par.tp_axis) * t_local
+            pos_td = jax.lax.dynamic_slice_in_dim(pos_td, start, t_local, axis=0)
+        return x_btd + pos_td
+
+
+class Head(nn.Module):
+    """Final LayerNorm and vocab-parallel logits; `w_out` exists only when untied."""
+
+    vocab: int
+    d_model: int
+    tied: bool
+    tp: int = 1
+
+    @nn.compact
+    def __call__(self, x_btd, wte_vd, par: Parallel):
+        y_btd = LayerNorm(name="ln_f")(x_btd)
+        if par.sequence_sharded:  # logits need every position: (B, T/tp, D) -> (B, T, D)
+            y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
+        if self.tied:
+            w_dv = wte_vd.T
+        else:
+            w_dv = self.param("w_out", _normal(0.02), (self.d_model, self.vocab // self.tp))
+        return jnp.einsum("btd,dv->btv", y_btd.astype(par.compute_dtype),
+                          w_dv.astype(par.compute_dtype))
+
+
+@dataclass(frozen=True)
+class GPT:
+    """The GPT as a `jax_overlap.model_api.StagedModel`."""
+
+    num_layers: int
+    d_model: int
+    heads: int
+    d_ff: int
+    vocab: int
+    seq_len: int
+    tied_embeddings: bool = True
+
+    @classmethod
+    def from_config(cls, m) -> "GPT":
+        return cls(m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, m.tied_embeddings)
+
+    # Modules at a given TP size -------------------------------------------------------------
+    def _embed(self, tp):
+        return Embed(self.vocab, self.d_model, self.seq_len, tp)
+
+    def _block(self, tp):
+        return Block(self.d_model, self.heads, self.d_ff, self.num_layers, tp)
+
+    def _head(self, tp):
+        return Head(self.vocab, self.d_model, self.tied_embeddings, tp)
+
+    # StagedModel ------------------------------------------------------------------------------
+    def init(self, rng: jax.Array) -> Any:
+        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+        par = Parallel()
+        ids = jnp.zeros((1, self.seq_len), jnp.int32)
+        x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
+        embed = self._embed(1).init(k_embed, ids, par)["params"]
+        layer_keys = jax.random.split(k_blocks, self.num_layers)
+        blocks = jax.vmap(lambda k: self._block(1).init(k, x, par)["params"])(layer_keys)
+        head = self._head(1).init(k_head, x, embed["wte"], par).get("params", {})
+        return {"embed": embed, "blocks": blocks, "head": head}
+
+    def param_axes(self) -> Any:
+        ln = {"scale": ("embed",), "bias": ("embed",)}
+        blocks = {
+            "w_qkv": ("embed", "heads", None), "b_qkv": ("heads", None),
+            "w_o": ("heads", "head_dim", "embed"), "b_o": ("embed",),
+            "w_in": ("embed", "mlp"), "b_in": ("mlp",),
+            "w_out": ("mlp", "embed"), "b_out": ("embed",),
+            "ln_attn": ln, "ln_mlp": ln,
+        }
+        blocks = jax.tree.map(lambda a: ("layers",) + a, blocks,
+                              is_leaf=lambda x: isinstance(x, tuple))
+        head: dict[str, Any] = {"ln_f": ln}
+        if not self.tied_embeddings:
+            head["w_out"] = ("embed", "vocab")
+        return {"embed": {"wte": ("vocab", "embed"), "wpe": ("seq", "embed")},
+                "blocks": blocks, "head": head}
+
+    def embed(self, params_embed, inputs_bt, par: Parallel):
+        return self._embed(par.tp).apply({"params": params_embed}, inputs_bt, par)
+
+    def block(self, params_block, x_btd, par: Parallel):
+        return self._block(par.tp).apply({"params": params_block}, x_btd, par)
+
+    def head_loss(self, params_embed, params_head, x_btd, targets_bt, par: Parallel):
+        logits_btv = self._head(par.tp).apply({"params": params_head}, x_btd,
+                                              params_embed["wte"], par)
+        return vocab_cross_entropy(logits_btv, targets_bt, par).sum()
+
+    def loss_count(self, targets_bt):
+        return jnp.asarray(targets_bt.size, jnp.float32)
+
+    def num_params(self) -> int:
+        d, f, v, t, n = self.d_model, self.d_ff, self.vocab, self.seq_len, self.num_layers
+        per_block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        return n * per_block + v * d + t * d + 2 * d + (0 if self.tied_embeddings else d * v)
+
+    def flops_per_example(self) -> float:
+        """6·N·T for the matmuls (N without position embeddings) plus attention's 12·L·T²·d."""
+        t = self.seq_len
+        n = self.num_params() - t * self.d_model
+        return 6.0 * n * t + 12.0 * self.num_layers * t * t * self.d_model
