@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import json
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
@@ -180,6 +179,11 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -36,17 +36,15 @@ def rules_for(pp: int) -> dict[str, str | None]:
 def force_host_devices(count: int, environ: dict | None = None) -> None:
     """Asks XLA for `count` host (CPU) devices; must run before JAX initialises.
 
-    The flag only affects the CPU platform, so it is harmless on a GPU host. An existing, larger
-    setting is kept.
+    The flag only affects the CPU platform, so it is harmless on a GPU host. A count the user
+    already set in XLA_FLAGS is respected (a mismatch then fails with a clear mesh error).
     """
     environ = os.environ if environ is None else environ
     flag = "--xla_force_host_platform_device_count"
     flags = environ.get("XLA_FLAGS", "").split()
-    current = [f for f in flags if f.startswith(flag + "=")]
-    if current and int(current[-1].split("=", 1)[1]) >= count:
+    if any(f.startswith(flag + "=") for f in flags):
         return
-    flags = [f for f in flags if not f.startswith(flag + "=")] + [f"{flag}={count}"]
-    environ["XLA_FLAGS"] = " ".join(flags)
+    environ["XLA_FLAGS"] = " ".join(flags + [f"{flag}={count}"])
 
 
 def init_distributed(coordinator: str = "", num_processes: int = 1, process_id: int = 0,
@@ -95,13 +93,15 @@ def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None):
     return Mesh(grid, AXES)
 
 
-def mesh_from_config(cfg) -> Any:
+def mesh_from_config(cfg, devices: list | None = None) -> Any:
+    """The config's mesh over `devices` (default: all devices of the job, which must match)."""
     import jax
 
     from jax_overlap.config import check_device_count
 
-    check_device_count(cfg, jax.device_count())
-    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp)
+    devices = jax.devices() if devices is None else devices
+    check_device_count(cfg, len(devices))
+    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
 
 
 def logical_to_spec(logical_axes: tuple[str | None, ...], rules: dict | None = None):

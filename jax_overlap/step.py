@@ -135,8 +135,11 @@ def make_loss_and_grads(model, cfg, mesh) -> Callable:
                      out_specs=(P(), param_specs))
 
 
-class StepMetrics(dict):
-    """loss, grad_norm, lr, ok (update applied) — scalars on device."""
+def _global_norm(tree) -> jax.Array:
+    tree_utils = getattr(optax, "tree", None)
+    if tree_utils is not None and hasattr(tree_utils, "norm"):
+        return tree_utils.norm(tree)
+    return optax.global_norm(tree)
 
 
 def make_train_step(model, cfg, mesh, optimizer: optax.GradientTransformation,
@@ -149,7 +152,7 @@ def make_train_step(model, cfg, mesh, optimizer: optax.GradientTransformation,
         loss, grads = loss_and_grads(state.params, batch)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,

@@ -88,11 +88,19 @@ class RunResult:
         return out
 
 
-def run(cfg: Config, run_dir: str, progress: bool = True) -> RunResult:
-    """Trains `cfg.train.steps` steps; returns the losses and throughput."""
+def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None = None
+        ) -> RunResult:
+    """Trains `cfg.train.steps` steps; returns the losses and throughput.
+
+    Args:
+      cfg: the resolved config.
+      run_dir: where metrics.jsonl, config.json (and checkpoints) are written.
+      progress: show a progress bar on process 0.
+      devices: run on these devices (default: all of the job's; their number must match the mesh).
+    """
     os.makedirs(run_dir, exist_ok=True)
     is_main = jax.process_index() == 0
-    mesh = mesh_from_config(cfg)
+    mesh = mesh_from_config(cfg, devices)
     model = build_model(cfg)
     stream = datalib.stream_from_config(cfg)
     optimizer = steplib.make_optimizer(cfg.train)

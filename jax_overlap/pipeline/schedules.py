@@ -1,0 +1,810 @@
+"""Pipeline schedules as data: which stage runs which action at which tick.
+
+A schedule is a table ``grid[stage][tick]`` of :class:`Action` (or ``None`` for idle),
+plus the placement of the model's virtual stages onto (stage, chunk) pairs. The executor
+and the timeline simulator both read this table; nothing here runs a model.
+
+Time model
+----------
+The executor runs the table in lockstep, one tick per action: every action -- ``F``,
+``B``, ``W`` or a non-split ``B`` (which also computes weight gradients) -- takes one
+tick. A value produced at tick ``t`` on one stage can be consumed on another stage at
+tick ``t + 1`` at the earliest (one tick of transfer latency); on the same stage the
+consumer simply runs at a later tick. Dependencies, for microbatch ``mb`` and virtual
+stage ``vs`` (model order, ``0 .. p*v - 1``):
+
+* ``F(mb, vs)`` needs ``F(mb, vs - 1)``;
+* ``B(mb, vs)`` needs ``F(mb, vs)`` and ``B(mb, vs + 1)`` (the last virtual stage needs
+  only its own ``F``);
+* ``W(mb, vs)`` needs ``B(mb, vs)``.
+
+``bubble_fraction`` is idle stage-ticks / (stages x ticks). In this model GPipe and
+1F1B give exactly ``(p-1)/(m+p-1)``, interleaved 1F1B ``(p-1)/(v*m+p-1)`` (``m`` a
+multiple of ``p``; a tick is one virtual-stage action) and ZB-H1 ``(p-1)/(3m+p-1)``
+(``m >= p``): below 1F1B because deferred ``W`` actions fill the cool-down, leaving only
+the ``p-1``-tick start-up ramp. ZB-V cannot beat ``(p-1)/(6m+p-1)`` (stage ``d`` cannot
+start before tick ``d``) and reaches it for ``p <= 4`` and most larger ``p, m``.
+
+Activations are counted per (microbatch, chunk): held from its ``F`` tick through the
+tick of its last backward action (``W`` when the backward is split, else ``B``).
+
+Generators
+----------
+All schedules come from one lockstep list scheduler (:func:`_list_schedule`). An action
+is *ready* when its dependencies finished at an earlier tick and, for an ``F``, the
+stage holds fewer activations than its cap. Each tick every stage either runs its
+highest-priority ready action (greedy: GPipe, 1F1B, ZB-V) or runs its program strictly
+in order, idling until the next action is ready (Megatron interleaved and ZB-H1, which
+their papers define as per-stage programs). A schedule is therefore just a priority
+(or program) plus a cap: any ``p, m`` works and every table meets the dependencies by
+construction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, NamedTuple, Sequence
+
+KINDS: tuple[str, ...] = ("F", "B", "W")
+
+
+class Action(NamedTuple):
+    """One unit of work in a schedule table.
+
+    Attributes:
+      kind: ``'F'`` forward, ``'B'`` backward w.r.t. inputs (also weight gradients when
+        the schedule has ``split_backward=False``), ``'W'`` weight-gradient backward.
+      microbatch: microbatch index, ``0 .. m-1``.
+      chunk: which of this stage's virtual stages, ``0 .. v-1``.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+
+class Task(NamedTuple):
+    """An action named by model position rather than by (stage, chunk).
+
+    Attributes:
+      kind: ``'F'``, ``'B'`` or ``'W'``.
+      microbatch: microbatch index.
+      virtual_stage: index in model order, ``0 .. p*v - 1``.
+    """
+
+    kind: str
+    microbatch: int
+    virtual_stage: int
+
+
+def dependencies(task: Task, num_virtual_stages: int) -> tuple[Task, ...]:
+    """The tasks that must finish at an earlier tick before ``task`` may run.
+
+    Args:
+      task: the task to run.
+      num_virtual_stages: ``p * v``, the number of virtual stages in the model.
+
+    Returns:
+      The direct dependencies (empty for the first forward).
+    """
+    kind, mb, vs = task
+    if kind == "F":
+        return (Task("F", mb, vs - 1),) if vs > 0 else ()
+    if kind == "B":
+        own = Task("F", mb, vs)
+        return (own,) if vs == num_virtual_stages - 1 else (own, Task("B", mb, vs + 1))
+    return (Task("B", mb, vs),)
+
+
+# Extra facts a schedule's JSON carries, keyed by schedule name.
+MEMORY_NOTES: dict[str, str] = {
+    "zb-v": (
+        "peak_activations counts (microbatch, chunk) pairs; a ZB-V chunk holds half of a "
+        "stage's layers, so the cap of 2p chunk activations per stage equals p full-stage "
+        "microbatches: the same activation memory as 1F1B's stage 0 (at the cost of "
+        "holding each activation until its W)."
+    ),
+}
+
+
+# Table entry spelling: kind, microbatch, optional ".chunk".
+_ENTRY = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
+
+
+def format_entry(action: Action | None, virtual_stages: int) -> str | None:
+    """The JSON/text spelling of one table entry.
+
+    Args:
+      action: the entry, or ``None`` for idle.
+      virtual_stages: chunks per stage; the chunk is spelled only when this exceeds 1.
+
+    Returns:
+      ``None`` for idle, else e.g. ``"F3"`` or ``"F3.1"``.
+    """
+    if action is None:
+        return None
+    base = f"{action.kind}{action.microbatch}"
+    return f"{base}.{action.chunk}" if virtual_stages > 1 else base
+
+
+def parse_entry(entry: str | None) -> Action | None:
+    """Parse a table entry such as ``"F3"``, ``"W0"`` or ``"B3.1"``.
+
+    Args:
+      entry: the spelling produced by :func:`format_entry`, or ``None``.
+
+    Returns:
+      The :class:`Action` (chunk 0 when omitted) or ``None``.
+
+    Raises:
+      ValueError: if the string is not ``<F|B|W><microbatch>[.<chunk>]``.
+    """
+    if entry is None:
+        return None
+    match = _ENTRY.fullmatch(entry) if isinstance(entry, str) else None
+    if match is None:
+        raise ValueError(f"bad schedule entry {entry!r}: expected e.g. 'F3', 'W0' or 'B3.1'")
+    kind, mb, chunk = match.groups()
+    return Action(kind, int(mb), int(chunk) if chunk is not None else 0)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule table.
+
+    Attributes:
+      name: schedule name, e.g. ``'1f1b'``.
+      stages: ``p``, devices on the pipeline axis.
+      microbatches: ``m``.
+      virtual_stages: ``v``, chunks per stage.
+      split_backward: whether B and W are separate actions.
+      placement: virtual stage (model order) -> (stage, chunk).
+      grid: ``grid[stage][tick]``; ``None`` is idle; rows have equal length.
+    """
+
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    split_backward: bool
+    placement: tuple[tuple[int, int], ...]
+    grid: tuple[tuple[Action | None, ...], ...]
+
+    @property
+    def ticks(self) -> int:
+        """Length of the table (ticks from first action to last)."""
+        return len(self.grid[0]) if self.grid else 0
+
+    @cached_property
+    def _inverse_placement(self) -> dict[tuple[int, int], int]:
+        return {pos: vs for vs, pos in enumerate(self.placement)}
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """Model-order index of the virtual stage held as ``chunk`` on ``stage``.
+
+        Args:
+          stage: pipeline stage (device) index.
+          chunk: chunk index on that stage.
+
+        Returns:
+          The virtual stage index.
+
+        Raises:
+          KeyError: if no virtual stage is placed there.
+        """
+        return self._inverse_placement[(stage, chunk)]
+
+    def task(self, stage: int, action: Action) -> Task:
+        """The model-order :class:`Task` that ``action`` on ``stage`` performs."""
+        return Task(action.kind, action.microbatch, self.virtual_stage(stage, action.chunk))
+
+    def entry(self, action: Action | None) -> str | None:
+        """``action`` spelled as in the JSON table (see :func:`format_entry`)."""
+        return format_entry(action, self.virtual_stages)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: the table plus its metrics.
+
+        Returns:
+          Keys ``name, stages, microbatches, virtual_stages, split_backward, placement,
+          ticks, bubble_fraction, peak_activations, table`` and, for schedules with a
+          memory caveat (zb-v), ``memory_note``. ``table[stage][tick]`` is ``None`` or
+          an entry string such as ``"F3"`` / ``"F3.1"``.
+        """
+        out = {
+            "name": self.name,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "split_backward": self.split_backward,
+            "placement": [list(pos) for pos in self.placement],
+            "ticks": self.ticks,
+            "bubble_fraction": bubble_fraction(self),
+            "peak_activations": peak_activations(self),
+            "table": [[self.entry(a) for a in row] for row in self.grid],
+        }
+        if self.name in MEMORY_NOTES:
+            out["memory_note"] = MEMORY_NOTES[self.name]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Schedule":
+        """Rebuild a schedule from :meth:`to_json` output (or a hand-written table).
+
+        Args:
+          data: needs ``name, stages, microbatches, table``; ``virtual_stages`` defaults
+            to 1, ``split_backward`` to whether any ``W`` appears, and ``placement`` to
+            the named schedule's own (round-robin for unknown names).
+
+        Returns:
+          The schedule, unvalidated (call ``validate`` on hand-written tables).
+        """
+        p, v = int(data["stages"]), int(data.get("virtual_stages", 1))
+        grid = tuple(tuple(parse_entry(e) for e in row) for row in data["table"])
+        split = data.get("split_backward")
+        if split is None:
+            split = any(a is not None and a.kind == "W" for row in grid for a in row)
+        if "placement" in data:
+            placement = tuple((int(s), int(c)) for s, c in data["placement"])
+        else:
+            placement = default_placement(data["name"], p, v)
+        return cls(data["name"], p, int(data["microbatches"]), v, bool(split), placement, grid)
+
+    def to_text(self) -> str:
+        """The table as aligned text: a tick header, then one row per stage.
+
+        Returns:
+          e.g. ``"stage 0 | F0 F1 .  B0 ..."``; idle ticks print as ``.``.
+        """
+        cells = [[self.entry(a) or "." for a in row] for row in self.grid]
+        width = max([len(str(self.ticks - 1))] + [len(c) for row in cells for c in row])
+        label = len(f"stage {self.stages - 1}")
+        header = "tick".ljust(label) + " | " + " ".join(
+            str(t).ljust(width) for t in range(self.ticks)
+        )
+        rows = [
+            f"stage {d}".ljust(label) + " | " + " ".join(c.ljust(width) for c in row)
+            for d, row in enumerate(cells)
+        ]
+        return "\n".join(line.rstrip() for line in [header, *rows])
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def linear_placement(stages: int) -> tuple[tuple[int, int], ...]:
+    """One chunk per stage: virtual stage ``d`` lives on stage ``d``."""
+    return tuple((d, 0) for d in range(stages))
+
+
+def round_robin_placement(stages: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
+    """Megatron interleaving: virtual stage ``c*p + d`` lives on stage ``d``, chunk ``c``."""
+    return tuple((vs % stages, vs // stages) for vs in range(stages * virtual_stages))
+
+
+def v_placement(stages: int) -> tuple[tuple[int, int], ...]:
+    """ZB-V: stage ``d`` holds virtual stages ``d`` (chunk 0) and ``2p-1-d`` (chunk 1).
+
+    The model runs down the stages and back up, so the first and last virtual stages
+    share stage 0 and the turn-around at stage ``p-1`` needs no transfer.
+    """
+    down = [(d, 0) for d in range(stages)]
+    up = [(d, 1) for d in reversed(range(stages))]
+    return tuple(down + up)
+
+
+def default_placement(name: str, stages: int, virtual_stages: int) -> tuple[tuple[int, int], ...]:
+    """The placement a named schedule uses (round-robin for names it does not know).
+
+    Args:
+      name: schedule name.
+      stages: ``p``.
+      virtual_stages: ``v``.
+
+    Returns:
+      Virtual stage -> (stage, chunk).
+    """
+    if name == "zb-v" and virtual_stages == 2:
+        return v_placement(stages)
+    return round_robin_placement(stages, virtual_stages)
+
+
+# ------------------------------------------------------------------- list scheduler
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """How a stage picks its next task.
+
+    Attributes:
+      priority: ``(task, stage) -> key``; the smallest key goes first.
+      cap: ``stage -> most activations the stage may hold``; an ``F`` is not ready
+        while the stage holds this many.
+      in_order: run tasks strictly in priority order (the key is a position in the
+        stage's program, as Megatron and the zero-bubble paper define their
+        schedules), idling until the next one is ready; otherwise run the best
+        ready task.
+    """
+
+    priority: Callable[[Task, int], tuple]
+    cap: Callable[[int], int]
+    in_order: bool = False
+
+
+def _list_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    placement: tuple[tuple[int, int], ...],
+    split_backward: bool,
+    policy: _Policy,
+) -> Schedule:
+    """Lockstep list scheduling of every task of one training step.
+
+    Args:
+      name: schedule name to record.
+      stages: ``p``.
+      microbatches: ``m``.
+      placement: virtual stage -> (stage, chunk).
+      split_backward: emit separate ``W`` tasks.
+      policy: priority order, activation cap and selection mode.
+
+    Returns:
+      The schedule table.
+
+    Raises:
+      RuntimeError: if the policy deadlocks (no stage can run anything).
+    """
+    n_vs = len(placement)
+    kinds = ("F", "B", "W") if split_backward else ("F", "B")
+    release = kinds[-1]
+    pending: list[set[Task]] = [set() for _ in range(stages)]
+    for vs, (stage, _) in enumerate(placement):
+        for mb in range(microbatches):
+            pending[stage].update(Task(k, mb, vs) for k in kinds)
+    caps = [policy.cap(d) for d in range(stages)]
+    done: dict[Task, int] = {}
+    held = [0] * stages
+    rows: list[list[Action | None]] = [[] for _ in range(stages)]
+
+    def rank(task: Task, stage: int) -> tuple:
+        # The task itself breaks ties so the result never depends on set order.
+        return (policy.priority(task, stage), task)
+
+    tick = 0
+    while any(pending):
+        chosen: list[Task | None] = []
+        for d in range(stages):
+            candidates = pending[d]
+            if policy.in_order and candidates:
+                candidates = [min(candidates, key=lambda t, d=d: rank(t, d))]
+            ready = [
+                task
+                for task in candidates
+                if (task.kind != "F" or held[d] < caps[d])
+                and all(done.get(dep, tick) < tick for dep in dependencies(task, n_vs))
+            ]
+            chosen.append(min(ready, key=lambda t, d=d: rank(t, d)) if ready else None)
+        if all(task is None for task in chosen):
+            raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
+        for d, task in enumerate(chosen):
+            if task is None:
+                rows[d].append(None)
+                continue
+            pending[d].discard(task)
+            done[task] = tick
+            held[d] += (task.kind == "F") - (task.kind == release)
+            rows[d].append(Action(task.kind, task.microbatch, placement[task.virtual_stage][1]))
+        tick += 1
+    return Schedule(
+        name=name,
+        stages=stages,
+        microbatches=microbatches,
+        virtual_stages=n_vs // stages,
+        split_backward=split_backward,
+        placement=placement,
+        grid=tuple(tuple(row) for row in rows),
+    )
+
+
+def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
+    """An in-order policy that runs ``programs[stage]`` front to back."""
+    position = [{task: i for i, task in enumerate(program)} for program in programs]
+    return _Policy(
+        priority=lambda t, d: (position[d][t],),
+        cap=lambda d: len(programs[d]),
+        in_order=True,
+    )
+
+
+_KIND_RANK = {"B": 0, "F": 1, "W": 2}
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """GPipe: all forwards, then all backwards (Huang et al. 2019).
+
+    Greedy, forward first: every stage holds all ``m`` activations at the turn-around.
+
+    Args:
+      stages: ``p``.
+      microbatches: ``m``.
+
+    Returns:
+      The schedule; bubble ``(p-1)/(m+p-1)``.
+    """
+    policy = _Policy(
+        priority=lambda t, d: (t.kind != "F", t.microbatch),
+        cap=lambda d: microbatches,
+    )
+    return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False, policy)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B / PipeDream-flush (Narayanan et al. 2021).
+
+    Greedy, backward first whenever one is ready, stage ``d`` holding at most ``p - d``
+    activations: this yields the warm-up of ``p-d-1`` forwards, the steady
+    one-forward-one-backward phase and the cool-down.
+
+    Args:
+      stages: ``p``.
+      microbatches: ``m``.
+
+    Returns:
+      The schedule; bubble ``(p-1)/(m+p-1)``, stage 0 holds ``min(p, m)`` activations.
+    """
+    policy = _Policy(
+        priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch),
+        cap=lambda d: stages - d,
+    )
+    return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False, policy)
+
+
+def megatron_chunk_order(microbatches: int, stages: int, virtual_stages: int) -> list[tuple[int, int]]:
+    """Megatron's interleaved forward order on every stage, as (microbatch, chunk).
+
+    Microbatches go in groups of ``p`` (the last group may be smaller); each group runs
+    through chunk 0, then chunk 1, ... -- ``p`` microbatches are exactly enough to keep
+    a stage busy while the group's first microbatch travels round the pipeline.
+
+    Args:
+      microbatches: ``m``.
+      stages: ``p``.
+      virtual_stages: ``v``.
+
+    Returns:
+      ``m * v`` pairs; the backward order is the same with chunk ``c`` read as
+      ``v - 1 - c``.
+    """
+    order = []
+    for start in range(0, microbatches, stages):
+        group = range(start, min(start + stages, microbatches))
+        order.extend((mb, chunk) for chunk in range(virtual_stages) for mb in group)
+    return order
+
+
+def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron interleaved 1F1B with ``v`` chunks per stage (Narayanan et al. 2021).
+
+    Placement is round-robin (virtual stage ``c*p + d`` on stage ``d``, chunk ``c``).
+    Stage ``d`` runs Megatron's program in order: ``2(p-d-1) + (v-1)p`` warm-up
+    forwards, then alternating forward/backward, then the remaining backwards, with
+    forwards in :func:`megatron_chunk_order` and backwards in the same order with the
+    chunks reversed.
+
+    Args:
+      stages: ``p``.
+      microbatches: a multiple of ``p``: a group of ``p`` microbatches exactly covers
+        the round trip; a smaller last group would leave the in-order program waiting
+        forever.
+      virtual_stages: ``v >= 2``.
+
+    Returns:
+      The schedule; bubble ``(p-1)/(v*m+p-1)`` when ``m % p == 0``.
+    """
+    p, v, m = stages, virtual_stages, microbatches
+    order = megatron_chunk_order(m, p, v)
+    forwards = [Task("F", mb, c * p) for mb, c in order]
+    backwards = [Task("B", mb, (v - 1 - c) * p) for mb, c in order]
+    programs = []
+    for d in range(p):
+        fwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in forwards]
+        bwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in backwards]
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, m * v)
+        program = fwd[:warmup]
+        for k in range(m * v - warmup):
+            program += [fwd[warmup + k], bwd[k]]
+        programs.append(program + bwd[m * v - warmup :])
+    placement = round_robin_placement(p, v)
+    return _list_schedule("interleaved", p, m, placement, False, _program_policy(programs))
+
+
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 zero-bubble schedule (Qi et al. 2023), as the paper's program.
+
+    The backward is split into ``B`` (input gradients, on the critical path) and ``W``
+    (weight gradients, needed only by the optimizer step). Stage ``d`` runs, in order,
+    ``p - d`` forwards, then for each ``k``: ``B(k)``, ``W(k - d)``, ``F(k + p - d)``
+    (skipping out-of-range ones), then its last ``d`` weight gradients. Delaying ``W``
+    by ``d`` fills the cool-down; every stage holds at most ``p`` activations (each
+    until its ``W``), the same peak as 1F1B's stage 0.
+
+    Args:
+      stages: ``p``.
+      microbatches: ``m``.
+
+    Returns:
+      The schedule; bubble ``(p-1)/(3m+p-1)`` when ``m >= p``.
+    """
+    p, m = stages, microbatches
+    programs = []
+    for d in range(p):
+        warmup = min(p - d, m)
+        program = [Task("F", mb, d) for mb in range(warmup)]
+        for k in range(m):
+            program.append(Task("B", k, d))
+            if k - d >= 0:
+                program.append(Task("W", k - d, d))
+            if k + p - d < m:
+                program.append(Task("F", k + p - d, d))
+        program += [Task("W", mb, d) for mb in range(max(m - d, 0), m)]
+        programs.append(program)
+    return _list_schedule("zb-h1", p, m, linear_placement(p), True, _program_policy(programs))
+
+
+def zb_v(stages: int, microbatches: int) -> Schedule:
+    """ZB-V zero-bubble schedule with a V-shaped placement (Qi et al. 2024).
+
+    Stage ``d`` holds virtual stages ``d`` (chunk 0) and ``2p-1-d`` (chunk 1), so each
+    microbatch goes down the stages and back up, and stage 0 both starts the forward
+    and starts the backward. Backward is split into ``B`` and ``W``. Greedy, priority
+    ``B > F > W``, older microbatches and later virtual stages first.
+
+    Memory: each stage holds at most ``2p`` (microbatch, chunk) activations. A chunk
+    is half a stage's layers, so that equals ``p`` full-stage microbatches -- the same
+    activation memory as 1F1B's stage 0, but every stage (not just stage 0) reaches it.
+
+    Args:
+      stages: ``p``.
+      microbatches: ``m``.
+
+    Returns:
+      The schedule. Its bubble is at least ``(p-1)/(6m+p-1)`` -- stage ``d`` idles
+      ``d`` ticks at the start and ``p-1-d`` at the end -- and equals it for ``p <= 4``
+      and most larger ``p, m`` (a few ticks over otherwise); for ``m >= p`` it is never
+      above ZB-H1's.
+    """
+
+    def priority(task: Task, stage: int) -> tuple:
+        return (_KIND_RANK[task.kind], task.microbatch, -task.virtual_stage)
+
+    policy = _Policy(priority=priority, cap=lambda d: 2 * stages)
+    return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True, policy)
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def bubble_fraction(schedule: Schedule) -> float:
+    """Idle stage-ticks over ``stages x ticks``.
+
+    Args:
+      schedule: the table.
+
+    Returns:
+      A fraction in ``[0, 1]``; 0 for an empty table.
+    """
+    total = schedule.stages * schedule.ticks
+    idle = sum(a is None for row in schedule.grid for a in row)
+    return idle / total if total else 0.0
+
+
+def peak_activations(schedule: Schedule) -> list[int]:
+    """Most (microbatch, chunk) activations each stage holds at once.
+
+    An activation is held from its ``F`` tick through the tick of its last backward
+    action (``W`` when split, else ``B``), both inclusive.
+
+    Args:
+      schedule: the table.
+
+    Returns:
+      One count per stage.
+    """
+    release = "W" if schedule.split_backward else "B"
+    peaks = []
+    for row in schedule.grid:
+        held = peak = 0
+        for action in row:
+            if action is None:
+                continue
+            if action.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif action.kind == release:
+                held -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
+    """Time one action takes: a non-split ``B`` also does the ``W`` work."""
+    if kind == "B" and not split_backward:
+        return cost["B"] + cost["W"]
+    return cost[kind]
+
+
+def weighted_bubble_fraction(
+    schedule: Schedule, cost: dict[str, float] | None = None
+) -> float:
+    """Bubble fraction of the lockstep executor when actions have unequal costs.
+
+    Lockstep means a tick lasts as long as its slowest action, so a stage running a
+    cheap action (or nothing) beside an expensive one idles for the difference. This
+    is exactly what the table-driven executor does; for event-driven timing with
+    transfers, use the simulator instead.
+
+    Args:
+      schedule: the table.
+      cost: time of ``'F'``, ``'B'`` and ``'W'`` (a non-split ``B`` costs ``B + W``);
+        defaults to 1 each.
+
+    Returns:
+      Idle device-time over ``stages x`` total time.
+    """
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    total = busy = 0.0
+    for tick in range(schedule.ticks):
+        costs = [
+            action_cost(row[tick].kind, schedule.split_backward, cost)
+            for row in schedule.grid
+            if row[tick] is not None
+        ]
+        total += max(costs, default=0.0)
+        busy += sum(costs)
+    span = schedule.stages * total
+    return (span - busy) / span if span else 0.0
+
+
+# ----------------------------------------------------------------------- dispatch
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def make_schedule(
+    name: str, stages: int, microbatches: int, virtual_stages: int = 1
+) -> Schedule:
+    """Build a named schedule.
+
+    Args:
+      name: one of :data:`SCHEDULES` (``_`` is accepted for ``-``).
+      stages: ``p >= 1``.
+      microbatches: ``m >= 1``; interleaved needs a multiple of ``p``.
+      virtual_stages: chunks per stage: ``>= 2`` for interleaved; 1 for gpipe, 1f1b and
+        zb-h1; zb-v always uses 2 and accepts 1 (the default) or 2.
+
+    Returns:
+      The schedule.
+
+    Raises:
+      ValueError: one line naming the config field (``pipeline.schedule``,
+        ``pipeline.stages``, ``pipeline.microbatches``, ``pipeline.virtual_stages``)
+        and the fix.
+    """
+    key = name.strip().lower().replace("_", "-")
+    if key not in SCHEDULES:
+        close = difflib.get_close_matches(key, SCHEDULES, n=1, cutoff=0.4)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"pipeline.schedule: unknown schedule {name!r}; {hint}choose one of {', '.join(SCHEDULES)}"
+        )
+    _require(
+        isinstance(stages, int) and stages >= 1,
+        f"pipeline.stages: must be an integer >= 1, got {stages!r}",
+    )
+    _require(
+        isinstance(microbatches, int) and microbatches >= 1,
+        f"pipeline.microbatches: must be an integer >= 1, got {microbatches!r}",
+    )
+    if key == "interleaved":
+        _require(
+            isinstance(virtual_stages, int) and virtual_stages >= 2,
+            f"pipeline.virtual_stages: interleaved needs >= 2 chunks per stage, got "
+            f"{virtual_stages!r}; set pipeline.virtual_stages to 2 or more (or use 1f1b)",
+        )
+        lower = microbatches // stages * stages
+        fix = f"{lower} or {lower + stages}" if lower else f"{stages}"
+        _require(
+            microbatches % stages == 0,
+            f"pipeline.microbatches: interleaved needs a multiple of pipeline.stages="
+            f"{stages} (at least {stages}), got {microbatches}; set pipeline.microbatches "
+            f"to {fix}",
+        )
+        return interleaved(stages, microbatches, virtual_stages)
+    if key == "zb-v":
+        _require(
+            virtual_stages in (1, 2),
+            f"pipeline.virtual_stages: zb-v always uses 2 chunks per stage, got "
+            f"{virtual_stages!r}; set pipeline.virtual_stages to 2 (or leave it at 1)",
+        )
+        return zb_v(stages, microbatches)
+    _require(
+        virtual_stages == 1,
+        f"pipeline.virtual_stages: {key} uses one chunk per stage, got {virtual_stages!r}; "
+        f"set pipeline.virtual_stages to 1 (or use interleaved / zb-v)",
+    )
+    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[key]
+    return builder(stages, microbatches)
+
+
+def summary_line(schedule: Schedule) -> str:
+    """One line of metrics: ticks, bubble fraction and per-stage peak activations."""
+    s = schedule
+    return (
+        f"{s.name}: stages={s.stages} microbatches={s.microbatches} "
+        f"virtual_stages={s.virtual_stages} ticks={s.ticks} "
+        f"bubble_fraction={bubble_fraction(s):.4f} peak_activations={peak_activations(s)}"
+    )
+
+
+def schedule_command(
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    virtual: int = 1,
+    as_json: bool = False,
+) -> str:
+    """What ``jax-overlap schedule`` prints.
+
+    Args:
+      schedule: schedule name.
+      stages: ``--stages``.
+      microbatches: ``--microbatches``.
+      virtual: ``--virtual`` (chunks per stage).
+      as_json: ``--json``: print ``json.dumps(to_json())`` instead of the text grid.
+
+    Returns:
+      The text grid and a summary line, or the JSON document.
+
+    Raises:
+      ValueError: bad arguments, as in :func:`make_schedule`.
+    """
+    s = make_schedule(schedule, stages, microbatches, virtual)
+    if as_json:
+        return json.dumps(s.to_json())
+    return s.to_text() + "\n" + summary_line(s)
+
+
+def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Closed-form bubble fraction of a schedule in the unit-tick model.
+
+    Args:
+      name: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``.
+      stages: ``p``.
+      microbatches: ``m`` (a multiple of ``p`` for interleaved, ``>= p`` for zb-h1).
+      virtual_stages: ``v`` for interleaved.
+
+    Returns:
+      The fraction the generators achieve exactly.
+
+    Raises:
+      ValueError: for schedules without a closed form (zb-v).
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    # GPipe/1F1B/interleaved stages idle p-1 ticks while the forward fills the pipe and
+    # p-1 while the backward drains it, beside 2x(forwards per stage) busy ticks: the
+    # ratio reduces to (p-1)/(forwards + p-1). ZB-H1 fills the drain with W, so it idles
+    # p-1 ticks once beside 3m busy ones.
+    busy_per_ramp = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}
+    if name not in busy_per_ramp:
+        raise ValueError(f"pipeline.schedule: no closed-form bubble for {name!r}")
+    return (p - 1) / (busy_per_ramp[name] + p - 1)

@@ -1,0 +1,49 @@
+"""Shared test utilities."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def max_rel_err(tree, ref_tree) -> float:
+    """Largest leaf-wise error, relative to each reference leaf's largest magnitude."""
+    errs = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - b))
+                           / (float(jnp.max(jnp.abs(b))) + 1e-30)), tree, ref_tree)
+    return max(jax.tree.leaves(errs))
+
+
+def run_cli(*args, env_extra=None, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # the CLI sizes the host device count itself
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "jax_overlap.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def last_json_line(stdout: str) -> dict:
+    import json
+
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def np_batch(cfg, index=0):
+    from jax_overlap import data
+
+    return data.stream_from_config(cfg).batch(index)
+
+
+__all__ = ["np", "REPO", "TINY", "max_rel_err", "run_cli", "last_json_line", "rel", "np_batch"]
