@@ -47,7 +47,9 @@ def plot_schedule(schedule: Schedule, ax: Axes | None = None) -> Axes:
     s = schedule
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.0, 0.28 * s.ticks), 0.45 * s.stages + 1.2))
-    font = max(4.0, min(9.0, 220.0 / max(s.ticks, 1)))
+    # Size the microbatch labels to the boxes as drawn, whatever axes we were given.
+    box_points = ax.get_window_extent().width / ax.figure.dpi * 72.0 / max(s.ticks, 1)
+    font = max(4.0, min(9.0, 0.45 * box_points))
     kinds_seen: set[str] = set()
     for d, row in enumerate(s.grid):
         for t, action in enumerate(row):
@@ -55,7 +57,8 @@ def plot_schedule(schedule: Schedule, ax: Axes | None = None) -> Axes:
                 continue
             kinds_seen.add(action.kind)
             color = chunk_color(action.kind, action.chunk, s.virtual_stages)
-            ax.add_patch(Rectangle((t, d - 0.4), 1.0, 0.8, facecolor=color, edgecolor="white", lw=0.6))
+            box = Rectangle((t, d - 0.4), 1.0, 0.8, facecolor=color, edgecolor="white", lw=0.6)
+            ax.add_patch(box)
             ax.text(t + 0.5, d, str(action.microbatch), ha="center", va="center", fontsize=font)
     ax.set_xlim(0, max(s.ticks, 1))
     ax.set_ylim(s.stages - 0.5, -0.5)
@@ -66,13 +69,17 @@ def plot_schedule(schedule: Schedule, ax: Axes | None = None) -> Axes:
         f"{s.ticks} ticks, bubble {bubble_fraction(s):.1%}",
         fontsize=10,
     )
-    handles = [Patch(color=KIND_COLORS[k], label=KIND_LABELS[k]) for k in KIND_COLORS if k in kinds_seen]
+    handles = [
+        Patch(color=KIND_COLORS[k], label=KIND_LABELS[k]) for k in KIND_COLORS if k in kinds_seen
+    ]
     if s.virtual_stages > 1:
         handles += [
             Patch(color=chunk_color("F", c, s.virtual_stages), label=f"chunk {c}")
             for c in range(s.virtual_stages)
         ]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    )
     return ax
 
 
@@ -99,7 +106,8 @@ def plot_bubble_vs_microbatches(
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.0))
-    for name in names:
+    styles = ("-", "--", "-.", ":")
+    for i, name in enumerate(names):
         v = virtual_stages if name == "interleaved" else 1
         points = []
         for m in microbatch_values:
@@ -108,7 +116,9 @@ def plot_bubble_vs_microbatches(
             except ValueError:
                 continue
         label = f"{name} (v={v})" if name == "interleaved" else name
-        ax.plot([m for m, _ in points], [b for _, b in points], marker="o", ms=3, label=label)
+        # Line styles cycle so coinciding curves (GPipe and 1F1B) both stay visible.
+        xs, ys = [m for m, _ in points], [b for _, b in points]
+        ax.plot(xs, ys, styles[i % len(styles)], marker="o", ms=3, label=label)
     ax.set_xlabel("microbatches m")
     ax.set_ylabel("bubble fraction")
     ax.set_title(f"bubble fraction vs microbatches, p={stages}", fontsize=10)

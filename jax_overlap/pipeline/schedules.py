@@ -464,7 +464,9 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False, policy)
 
 
-def megatron_chunk_order(microbatches: int, stages: int, virtual_stages: int) -> list[tuple[int, int]]:
+def megatron_chunk_order(
+    microbatches: int, stages: int, virtual_stages: int
+) -> list[tuple[int, int]]:
     """Megatron's interleaved forward order on every stage, as (microbatch, chunk).
 
     Microbatches go in groups of ``p`` (the last group may be smaller); each group runs
@@ -499,8 +501,8 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
     Args:
       stages: ``p``.
       microbatches: a multiple of ``p``: a group of ``p`` microbatches exactly covers
-        the round trip; a smaller last group would leave the in-order program waiting
-        forever.
+        the round trip; with a smaller last group the in-order program stalls (or, e.g.
+        for ``p=4, m=5``, deadlocks), so :func:`make_schedule` rejects such ``m``.
       virtual_stages: ``v >= 2``.
 
     Returns:
@@ -705,7 +707,8 @@ def make_schedule(
         close = difflib.get_close_matches(key, SCHEDULES, n=1, cutoff=0.4)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(
-            f"pipeline.schedule: unknown schedule {name!r}; {hint}choose one of {', '.join(SCHEDULES)}"
+            f"pipeline.schedule: unknown schedule {name!r}; {hint}"
+            f"choose one of {', '.join(SCHEDULES)}"
         )
     _require(
         isinstance(stages, int) and stages >= 1,

@@ -100,7 +100,8 @@ def validate(schedule: Schedule) -> None:
     n_vs = s.stages * s.virtual_stages
 
     def name(task: Task) -> str:
-        return format_entry(Action(task.kind, task.microbatch, s.placement[task.virtual_stage][1]), s.virtual_stages)
+        chunk = s.placement[task.virtual_stage][1]
+        return format_entry(Action(task.kind, task.microbatch, chunk), s.virtual_stages)
 
     def stage_of(task: Task) -> int:
         return s.placement[task.virtual_stage][0]

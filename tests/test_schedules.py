@@ -1,0 +1,424 @@
+"""Pipeline schedules as data: generators, validator, metrics, JSON, text and plots."""
+
+import dataclasses
+import json
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from jax_overlap.pipeline.plot import plot_bubble_vs_microbatches, plot_schedule  # noqa: E402
+from jax_overlap.pipeline.schedules import (  # noqa: E402
+    SCHEDULES,
+    Action,
+    Schedule,
+    bubble_formula,
+    bubble_fraction,
+    make_schedule,
+    parse_entry,
+    peak_activations,
+    schedule_command,
+    weighted_bubble_fraction,
+)
+from jax_overlap.pipeline.validate import ScheduleError, validate  # noqa: E402
+
+GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 3 * p)]
+
+
+def all_configs():
+    for p, m in GRID:
+        for name in SCHEDULES:
+            for v in (2, 3) if name == "interleaved" else (1,):
+                yield name, p, m, v
+
+
+_CACHE: dict = {}
+
+
+def sched(name, p, m, v=1) -> Schedule:
+    """Generated schedules are pure functions of their arguments; build each once."""
+    key = (name, p, m, v)
+    if key not in _CACHE:
+        _CACHE[key] = make_schedule(name, p, m, v)
+    return _CACHE[key]
+
+
+# --------------------------------------------------------------------------- generators
+
+
+@pytest.mark.parametrize("name,p,m,v", list(all_configs()))
+def test_every_generated_schedule_validates(name, p, m, v):
+    s = sched(name, p, m, v)
+    validate(s)
+    assert (s.stages, s.microbatches) == (p, m)
+    assert s.virtual_stages == (2 if name == "zb-v" else v)
+    assert s.split_backward == name.startswith("zb")
+    per_stage = (3 if s.split_backward else 2) * m * s.virtual_stages
+    for row in s.grid:
+        assert sum(a is not None for a in row) == per_stage
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in all_configs() if c[0] != "zb-v"])
+def test_bubble_matches_closed_form(name, p, m, v):
+    expected = bubble_formula(name, p, m, v)
+    assert bubble_fraction(sched(name, p, m, v)) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_textbook_formulas_and_ordering(p, m):
+    assert bubble_fraction(sched("gpipe", p, m)) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction(sched("1f1b", p, m)) == pytest.approx((p - 1) / (m + p - 1))
+    for v in (2, 3):
+        expected = (p - 1) / (v * m + p - 1)
+        assert bubble_fraction(sched("interleaved", p, m, v)) == pytest.approx(expected)
+    h1 = bubble_fraction(sched("zb-h1", p, m))
+    zbv = bubble_fraction(sched("zb-v", p, m))
+    assert h1 < bubble_fraction(sched("1f1b", p, m))
+    assert zbv <= h1
+    # Stage d cannot start before tick d, so this is a floor; on this grid it is reached.
+    assert zbv == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+def test_one_f_one_b_and_gpipe_work_for_fewer_microbatches_than_stages():
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-v"):
+        s = make_schedule(name, 4, 2)
+        validate(s)
+    assert bubble_fraction(make_schedule("1f1b", 4, 2)) == pytest.approx(3 / 5)
+
+
+def test_one_f_one_b_shape_p2_m2():
+    s = sched("1f1b", 2, 2)
+    assert s.to_json()["table"] == [
+        ["F0", "F1", None, "B0", None, "B1"],
+        [None, "F0", "B0", "F1", "B1", None],
+    ]
+
+
+def test_zb_h1_defers_weight_gradients_into_the_cool_down():
+    s = sched("zb-h1", 4, 8)
+    for d, row in enumerate(s.to_json()["table"]):
+        kinds = [e[0] for e in row if e is not None]
+        # Stage d delays each W by d microbatches: d+1 B's before the first W ...
+        assert kinds[: kinds.index("W")].count("B") == d + 1
+        # ... and the last d+1 W's fill the cool-down after the final B.
+        tail = kinds[len(kinds) - 1 - kinds[::-1].index("B") + 1 :]
+        assert tail == ["W"] * (d + 1)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_peak_activations(p, m):
+    assert peak_activations(sched("gpipe", p, m)) == [m] * p
+    assert peak_activations(sched("1f1b", p, m)) == [p - d for d in range(p)]
+    assert peak_activations(sched("zb-h1", p, m))[0] <= p
+    assert max(peak_activations(sched("zb-h1", p, m))) <= p
+    # Chunk activations: 2p halves of a stage = 1F1B's p full-stage microbatches.
+    assert max(peak_activations(sched("zb-v", p, m))) <= 2 * p
+
+
+def test_peak_activations_counts_until_last_backward_action():
+    table = {
+        "name": "hand",
+        "stages": 1,
+        "microbatches": 3,
+        "split_backward": True,
+        "table": [["F0", "F1", "B0", "F2", "W0", "B1", "W1", "B2", "W2"]],
+    }
+    # F0, F1 and F2 are all held at tick 3: W0 (which releases F0) only runs at tick 4.
+    assert peak_activations(Schedule.from_json(table)) == [3]
+    table["split_backward"] = False
+    table["table"] = [["F0", "F1", "B0", "F2", "B1", "B2"]]
+    assert peak_activations(Schedule.from_json(table)) == [2]
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+def test_placements():
+    s = sched("interleaved", 4, 4, 3)
+    for stage in range(4):
+        for chunk in range(3):
+            assert s.virtual_stage(stage, chunk) == chunk * 4 + stage
+    v = sched("zb-v", 4, 4)
+    for stage in range(4):
+        assert v.virtual_stage(stage, 0) == stage
+        assert v.virtual_stage(stage, 1) == 7 - stage
+    assert [s.virtual_stage(*pos) for pos in s.placement] == list(range(12))
+
+
+# ------------------------------------------------------------------------ JSON and text
+
+
+def test_json_keys_and_entries():
+    d = sched("interleaved", 2, 2, 2).to_json()
+    keys = {"name", "stages", "microbatches", "virtual_stages", "ticks", "bubble_fraction"}
+    assert keys | {"peak_activations", "table"} <= d.keys()
+    assert d["ticks"] == len(d["table"][0])
+    entries = {e for row in d["table"] for e in row if e is not None}
+    assert entries == {f"{k}{mb}.{c}" for k in "FB" for mb in range(2) for c in range(2)}
+    assert d["table"][0][0] == "F0.0"
+    one = sched("1f1b", 2, 2).to_json()
+    assert {e for row in one["table"] for e in row} == {None, "F0", "F1", "B0", "B1"}
+    assert "memory_note" not in one
+    zbv = sched("zb-v", 4, 8).to_json()
+    assert "2p" in zbv["memory_note"] and "1F1B" in zbv["memory_note"]
+    json.dumps(zbv)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)])
+def test_json_round_trip(name, v):
+    s = sched(name, 4, 8, v)
+    again = Schedule.from_json(json.loads(json.dumps(s.to_json())))
+    assert again == s
+    assert again.to_json() == s.to_json()
+
+
+def test_parse_entry():
+    assert parse_entry("F3.1") == Action("F", 3, 1)
+    assert parse_entry("W12") == Action("W", 12, 0)
+    assert parse_entry(None) is None
+    for bad in ("F3.", "X3", "F", "F-1", "f3"):
+        with pytest.raises(ValueError, match="bad schedule entry"):
+            parse_entry(bad)
+
+
+def test_schedule_command_text():
+    out = schedule_command("1f1b", 2, 2)
+    assert out.splitlines() == [
+        "tick    | 0  1  2  3  4  5",
+        "stage 0 | F0 F1 .  B0 .  B1",
+        "stage 1 | .  F0 B0 F1 B1 .",
+        "1f1b: stages=2 microbatches=2 virtual_stages=1 ticks=6 bubble_fraction=0.3333 "
+        "peak_activations=[2, 1]",
+    ]
+    wide = schedule_command("interleaved", 2, 2, virtual=2).splitlines()
+    assert wide[1].startswith("stage 0 | F0.0 F1.0 F0.1")
+    # Aligned columns: every grid line has the same cell boundaries.
+    assert len({len(line.split(" | ")[0]) for line in wide[:3]}) == 1
+
+
+def test_schedule_command_json():
+    d = json.loads(schedule_command("zb-h1", 4, 8, as_json=True))
+    assert d == sched("zb-h1", 4, 8).to_json()
+    assert d["bubble_fraction"] == pytest.approx(3 / 27)
+
+
+def test_weighted_bubble_fraction():
+    # Unit costs on a split schedule: every tick lasts 1, so it is the tick bubble.
+    s = sched("zb-h1", 4, 8)
+    assert weighted_bubble_fraction(s) == pytest.approx(bubble_fraction(s))
+    # 1F1B p=2 m=2 with a non-split B costing B+W=2: ticks last 1,1,2,2,2,2 (10 in all),
+    # busy time 4 F x 1 + 4 B x 2 = 12 of 2 x 10.
+    assert weighted_bubble_fraction(sched("1f1b", 2, 2)) == pytest.approx(8 / 20)
+    assert weighted_bubble_fraction(sched("1f1b", 2, 2), {"F": 1, "B": 1, "W": 0}) == pytest.approx(
+        bubble_fraction(sched("1f1b", 2, 2))
+    )
+
+
+# ---------------------------------------------------------------------------- validator
+
+
+def broken(name, p, m, v=1, edit=None, **overrides) -> Schedule:
+    d = sched(name, p, m, v).to_json()
+    d.update(overrides)
+    if edit:
+        edit(d["table"])
+    return Schedule.from_json(d)
+
+
+def rejects(schedule, message):
+    with pytest.raises(ScheduleError, match="^" + re.escape(message)):
+        validate(schedule)
+
+
+# 1f1b p=2 m=2 is:   stage 0 | F0 F1 .  B0 .  B1
+#                    stage 1 | .  F0 B0 F1 B1 .
+def test_rejects_missing_action():
+    def drop_last_b(t):
+        t[0][5] = None
+
+    s = broken("1f1b", 2, 2, edit=drop_last_b)
+    rejects(s, "missing: B1 (virtual stage 0) never runs on stage 0")
+
+
+def test_rejects_missing_w_when_split():
+    def drop_w(t):
+        t[1][t[1].index("W1")] = None
+
+    s = broken("zb-h1", 2, 2, edit=drop_w)
+    rejects(s, "missing: W1 (virtual stage 1) never runs on stage 1")
+
+
+def test_rejects_duplicate():
+    def dup(t):
+        t[0][2] = "F0"
+
+    rejects(broken("1f1b", 2, 2, edit=dup), "tick 2, stage 0: F0 already ran at tick 0")
+
+
+def test_rejects_dependency_violated_by_latency():
+    def early_b(t):
+        t[0][2], t[0][3] = "B0", None  # same tick as stage 1's B0: no time to transfer
+
+    rejects(
+        broken("1f1b", 2, 2, edit=early_b),
+        "tick 2, stage 0: B0 needs B0 from stage 1 by tick 1 (it runs at tick 2)",
+    )
+
+
+def test_rejects_forward_before_input_arrives():
+    def early_f(t):
+        t[1][0], t[1][1] = "F0", None
+
+    s = broken("1f1b", 2, 2, edit=early_f)
+    rejects(s, "tick 0, stage 1: F0 needs F0 from stage 0 at an earlier tick (it runs at tick 0)")
+
+
+def test_rejects_w_before_b():
+    # zb-h1 p=2 m=2:  stage 0 | F0 F1 .  B0 W0 B1 W1
+    def swap(t):
+        t[0][3], t[0][4] = t[0][4], t[0][3]
+
+    s = broken("zb-h1", 2, 2, edit=swap)
+    rejects(s, "tick 3, stage 0: W0 needs B0 from stage 0 by tick 2 (it runs at tick 4)")
+
+
+def test_rejects_w_in_unsplit_schedule():
+    def add_w(t):
+        t[0][2] = "W0"
+
+    rejects(broken("1f1b", 2, 2, edit=add_w), "tick 2, stage 0: W0 but split_backward is False")
+
+
+def test_rejects_bad_chunk_and_microbatch():
+    def bad_chunk(t):
+        t[1][0] = "F0.2"
+
+    s = broken("interleaved", 2, 2, 2, edit=bad_chunk)
+    rejects(s, "tick 0, stage 1: F0.2 has chunk 2, expected 0..1")
+
+    def bad_mb(t):
+        t[0][2] = "F7"
+
+    s = broken("1f1b", 2, 2, edit=bad_mb)
+    rejects(s, "tick 2, stage 0: F7 has microbatch 7, expected 0..1")
+
+
+def test_rejects_non_action_entries():
+    s = sched("1f1b", 2, 2)
+    grid = (s.grid[0][:2] + (("F", 1, 0),) + s.grid[0][3:], s.grid[1])
+    rejects(dataclasses.replace(s, grid=grid), "tick 2, stage 0: entry ('F', 1, 0) is not an")
+    grid = (s.grid[0][:2] + (Action("X", 1),) + s.grid[0][3:], s.grid[1])
+    rejects(dataclasses.replace(s, grid=grid), "tick 2, stage 0: entry Action(kind='X'")
+
+
+def test_reports_first_violation_in_tick_order():
+    def two_faults(t):
+        t[0][5] = "B0"  # duplicate at tick 5
+        t[1][3] = "F0"  # duplicate at tick 3, stage 1: reported first
+
+    rejects(broken("1f1b", 2, 2, edit=two_faults), "tick 3, stage 1: F0 already ran at tick 1")
+
+    def same_tick(t):
+        t[0][3] = "F0"
+        t[1][3] = "F0"
+
+    rejects(broken("1f1b", 2, 2, edit=same_tick), "tick 3, stage 0: F0 already ran at tick 0")
+
+
+def test_rejects_structural_faults():
+    rejects(broken("interleaved", 2, 2, 2, placement=[[0, 0], [1, 0], [0, 0], [1, 1]]),
+            "placement: virtual stages 0 and 2 both map to (stage 0, chunk 0)")
+    rejects(broken("1f1b", 2, 2, placement=[[0, 0]]), "placement: 1 virtual stages, expected")
+
+    def ragged(t):
+        t[1].pop()
+
+    rejects(broken("1f1b", 2, 2, edit=ragged), "grid: stage 1 has 5 ticks but stage 0 has 6")
+
+    def missing_row(t):
+        t.pop()
+
+    rejects(broken("1f1b", 2, 2, edit=missing_row), "grid: 1 rows, expected one per stage (2)")
+
+
+def test_hand_written_table_round_trips_and_validates():
+    d = {
+        "name": "hand",
+        "stages": 2,
+        "microbatches": 1,
+        "table": [["F0", None, None, "B0"], [None, "F0", "B0", None]],
+    }
+    s = Schedule.from_json(d)
+    validate(s)
+    assert not s.split_backward and s.placement == ((0, 0), (1, 0))
+    assert bubble_fraction(s) == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------ bad arguments
+
+
+@pytest.mark.parametrize(
+    "args,field,hint",
+    [
+        (("1f1c", 4, 8), "pipeline.schedule", "did you mean '1f1b'"),
+        (("zbh1", 4, 8), "pipeline.schedule", "did you mean 'zb-h1'"),
+        (("interleaved", 4, 2, 2), "pipeline.microbatches", "set pipeline.microbatches to 4"),
+        (("interleaved", 4, 6, 2), "pipeline.microbatches", "to 4 or 8"),
+        (("interleaved", 4, 8, 1), "pipeline.virtual_stages", "2 or more"),
+        (("1f1b", 4, 8, 2), "pipeline.virtual_stages", "to 1"),
+        (("zb-v", 4, 8, 3), "pipeline.virtual_stages", "to 2"),
+        (("gpipe", 0, 8), "pipeline.stages", ">= 1"),
+        (("gpipe", 4, 0), "pipeline.microbatches", ">= 1"),
+    ],
+)
+def test_bad_arguments_name_the_field(args, field, hint):
+    with pytest.raises(ValueError) as info:
+        make_schedule(*args)
+    message = str(info.value)
+    assert message.startswith(field + ":")
+    assert hint in message
+    assert "\n" not in message
+
+
+def test_names_are_normalised():
+    assert make_schedule("ZB_H1", 2, 2) == sched("zb-h1", 2, 2)
+    assert make_schedule("zb-v", 2, 2, 2) == sched("zb-v", 2, 2)
+
+
+# -------------------------------------------------------------------------------- plots
+
+
+def test_plot_schedule_draws_one_box_per_action():
+    s = sched("interleaved", 4, 8, 2)
+    ax = plot_schedule(s)
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(boxes) == sum(a is not None for row in s.grid for a in row)
+    labels = sorted(int(t.get_text()) for t in ax.texts)
+    assert labels == sorted(a.microbatch for row in s.grid for a in row if a is not None)
+    # Chunk 1 is drawn lighter than chunk 0 of the same kind.
+    colors = {(a.kind, a.chunk): None for row in s.grid for a in row if a is not None}
+    by_pos = {(round(b.get_x()), round(b.get_y() + 0.4)): b.get_facecolor() for b in boxes}
+    for d, row in enumerate(s.grid):
+        for t, a in enumerate(row):
+            if a is not None:
+                colors[(a.kind, a.chunk)] = by_pos[(t, d)]
+    assert sum(colors[("F", 1)][:3]) > sum(colors[("F", 0)][:3])
+    matplotlib.pyplot.close("all")
+
+
+def test_plot_bubble_vs_microbatches():
+    names = ["1f1b", "interleaved", "zb-h1"]
+    ax = plot_bubble_vs_microbatches(names, 4, [2, 4, 6, 8])
+    lines = ax.get_lines()
+    assert len(lines) == 3
+    assert list(lines[0].get_xdata()) == [2, 4, 6, 8]
+    assert list(lines[1].get_xdata()) == [4, 8]  # interleaved needs a multiple of p
+    assert list(lines[2].get_ydata())[-1] == pytest.approx(3 / 27)
+    matplotlib.pyplot.close("all")
