@@ -27,8 +27,9 @@ On-disk layout (standard Orbax, readable without this package)::
     <dir>/<step>/COMMITTED          our commit marker, JSON, same fields as meta
     <dir>/quarantine/<step>.<n>/    steps that failed verification, kept for inspection
 
-Multi-process: every public method is collective (call it on every process with the same
-arguments), except `committed_steps`. Only process 0 touches markers and deletes files.
+Multi-process: `latest_good`, `wait`, `close` and any `maybe_save` that saves are collective
+(call them on every process at the same step); `committed_steps` is local. Only process 0
+writes markers, moves or deletes files.
 """
 
 from __future__ import annotations
@@ -92,19 +93,22 @@ class RestoreResult(NamedTuple):
 # --------------------------------------------------------------------------------------
 #
 # checksum(array) = sum over every 64-bit word w at global word index i of
-#                   mix(mix(i) ^ w)   (mod 2**64)
+#                   mix(w ^ (i * G))   (mod 2**64)
 #
-# `mix` is the splitmix64 finaliser, a bijection on 64-bit integers. Consequences:
+# `mix` is the splitmix64 finaliser, a bijection on 64-bit integers, and G an odd
+# constant. Consequences:
 # * Mesh-independent: the value depends only on (global index, bits) pairs, and a
 #   modular sum does not care in which order or on which process the pairs are added.
 #   Each process sums the shards it holds with `replica_id == 0` (so replicated data is
 #   counted once) and the partial sums are added across processes.
 # * Any change confined to one word (a flipped bit or byte) changes the sum for certain:
-#   for a fixed index, w -> mix(mix(i) ^ w) is a bijection, so the term changes and the
+#   for a fixed index, w -> mix(w ^ i * G) is a bijection, so that term changes and the
 #   others do not. Larger corruptions collide with probability about 2**-64, and moved
 #   data is caught because each term is keyed by its position.
 # * Bit-exact: we hash the raw bits, so -0.0 != 0.0 and NaN payloads count.
+# * Cost: a few passes over the host copy (~45M items/s on one core in numpy), done in chunks.
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd: i -> i * _GOLDEN spreads indices over 64 bits
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
@@ -135,6 +139,28 @@ def _as_words(block: np.ndarray) -> tuple[np.ndarray, int]:
     return padded.view(np.uint64), per
 
 
+# Items hashed per pass: bounds the host temporaries (a few uint64 copies of each chunk).
+_CHUNK_ITEMS = 1 << 22
+
+
+def _terms_sum(block: np.ndarray, starts: Sequence[int], global_shape: tuple) -> int:
+    """Sum of the hash terms of `block`, whose first item sits at `starts` globally."""
+    words, per = _as_words(block)
+    # Global flat element index of every item, built by broadcasting per-dimension ranges.
+    flat = np.zeros(words.shape[:-1], np.uint64)
+    stride = 1
+    with np.errstate(over="ignore"):
+        for dim in reversed(range(len(global_shape))):
+            extent = words.shape[dim]
+            shape = [1] * len(global_shape)
+            shape[dim] = extent
+            ramp = np.arange(starts[dim], starts[dim] + extent, dtype=np.uint64) * np.uint64(stride)
+            flat = flat + ramp.reshape(shape)
+            stride *= global_shape[dim]
+        word_index = flat[..., None] * np.uint64(per) + np.arange(per, dtype=np.uint64)
+        return int(_mix64(words ^ (word_index * _GOLDEN)).sum(dtype=np.uint64))
+
+
 def block_checksum(block: np.ndarray, index: tuple, global_shape: tuple) -> int:
     """The checksum contribution of one block of a global array.
 
@@ -147,22 +173,16 @@ def block_checksum(block: np.ndarray, index: tuple, global_shape: tuple) -> int:
     Returns:
       The block's term of the array checksum, an int in [0, 2**64).
     """
-    words, per = _as_words(np.asarray(block))
-    # Global flat element index of every item, built by broadcasting per-dimension ranges.
-    flat = np.zeros(words.shape[:-1], np.uint64)
-    stride = 1
-    for dim in reversed(range(len(global_shape))):
-        start = (index[dim].start or 0) if dim < len(index) else 0
-        extent = words.shape[dim]
-        shape = [1] * len(global_shape)
-        shape[dim] = extent
-        with np.errstate(over="ignore"):
-            flat = flat + (np.arange(start, start + extent, dtype=np.uint64) * np.uint64(stride)).reshape(shape)
-        stride *= global_shape[dim]
-    with np.errstate(over="ignore"):
-        word_index = flat[..., None] * np.uint64(per) + np.arange(per, dtype=np.uint64)
-        terms = _mix64(_mix64(word_index) ^ words)
-        return int(terms.sum(dtype=np.uint64))
+    block = np.asarray(block)
+    if block.ndim == 0:
+        block, index, global_shape = block.reshape(1), (slice(0, 1),), (1,)
+    starts = [(index[d].start or 0) if d < len(index) else 0 for d in range(block.ndim)]
+    rows_per_pass = max(1, _CHUNK_ITEMS // max(1, int(np.prod(block.shape[1:]))))
+    total = 0
+    for row in range(0, block.shape[0], rows_per_pass):
+        chunk = block[row : row + rows_per_pass]
+        total += _terms_sum(chunk, [starts[0] + row, *starts[1:]], tuple(global_shape))
+    return total & _MASK64
 
 
 def _local_checksum(leaf: Any, is_lead_process: bool) -> int:

@@ -143,8 +143,15 @@ def _global_norm(tree) -> jax.Array:
 
 
 def make_train_step(model, cfg, mesh, optimizer: optax.GradientTransformation,
-                    fault_hook: Callable | None = None) -> Callable:
-    """Returns jitted `step(state, batch) -> (state, metrics)`; the state buffer is donated."""
+                    fault_hook: Callable | None = None, jit: bool = True) -> Callable:
+    """Returns `step(state, batch) -> (state, metrics)`.
+
+    Args:
+      fault_hook: `(state, loss, grads) -> (loss, grads)` applied before the update (fault
+        injection for drills and tests).
+      jit: return the jitted step with the state donated; False gives the traceable function
+        so callers (guards) can wrap it inside their own jit.
+    """
     loss_and_grads = make_loss_and_grads(model, cfg, mesh)
     schedule = lr_schedule(cfg.train)
 
