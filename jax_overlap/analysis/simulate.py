@@ -22,7 +22,9 @@ communication:
 
 Transfers cost ``latency + bytes / (bandwidth x efficiency)`` per hop on the link the
 hardware profile assigns to the mesh axis; collectives use ring algorithms. Streams
-that share a physical link do not slow each other down (a simplification).
+that share a physical link do not slow each other down (a simplification). On a
+profile with ``synchronous_collectives`` (the XLA CPU backend) every transfer also
+occupies the compute stream, so nothing overlaps -- which is what a CPU trace shows.
 
 Metrics come from :func:`jax_overlap.analysis.trace.metrics_from_timelines`, the same
 interval arithmetic as the measured-trace metrics, over the window ``[0, step end]``.
@@ -32,8 +34,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jax_overlap.analysis.hardware import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
@@ -144,7 +147,7 @@ class Costs:
         param_bytes: float = 0.0,
         stash_bytes: float | None = None,
         **kwargs: Any,
-    ) -> "Costs":
+    ) -> Costs:
         """The same costs for every virtual stage.
 
         Args:
@@ -218,7 +221,7 @@ class Plan:
     schedule: Schedule
     dp: int = 1
     tp: int = 1
-    grad_buckets: tuple = ()
+    grad_buckets: tuple[float, ...] | tuple[tuple[float, ...], ...] = ()
     bucket_issue: str = "during_backward"
     fsdp: bool = False
     fsdp_window: int = 0
@@ -266,16 +269,21 @@ def _check(plan: Plan, costs: Costs) -> None:
         if values and len(values) != n_vs:
             raise ValueError(f"simulate: costs.{name} has {len(values)} entries, expected {n_vs}")
     if plan.tp_comm not in TP_COMM_MODES:
-        raise ValueError(f"simulate: plan.tp_comm must be one of {TP_COMM_MODES}, got {plan.tp_comm!r}")
+        raise ValueError(
+            f"simulate: plan.tp_comm must be one of {TP_COMM_MODES}, got {plan.tp_comm!r}"
+        )
     if plan.bucket_issue not in BUCKET_ISSUE_MODES:
         raise ValueError(
-            f"simulate: plan.bucket_issue must be one of {BUCKET_ISSUE_MODES}, got {plan.bucket_issue!r}"
+            f"simulate: plan.bucket_issue must be one of {BUCKET_ISSUE_MODES}, "
+            f"got {plan.bucket_issue!r}"
         )
     if plan.dp < 1 or plan.tp < 1 or plan.fsdp_window < 0:
         raise ValueError("simulate: plan.dp and plan.tp must be >= 1 and plan.fsdp_window >= 0")
     b = tuple(plan.grad_buckets)
     if b and isinstance(b[0], (tuple, list)) and len(b) != s.stages:
-        raise ValueError(f"simulate: plan.grad_buckets has {len(b)} per-stage lists, expected {s.stages}")
+        raise ValueError(
+            f"simulate: plan.grad_buckets has {len(b)} per-stage lists, expected {s.stages}"
+        )
 
 
 # -------------------------------------------------------------------------- outputs
@@ -374,10 +382,11 @@ def _device(stage: int) -> str:
 class _Timeline:
     """Mutable bookkeeping of one simulation: streams, events, finish times."""
 
-    def __init__(self, stages: int):
+    def __init__(self, stages: int, synchronous: bool = False):
         self.compute_free = [0.0] * stages
         self.stream_free: dict[tuple[int, str], float] = {}
         self.events: list[SimEvent] = []
+        self.synchronous = synchronous
 
     def add(self, stage: int, stream: str, kind: str, name: str, start: float, end: float) -> None:
         if end > start:
@@ -386,6 +395,10 @@ class _Timeline:
     def enqueue(self, stage: int, stream: str, name: str, ready: float, duration: float) -> float:
         """Run a transfer on a FIFO comm stream once ``ready``; returns its end."""
         start = max(ready, self.stream_free.get((stage, stream), 0.0))
+        if self.synchronous and duration > 0:
+            # The transfer runs on the op thread: after the current compute, blocking it.
+            start = max(start, self.compute_free[stage])
+            self.compute_free[stage] = start + duration
         end = start + duration
         self.stream_free[(stage, stream)] = end
         self.add(stage, stream, "comm", name, start, end)
@@ -393,8 +406,14 @@ class _Timeline:
 
 
 def _run_action(
-    tl: _Timeline, stage: int, label: str, start: float, compute: float, tp_bytes: float,
-    plan: Plan, link: Link,
+    tl: _Timeline,
+    stage: int,
+    label: str,
+    start: float,
+    compute: float,
+    tp_bytes: float,
+    plan: Plan,
+    link: Link,
 ) -> float:
     """Place one action's compute (and its TP collectives) from ``start``; returns its end."""
     n = plan.tp
@@ -417,6 +436,17 @@ def _run_action(
     for _phase in range(2):
         for i in range(n - 1):
             tl.add(stage, "compute", "compute", label, t, t + chunk)
+            if tl.synchronous:  # the ring step waits for the chunk instead of running under it
+                tl.add(
+                    stage,
+                    "tp",
+                    "comm",
+                    f"collective-permute tp {label} step {i}",
+                    t + chunk,
+                    t + chunk + step,
+                )
+                t += chunk + step
+                continue
             tl.add(stage, "tp", "comm", f"collective-permute tp {label} step {i}", t, t + step)
             t += max(chunk, step)
         tl.add(stage, "compute", "compute", label, t, t + chunk)
@@ -486,7 +516,7 @@ def simulate(
     release = "W" if split else "B"
     gather = plan.fsdp and plan.dp > 1
 
-    tl = _Timeline(p)
+    tl = _Timeline(p, hw.synchronous_collectives)
     finish: dict[Task, float] = {}
     arrival: dict[Task, float] = {}
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -505,8 +535,11 @@ def simulate(
             return
         vs = task.virtual_stage
         gathers[(d, j)] = tl.enqueue(
-            d, "fsdp", f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
-            issue, all_gather_time(costs.params(vs), plan.dp, link["dp"]),
+            d,
+            "fsdp",
+            f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
+            issue,
+            all_gather_time(costs.params(vs), plan.dp, link["dp"]),
         )
 
     if gather and plan.fsdp_window > 0:
@@ -532,7 +565,14 @@ def simulate(
                 label = f"{task.kind} mb{mb} vs{vs}"
                 tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
                 end = _run_action(
-                    tl, d, label, start, costs.compute_s(task.kind, vs, split), tp_bytes, plan, link["tp"]
+                    tl,
+                    d,
+                    label,
+                    start,
+                    costs.compute_s(task.kind, vs, split),
+                    tp_bytes,
+                    plan,
+                    link["tp"],
                 )
                 tl.compute_free[d] = end
                 finish[task] = end
@@ -549,7 +589,10 @@ def simulate(
                 if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
                     what = "act" if task.kind == "F" else "grad"
                     arrival[task] = tl.enqueue(
-                        d, "pp", f"send {what} mb{mb} vs{vs}->vs{nxt_vs}", end,
+                        d,
+                        "pp",
+                        f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
+                        end,
                         p2p_time(costs.act_bytes, link["pp"]),
                     )
                 else:
@@ -559,7 +602,9 @@ def simulate(
                 progressed = True
         if not progressed:
             stuck = [f"stage {d}: {rows[d][nxt[d]]}" for d in range(p) if nxt[d] < len(rows[d])]
-            raise ValueError(f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}")
+            raise ValueError(
+                f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}"
+            )
 
     # Gradient buckets: reduced over dp once the last microbatch's weight gradients exist.
     if plan.dp > 1:
@@ -573,7 +618,11 @@ def simulate(
                     last[task.virtual_stage] = j
             spans = [(starts[d][j], ends[d][j]) for j in sorted(last.values())]
             ready = _bucket_ready_times(spans, buckets, plan.bucket_issue)
-            op, cost = ("reduce-scatter", reduce_scatter_time) if plan.fsdp else ("all-reduce", all_reduce_time)
+            op, cost = (
+                ("reduce-scatter", reduce_scatter_time)
+                if plan.fsdp
+                else ("all-reduce", all_reduce_time)
+            )
             for i, (b, t) in enumerate(zip(buckets, ready)):
                 tl.enqueue(d, "dp", f"{op} grad bucket {i}", t, cost(b, plan.dp, link["dp"]))
 
@@ -589,6 +638,7 @@ def simulate(
         timelines,
         (0.0, step_end),
         1,
+        synchronous_collectives=hw.synchronous_collectives,
         collective_ops=sorted({e.name.split(" ")[0] for e in tl.events if e.kind == "comm"}),
         notes=(f"simulated {s.name}: pp={p} dp={plan.dp} tp={plan.tp} on {hw.name}",),
         source="simulation",
@@ -606,7 +656,9 @@ def simulate(
     )
 
 
-def _memory(stage: int, plan: Plan, costs: Costs, held: list[tuple[float, float]]) -> MemoryEstimate:
+def _memory(
+    stage: int, plan: Plan, costs: Costs, held: list[tuple[float, float]]
+) -> MemoryEstimate:
     """Peak memory of ``stage`` from its parameter sizes and activation hold events."""
     s = plan.schedule
     mine = [vs for vs, (d, _) in enumerate(s.placement) if d == stage]
@@ -645,9 +697,19 @@ def events_to_chrome_trace(events: Sequence[SimEvent]) -> dict[str, Any]:
     streams = ("compute", "pp", "dp", "fsdp", "tp")
     out: list[dict[str, Any]] = []
     for stage in sorted({e.stage for e in events}):
-        out.append({"ph": "M", "pid": stage, "name": "process_name", "args": {"name": _device(stage)}})
+        out.append(
+            {"ph": "M", "pid": stage, "name": "process_name", "args": {"name": _device(stage)}}
+        )
         for tid, stream in enumerate(streams):
-            out.append({"ph": "M", "pid": stage, "tid": tid, "name": "thread_name", "args": {"name": stream}})
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": stage,
+                    "tid": tid,
+                    "name": "thread_name",
+                    "args": {"name": stream},
+                }
+            )
     for e in events:
         out.append(
             {
@@ -727,7 +789,9 @@ def costs_from_model(
     # Saved for backward per token and layer: norm and matmul inputs (4 d, replicated
     # across TP ranks without sequence parallelism) plus q, k, v, attention output,
     # both MLP hidden tensors and the attention probabilities (sharded over TP).
-    stash_layer = tokens * dtype_bytes * (4 * d_model + (4 * d_model + 2 * d_ff + heads * seq_len) / tp)
+    stash_layer = (
+        tokens * dtype_bytes * (4 * d_model + (4 * d_model + 2 * d_ff + heads * seq_len) / tp)
+    )
     fwd, bwd, wgt, tpb, prm, stash = [], [], [], [], [], []
     counts = _split(layers, num_virtual_stages)
     for vs, n in enumerate(counts):
@@ -812,11 +876,17 @@ def costs_from_measurement(
       The :class:`Costs`; without ``weight_fns`` the whole backward is ``backward_s``
       and ``weight_s`` is 0, which is right for non-split schedules.
     """
-    if len(backward_fns) != len(forward_fns) or (weight_fns is not None and len(weight_fns) != len(forward_fns)):
+    if len(backward_fns) != len(forward_fns) or (
+        weight_fns is not None and len(weight_fns) != len(forward_fns)
+    ):
         raise ValueError("costs_from_measurement: need one callable per virtual stage in each list")
     fwd = tuple(time_call(f, repeats, warmup) for f in forward_fns)
     bwd = tuple(time_call(f, repeats, warmup) for f in backward_fns)
-    wgt = tuple(time_call(f, repeats, warmup) for f in weight_fns) if weight_fns else (0.0,) * len(fwd)
+    wgt = (
+        tuple(time_call(f, repeats, warmup) for f in weight_fns)
+        if weight_fns
+        else (0.0,) * len(fwd)
+    )
     return Costs(
         forward_s=fwd,
         backward_s=bwd,

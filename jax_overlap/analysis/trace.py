@@ -26,9 +26,10 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 Interval = tuple[float, float]
 
@@ -224,9 +225,7 @@ def _select_ops(records: Sequence[_Record]) -> tuple[list[OpEvent], bool]:
       ``(events, from_host)``; ``from_host`` is True for CPU-backend traces.
     """
     device_records = [
-        r
-        for r in records
-        if r.process.startswith(_DEVICE_PREFIX) and r.line not in _DERIVED_LINES
+        r for r in records if r.process.startswith(_DEVICE_PREFIX) and r.line not in _DERIVED_LINES
     ]
     if device_records:
         # "XLA Ops" duplicates the stream lines when both exist; keep the kernel streams,
@@ -235,9 +234,7 @@ def _select_ops(records: Sequence[_Record]) -> tuple[list[OpEvent], bool]:
         for r in device_records:
             by_device.setdefault(r.process, set()).add(r.line)
         keep = [
-            r
-            for r in device_records
-            if r.line != "XLA Ops" or by_device[r.process] == {"XLA Ops"}
+            r for r in device_records if r.line != "XLA Ops" or by_device[r.process] == {"XLA Ops"}
         ]
         events = [
             OpEvent(
@@ -246,7 +243,9 @@ def _select_ops(records: Sequence[_Record]) -> tuple[list[OpEvent], bool]:
                 r.name,
                 r.start_ns,
                 r.end_ns,
-                is_collective(r.name, str(r.args.get("hlo_op", "")), str(r.args.get("hlo_category", ""))),
+                is_collective(
+                    r.name, str(r.args.get("hlo_op", "")), str(r.args.get("hlo_category", ""))
+                ),
             )
             for r in keep
             if r.end_ns > r.start_ns
@@ -259,7 +258,14 @@ def _select_ops(records: Sequence[_Record]) -> tuple[list[OpEvent], bool]:
         ordinal = r.args.get("device_ordinal")
         device = f"{_DEVICE_PREFIX}CPU:{int(ordinal)}" if ordinal is not None else r.process
         events.append(
-            OpEvent(device, r.line, r.name, r.start_ns, r.end_ns, is_collective(r.name, str(r.args["hlo_op"])))
+            OpEvent(
+                device,
+                r.line,
+                r.name,
+                r.start_ns,
+                r.end_ns,
+                is_collective(r.name, str(r.args["hlo_op"])),
+            )
         )
     return _leaves(events), True
 
@@ -371,7 +377,14 @@ def _chrome_records(doc: Mapping[str, Any]) -> list[_Record]:
             start = float(e["ts"]) * 1e3
             process, line = names(e)
             records.append(
-                _Record(process, line, str(e.get("name", "")), start, start + float(e.get("dur", 0.0)) * 1e3, e.get("args", {}) or {})
+                _Record(
+                    process,
+                    line,
+                    str(e.get("name", "")),
+                    start,
+                    start + float(e.get("dur", 0.0)) * 1e3,
+                    e.get("args", {}) or {},
+                )
             )
         elif ph == "B":
             open_events.setdefault((e.get("pid"), e.get("tid")), []).append(e)
@@ -382,7 +395,14 @@ def _chrome_records(doc: Mapping[str, Any]) -> list[_Record]:
                 process, line = names(begin)
                 args = {**(begin.get("args") or {}), **(e.get("args") or {})}
                 records.append(
-                    _Record(process, line, str(begin.get("name", "")), float(begin["ts"]) * 1e3, float(e["ts"]) * 1e3, args)
+                    _Record(
+                        process,
+                        line,
+                        str(begin.get("name", "")),
+                        float(begin["ts"]) * 1e3,
+                        float(e["ts"]) * 1e3,
+                        args,
+                    )
                 )
     return records
 
@@ -417,7 +437,9 @@ def find_trace_file(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"trace: no .xplane.pb or trace JSON under {p}")
 
 
-def load_trace(source: str | os.PathLike | Mapping[str, Any], step_name: str | None = None) -> Trace:
+def load_trace(
+    source: str | os.PathLike | Mapping[str, Any], step_name: str | None = None
+) -> Trace:
     """Read a trace into device op events and step windows.
 
     Args:
@@ -602,7 +624,9 @@ def metrics_from_timelines(
         compute_s=sum(d.compute_s for d in devices.values()) / n,
         comm_s=sum(d.comm_s for d in devices.values()) / n,
         overlap_s=sum(d.overlap_s for d in devices.values()) / n,
-        idle_s=sum(d.idle_s for d in devices.values()) / n if devices else (window[1] - window[0]) / steps,
+        idle_s=sum(d.idle_s for d in devices.values()) / n
+        if devices
+        else (window[1] - window[0]) / steps,
     )
     return TraceMetrics(
         steps=steps,
