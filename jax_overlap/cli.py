@@ -133,9 +133,9 @@ def cmd_analyze(args) -> int:
 def cmd_profile(args) -> int:
     cfg = load_config(args)
     prepare_backend(cfg)
-    from jax_overlap.analysis import report
+    from jax_overlap.analysis import profile
 
-    print(report.profile_command(cfg, args.steps, as_json=args.json, logdir=args.logdir))
+    print(profile.profile_command(cfg, args.steps, as_json=args.json, logdir=args.logdir))
     return 0
 
 

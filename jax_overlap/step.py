@@ -194,8 +194,13 @@ def init_state(model, cfg, mesh, optimizer) -> TrainState:
     abstract_params = jax.eval_shape(model.init, key)
     shardings = state_shardings(model, mesh, optimizer, abstract_params)
 
+    from jax_overlap.pipeline import layout
+
+    perm = layout.layer_permutation(cfg)
+
     def build():
-        params = model.init(jax.random.key(cfg.train.seed))
+        # Logical init (same values on every mesh), then the pipeline's staged layer order.
+        params = layout.to_staged(model.init(jax.random.key(cfg.train.seed)), perm)
         return new_state(params, optimizer.init(params), cfg.train.seed)
 
     return jax.jit(build, out_shardings=shardings)()
