@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 _GIB = 1 << 30
 _MIB = 1 << 20
