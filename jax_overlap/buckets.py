@@ -1,12 +1,517 @@
-"""Gradient reduction over the data-parallel axis."""
+"""Gradient buckets: the data-parallel reduction as a few large collectives issued in backward.
+
+A `BucketPlan` is pure data, built from the parameter tree before tracing: which gradient
+*units* (a whole leaf, or one layer's slice of a stacked 'blocks' leaf) go into which bucket,
+and the bytes of each. Units are taken in the order the backward pass finishes them (head,
+last layer ... first layer, embedding) and packed greedily until a bucket reaches
+`overlap.grad_bucket_mb`; `bucket_order: largest_first` packs the biggest units first
+instead (buckets then mix layers and complete late: the contrast case).
+
+Each bucket is reduced by ONE collective on a flat buffer (the concatenation of its units):
+`psum`, or with ZeRO-1 `psum_scatter`, after which every rank holds one slice of each unit
+(see `split_dim`). To let the collective start while the rest of the backward runs,
+`BucketHooks` wraps the parameters of the last microbatch in identity functions with a
+custom VJP, one per bucket, placed where the bucket's units are first used in the forward.
+The VJP fires as soon as every unit of the bucket has its cotangent (i.e. when the backward
+has passed the bucket's earliest layer), adds the gradients accumulated over the earlier
+microbatches, reduces the flat buffer and hands the result out through a "sink": a zero input
+of the reduced buffer's shape whose gradient *is* the reduced buffer. Sinks decouple the
+reduced shape (a slice with ZeRO-1) from the parameter shape autodiff would impose.
+
+Types. Inside `shard_map` every value carries the mesh axes it varies over, and a
+concatenation takes the union. The in-backward path therefore marks every parameter as
+varying over dp *and* tp before differentiating: a TP-replicated leaf (LayerNorm, biases,
+position embedding) then gets a per-device *partial* gradient (autodiff no longer inserts
+its tp psum), so its bucket reduces over ('dp', 'tp') while TP-split leaves reduce over 'dp'.
+A bucket holds units of one reduction (`Unit.axes`); all flat buffers have the same type,
+which lets each bucket's collective be ordered after the previous one by a real data
+dependency (`_after`) - XLA's combiners would otherwise merge the independent buckets into
+one collective at the end of the backward, the opposite of the point.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap.collectives import to_varying, varying_axes
+
+MIB = 1 << 20
 
 
-def reduce_gradients(grads: Any, overlap_cfg, axis: str) -> Any:
-    """One psum over `axis` per gradient leaf: (shape of leaf) per device, summed over dp."""
-    return jax.tree.map(lambda g: jax.lax.psum(g, axis), grads)
+# ---------------------------------------------------------------------------------------------
+# The plan (pure data)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One gradient piece that buckets are made of.
+
+    Attributes:
+      leaf: index of the parameter leaf in `jax.tree.leaves(params)` order.
+      path: the leaf's path, for display ('blocks/w_in').
+      layer: which layer of a stacked leaf this unit is; None for a whole leaf.
+      shape: per-device gradient shape of the unit (without the layer dim).
+      nbytes: per-device bytes of the unit's fp32 gradient.
+      axes: mesh axes the gradient is summed over, e.g. ('dp',) or ('dp', 'tp').
+      segment: where the forward first uses it: 0 embedding, 1 + l block l, L + 1 head.
+      split_dim: ZeRO-1 only: the dim of `shape` split over `axes`; None reduces with psum.
+      group: extra packing key keeping a bucket's values of one type (see reduce_gradients).
+      rank: order of first use within the segment's forward (None: the leaf index); the
+        backward finishes the later-used units of a segment first.
+    """
+
+    leaf: int
+    path: str
+    layer: int | None
+    shape: tuple[int, ...]
+    nbytes: int
+    axes: tuple[str, ...]
+    segment: int
+    split_dim: int | None = None
+    group: tuple = ()
+    rank: int | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Units reduced by one collective.
+
+    Attributes:
+      index: position in `BucketPlan.buckets` (issue order: the order they become ready).
+      units: indices into `BucketPlan.units`.
+      nbytes: per-device fp32 bytes of the flat buffer.
+      axes: the shared `Unit.axes` (the collective's replica groups).
+      scatter: psum_scatter (ZeRO-1) instead of psum.
+      ready_segment: the forward segment whose backward completes the bucket (the smallest
+        segment of its units); its hook sits just before that segment's forward.
+    """
+
+    index: int
+    units: tuple[int, ...]
+    nbytes: int
+    axes: tuple[str, ...]
+    scatter: bool
+    ready_segment: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Which gradient units are reduced together, in the order the reductions are issued."""
+
+    units: tuple[Unit, ...]
+    buckets: tuple[Bucket, ...]
+    cap_bytes: int
+    order: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    def leaves(self) -> set[int]:
+        """Parameter leaves whose gradients this plan reduces."""
+        return {u.leaf for u in self.units}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One JSON-ready record per bucket (for reports and the bench)."""
+        def name(u):
+            return u.path + (f"[{u.layer}]" if u.layer is not None else "")
+
+        return [{"bucket": b.index, "bytes": b.nbytes, "axes": list(b.axes),
+                 "op": "psum_scatter" if b.scatter else "psum", "ready_segment": b.ready_segment,
+                 "units": [name(self.units[i]) for i in b.units]} for b in self.buckets]
+
+
+def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward") -> BucketPlan:
+    """Packs units into buckets of about `cap_bytes` (0: one bucket per unit).
+
+    Args:
+      units: every unit, in any order.
+      cap_bytes: a bucket is closed once it holds at least this many bytes.
+      order: 'backward' (the order the backward finishes units: highest segment first) or
+        'largest_first' (biggest units first, whatever their layer).
+
+    Returns:
+      The plan; buckets are listed in the order they are closed. Units with different
+      reductions (`axes`, scatter, `group`) never share a bucket; each kind fills its own.
+    """
+    units = tuple(units)
+    # Within a segment the backward finishes the later-used leaves first.
+    def rank(u):
+        return u.leaf if u.rank is None else u.rank
+
+    seq = sorted(range(len(units)), key=lambda i: (-units[i].segment, -rank(units[i])))
+    if order == "largest_first":
+        seq = sorted(seq, key=lambda i: -units[i].nbytes)
+    elif order != "backward":
+        raise ValueError(f"overlap.bucket_order: unknown order {order!r}")
+    open_: dict[tuple, list[int]] = {}
+    closed: list[list[int]] = []
+    for i in seq:
+        u = units[i]
+        members = open_.setdefault((u.axes, u.split_dim is not None, u.group), [])
+        members.append(i)
+        if sum(units[j].nbytes for j in members) >= cap_bytes:
+            closed.append(open_.pop((u.axes, u.split_dim is not None, u.group)))
+    # Flush what is left, in the order of each bucket's last unit.
+    pos = {u: p for p, u in enumerate(seq)}
+    closed += sorted(open_.values(), key=lambda m: pos[m[-1]])
+    buckets = tuple(
+        Bucket(index=k, units=tuple(m), nbytes=sum(units[i].nbytes for i in m),
+               axes=units[m[0]].axes, scatter=units[m[0]].split_dim is not None,
+               ready_segment=min(units[i].segment for i in m))
+        for k, m in enumerate(closed))
+    return BucketPlan(units, buckets, cap_bytes, order)
+
+
+def local_shape(global_shape: Sequence[int], spec: Sequence[Any], axis_sizes: dict[str, int]
+                ) -> tuple[int, ...]:
+    """Per-device shape of an array with this PartitionSpec on a mesh of these axis sizes."""
+    out = []
+    for i, n in enumerate(global_shape):
+        entry = spec[i] if i < len(spec) else None
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        out.append(n // math.prod(axis_sizes[a] for a in names))
+    return tuple(out)
+
+
+def spec_axes(spec: Sequence[Any]) -> tuple[str, ...]:
+    """Mesh axes a PartitionSpec mentions, in order, without repeats."""
+    names: list[str] = []
+    for entry in spec:
+        for a in (() if entry is None else (entry if isinstance(entry, tuple) else (entry,))):
+            if a not in names:
+                names.append(a)
+    return tuple(names)
+
+
+def split_dim(shape: Sequence[int], spec: Sequence[Any], parts: int) -> int | None:
+    """The dim of a per-device array that ZeRO-1 / FSDP split into `parts`, or None.
+
+    The largest dim divisible by `parts`, preferring dims not already split over another
+    axis (their PartitionSpec then just gains the new axes); None when no dim divides.
+    """
+    def free(i):
+        return i >= len(spec) or spec[i] is None
+
+    candidates = [i for i, n in enumerate(shape) if n % parts == 0 and n >= parts]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda i: (free(i), shape[i], -i))
+
+
+def with_axes(spec: Sequence[Any], dim: int | None, axes: Sequence[str], ndim: int):
+    """`spec` with mesh `axes` added (as the minor parts) to `dim`; unchanged for dim None."""
+    from jax.sharding import PartitionSpec as P
+
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if dim is not None:
+        e = entries[dim]
+        have = () if e is None else (e if isinstance(e, tuple) else (e,))
+        new = (*have, *axes)
+        entries[dim] = new[0] if len(new) == 1 else new
+    return P(*entries)
+
+
+def reduction_axes(spec: Sequence[Any], dp_axis: str, replicated_axes: Sequence[str]
+                   ) -> tuple[str, ...]:
+    """dp plus every axis of `replicated_axes` the leaf is stored replicated over (on those
+    its per-device gradient is a partial sum once the parameter is marked varying)."""
+    present = spec_axes(tuple(spec))
+    return (dp_axis, *(a for a in replicated_axes if a not in present and a != dp_axis))
+
+
+def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int], overlap,
+                    dp_axis: str, num_layers: int, skip_leaves: frozenset[int] = frozenset(),
+                    replicated_axes: Sequence[str] = (),
+                    use_rank: dict[int, int] | None = None) -> BucketPlan:
+    """The bucket plan of a {'embed', 'blocks', 'head'} parameter tree.
+
+    Args:
+      abstract_params: global parameter shapes (e.g. `jax.eval_shape(model.init, key)`).
+      specs: PartitionSpec per leaf (same tree).
+      axis_sizes: mesh axis name -> size.
+      overlap: `OverlapConfig` (grad_bucket_mb, bucket_order, zero1).
+      dp_axis: the data-parallel axis name.
+      num_layers: L, the leading dim of every 'blocks' leaf.
+      skip_leaves: leaves reduced elsewhere (FSDP blocks reduce-scatter in their backward).
+      replicated_axes: axes (e.g. ('tp',)) that leaves stored replicated over are marked
+        varying over, so their gradients are also summed over them.
+      use_rank: leaf -> order of first use in its segment's forward (see `Unit.rank`).
+
+    Returns:
+      The plan; 'blocks' leaves contribute one unit per layer.
+    """
+    paths_leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    itemsize = np.dtype(np.float32).itemsize
+    units: list[Unit] = []
+    for leaf, ((path, arr), spec) in enumerate(zip(paths_leaves, spec_leaves)):
+        if leaf in skip_leaves:
+            continue
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        spec = tuple(spec)
+        shape = local_shape(arr.shape, spec, axis_sizes)
+        axes = reduction_axes(spec, dp_axis, replicated_axes)
+        parts = math.prod(axis_sizes[a] for a in axes)
+        name = "/".join(keys)
+        if keys[0] == "blocks":
+            unit_shape = shape[1:]
+            dim = split_dim(unit_shape, spec[1:], parts) if overlap.zero1 else None
+            units += [Unit(leaf, name, layer, unit_shape, math.prod(unit_shape) * itemsize,
+                           axes, 1 + layer, dim, rank=(use_rank or {}).get(leaf))
+                      for layer in range(num_layers)]
+        else:
+            segment = 0 if keys[0] == "embed" else num_layers + 1
+            dim = split_dim(shape, spec, parts) if overlap.zero1 else None
+            units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
+                              segment, dim, rank=(use_rank or {}).get(leaf)))
+    return pack_units(units, int(overlap.grad_bucket_mb * MIB), overlap.bucket_order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat buffers: one collective per bucket
+
+
+def pack(values: Sequence[jax.Array], units: Sequence[Unit], parts: int, scatter: bool
+         ) -> jax.Array:
+    """A bucket's gradients as one buffer: (N,), or (parts, N/parts) to scatter, where row r
+    holds the r-th slice (along `split_dim`) of every unit."""
+    if scatter:
+        return jnp.concatenate([jnp.moveaxis(v, u.split_dim, 0).reshape(parts, -1)
+                                for v, u in zip(values, units)], axis=1)
+    return jnp.concatenate([v.reshape(-1) for v in values])
+
+
+def unpack(flat: jax.Array, units: Sequence[Unit], parts: int, scattered: bool
+           ) -> list[jax.Array]:
+    """Splits a reduced buffer back into per-unit arrays (this rank's slice if scattered)."""
+    out, start = [], 0
+    for u in units:
+        n = u.size // parts if scattered else u.size
+        piece = flat[start:start + n]
+        start += n
+        if scattered:
+            moved = (u.shape[u.split_dim] // parts,) + tuple(
+                s for i, s in enumerate(u.shape) if i != u.split_dim)
+            out.append(jnp.moveaxis(piece.reshape(moved), 0, u.split_dim))
+        else:
+            out.append(piece.reshape(u.shape))
+    return out
+
+
+def reduce_flat(flat: jax.Array, axes: str | tuple[str, ...], scatter: bool, comm_dtype: str
+                ) -> jax.Array:
+    """The bucket's one collective, optionally on a bf16 copy; the result is fp32."""
+    x = flat.astype(jnp.bfloat16) if comm_dtype == "bf16" else flat
+    if scatter:
+        # (parts, N/parts) per device -> (N/parts,) summed, over axes
+        x = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=False)
+    else:
+        x = jax.lax.psum(x, axes)  # (N,) per device, summed over axes
+    return x.astype(jnp.float32)
+
+
+def bucket_parts(bucket: Bucket, axis_sizes: dict[str, int]) -> int:
+    """How many ranks a bucket's collective spans."""
+    return math.prod(axis_sizes[a] for a in bucket.axes)
+
+
+def reduced_shape(bucket: Bucket, units: Sequence[Unit], axis_sizes: dict[str, int]
+                  ) -> tuple[int, ...]:
+    n = sum(units[i].size for i in bucket.units)
+    return (n // bucket_parts(bucket, axis_sizes),) if bucket.scatter else (n,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue inside the backward
+
+
+def vary_to(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """`x` marked varying over every axis of `axes` it does not already vary over."""
+    have = varying_axes(x)
+    return to_varying(x, tuple(a for a in axes if a not in have))
+
+
+def _after(flat: jax.Array, token: jax.Array) -> jax.Array:
+    """`flat`, made data-dependent on `token`.
+
+    XLA drops optimization barriers before its collective combiners run, and the combiners
+    merge any two collectives with no data path between them. Adding `0 * token` to one
+    element is exact for every finite token; a non-finite token (the previous bucket already
+    holds inf/NaN gradients) turns that one element into NaN, in a step whose gradient norm
+    is non-finite anyway.
+    """
+    tied = flat.reshape(-1)[:1] + 0.0 * token.astype(flat.dtype)
+    return flat.reshape(-1).at[:1].set(tied).reshape(flat.shape)
+
+
+def _bucket_hook(bucket: Bucket, units: tuple[Unit, ...], parts: int, comm_dtype: str,
+                 token_axes: tuple[str, ...]):
+    """Identity on a bucket's parameters whose VJP reduces the bucket into the sink's grad.
+
+    It also passes a one-element token through, from the hook applied before it in the
+    forward to the one applied after it. In the backward the token's cotangent runs the
+    other way: the bucket reduced first hands a slice of its result to the next one, which
+    ties it into its own buffer (`_after`). That keeps the buckets separate collectives in
+    issue order, constraining nothing but the order of reductions that share one
+    communication stream anyway.
+    """
+
+    @jax.custom_vjp
+    def hook(sink, token, accs, params):
+        del sink, accs
+        return params, token
+
+    def fwd(sink, token, accs, params):
+        del sink
+        return (params, token), accs
+
+    def bwd(accs, cts):
+        cts_params, ct_token = cts
+        grads = [ct.astype(jnp.float32) + acc for ct, acc in zip(cts_params, accs)]
+        flat = _after(pack(grads, units, parts, bucket.scatter), ct_token)
+        reduced = reduce_flat(flat, bucket.axes, bucket.scatter, comm_dtype)
+        # The parameters' own cotangent is dropped: the sink carries the result, and the
+        # token's cotangent carries the ordering to the bucket reduced next.
+        return reduced, vary_to(reduced[:1], token_axes), None, None
+
+    hook.defvjp(fwd, bwd)
+    return hook
+
+
+def make_sinks(plan: BucketPlan, axis_sizes: dict[str, int], marked_axes: Sequence[str]
+               ) -> list[jax.Array]:
+    """Zero inputs, one per bucket, typed like its reduced buffer: a psum result no longer
+    varies over the summed axes, a psum_scatter result is each rank's own slice."""
+    sinks = []
+    for b in plan.buckets:
+        axes = tuple(marked_axes) if b.scatter else tuple(a for a in marked_axes
+                                                          if a not in b.axes)
+        sinks.append(to_varying(jnp.zeros(reduced_shape(b, plan.units, axis_sizes),
+                                          jnp.float32), axes))
+    return sinks
+
+
+def unit_values(plan: BucketPlan, leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each unit's value from the parameter leaves (a layer slice for stacked leaves)."""
+    return [leaves[u.leaf] if u.layer is None else leaves[u.leaf][u.layer] for u in plan.units]
+
+
+class BucketHooks:
+    """The last microbatch's parameters, per unit, with bucket hooks applied as the forward
+    reaches each bucket's first use. Used while tracing one forward; not a pytree.
+
+    Within a segment, hooks are applied in reverse plan order so that the backward, which
+    meets them last-applied first, reduces the buckets in plan order.
+
+    Args:
+      plan: the bucket plan.
+      leaves: local parameter leaves, in `jax.tree.leaves` order, varying over `marked_axes`.
+      acc_leaves: gradients accumulated over the earlier microbatches (same tree).
+      sinks: `make_sinks(plan, axis_sizes, marked_axes)` (the values being differentiated).
+      axis_sizes: mesh axis name -> size.
+      marked_axes: the axes every parameter was marked varying over, e.g. ('dp', 'tp').
+      comm_dtype: 'fp32' | 'bf16'.
+    """
+
+    def __init__(self, plan: BucketPlan, leaves, acc_leaves, sinks, axis_sizes: dict[str, int],
+                 marked_axes: Sequence[str], comm_dtype: str):
+        self.plan = plan
+        self.values = unit_values(plan, leaves)
+        self._accs = unit_values(plan, acc_leaves)
+        self._sinks = list(sinks)
+        self._sizes, self._comm = axis_sizes, comm_dtype
+        self._by_leaf_layer = {(u.leaf, u.layer): i for i, u in enumerate(plan.units)}
+        self._token_axes = tuple(marked_axes)
+        self._token = to_varying(jnp.zeros((1,), jnp.float32), self._token_axes)
+
+    def enter(self, segment: int) -> None:
+        """Wraps every bucket that completes at `segment` (call before its forward)."""
+        for b in reversed(self.plan.buckets):
+            if b.ready_segment != segment:
+                continue
+            members = tuple(self.plan.units[i] for i in b.units)
+            hook = _bucket_hook(b, members, bucket_parts(b, self._sizes), self._comm,
+                                self._token_axes)
+            outs, self._token = hook(self._sinks[b.index], self._token,
+                                     [self._accs[i] for i in b.units],
+                                     [self.values[i] for i in b.units])
+            for i, v in zip(b.units, outs):
+                self.values[i] = v
+
+    def value(self, leaf: int, layer: int | None = None) -> jax.Array:
+        return self.values[self._by_leaf_layer[(leaf, layer)]]
+
+
+def assemble(plan: BucketPlan, reduced: Sequence[jax.Array], axis_sizes: dict[str, int]
+             ) -> dict[int, jax.Array]:
+    """Reduced bucket buffers -> gradient per leaf index (stacked leaves re-stacked)."""
+    pieces: dict[tuple[int, int | None], jax.Array] = {}
+    for b, flat in zip(plan.buckets, reduced):
+        members = [plan.units[i] for i in b.units]
+        for u, v in zip(members, unpack(flat, members, bucket_parts(b, axis_sizes), b.scatter)):
+            pieces[(u.leaf, u.layer)] = v
+    out: dict[int, jax.Array] = {}
+    for leaf in sorted(plan.leaves()):
+        layers = sorted(k[1] for k in pieces if k[0] == leaf and k[1] is not None)
+        out[leaf] = (jnp.stack([pieces[(leaf, l)] for l in layers]) if layers
+                     else pieces[(leaf, None)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# After the backward (pp > 1 executor, and the bucket-less baseline)
+
+
+def _axis_size(axis: str) -> int:
+    """Static size of a mesh axis inside shard_map (`axis_size` is missing on old JAX)."""
+    if hasattr(jax.lax, "axis_size"):
+        return jax.lax.axis_size(axis)
+    return jax.lax.psum(1, axis)
+
+
+def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None) -> Any:
+    """Sums per-replica gradients over `axis` after the backward, bucketed by size.
+
+    `grad_bucket_mb: 0` is one collective per leaf. Otherwise whole leaves are packed into
+    buckets (reverse tree order; after the backward every gradient is ready anyway), leaves
+    of one type (the other mesh axes they vary over) per bucket, and each bucket is one
+    collective on a flat buffer. `grad_comm_dtype: bf16` reduces a bf16 copy.
+
+    Args:
+      grads: per-device gradient tree (values varying over `axis`).
+      overlap_cfg: `OverlapConfig`.
+      axis: the data-parallel mesh axis name.
+      split_dims: optional tree (same structure, int or None leaves) of dims to
+        reduce-scatter over `axis` (ZeRO-1); None everywhere reduces with psum.
+
+    Returns:
+      The reduced gradients: full leaves, or each rank's slice along its split dim.
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    dims = ([None] * len(leaves) if split_dims is None
+            else treedef.flatten_up_to(split_dims))
+    dp = _axis_size(axis)
+    units = [Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
+                  group=tuple(sorted(varying_axes(g) - {axis})))
+             for i, (g, d) in enumerate(zip(leaves, dims))]
+    plan = pack_units(units, int(overlap_cfg.grad_bucket_mb * MIB), "backward")
+    out: list[Any] = [None] * len(leaves)
+    for b in plan.buckets:
+        members = [units[i] for i in b.units]
+        values = [leaves[u.leaf].astype(jnp.float32) for u in members]
+        flat = reduce_flat(pack(values, members, dp, b.scatter), axis, b.scatter,
+                           overlap_cfg.grad_comm_dtype)
+        for u, v in zip(members, unpack(flat, members, dp, b.scatter)):
+            out[u.leaf] = v.astype(leaves[u.leaf].dtype)
+    return jax.tree.unflatten(treedef, out)

@@ -122,8 +122,12 @@ def cmd_analyze(args) -> int:
     cfg = load_config(args)
     if args.target == "cpu":
         prepare_backend(cfg)
-    else:
+    else:  # compile for GPUs without one: the backend stays on CPU, the preset still applies
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if cfg.overlap.xla_preset != "none":
+            from jax_overlap import xla_flags
+
+            xla_flags.apply_preset(cfg.overlap.xla_preset)
     from jax_overlap.analysis import report
 
     print(report.analyze_command(cfg, args.target, as_json=args.json))

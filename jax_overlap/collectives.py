@@ -55,6 +55,23 @@ def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(lambda x: jax.lax.pvary(x, axes), tree)
 
 
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Mesh axes a value inside shard_map varies over (`aval.mat.varying` on jax 0.12,
+    `aval.vma` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """`x` marked varying over every axis any of `refs` varies over (a loop carry created
+    from constants must have the type the loop body gives it)."""
+    want = frozenset().union(*(varying_axes(r) for r in refs))
+    return to_varying(x, tuple(sorted(want - varying_axes(x))))
+
+
 def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
     return jax.lax.psum(x, par.tp_axis) if par.active else x
 

@@ -133,8 +133,8 @@ class _Host:
         self.rollbacks = int(got["rollbacks"])
 
 
-def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None = None
-        ) -> RunResult:
+def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None = None,
+        model: Any = None) -> RunResult:
     """Trains until `cfg.train.steps` updates are applied (resuming, rolling back as needed).
 
     Args:
@@ -142,6 +142,9 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
       run_dir: where metrics.jsonl, config.json and (by default) checkpoints are written.
       progress: show a progress bar on process 0.
       devices: run on these devices (default: all of the job's; their number must match the mesh).
+      model: a `jax_overlap.model_api.StagedModel` to train instead of the one `model.kind`
+        names (bring your own model; see docs/custom_models.md). A model with a
+        `data_stream(cfg)` method supplies its own batches.
 
     Returns:
       RunResult; `summary()` adds `rollbacks`, `steps_lost`, `skipped_steps`, `resumed_from`,
@@ -151,7 +154,7 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
       ConfigError: the checkpoint directory holds a run with another state layout.
     """
     os.makedirs(run_dir, exist_ok=True)
-    trainer = _Trainer(cfg, run_dir, progress, devices)
+    trainer = _Trainer(cfg, run_dir, progress, devices, model)
     return trainer.run()
 
 
@@ -159,13 +162,15 @@ class _Trainer:
     """One invocation of `run`: what its steps share (mesh, checkpointer, step function) and
     the counters its summary reports."""
 
-    def __init__(self, cfg: Config, run_dir: str, progress: bool, devices: list | None):
+    def __init__(self, cfg: Config, run_dir: str, progress: bool, devices: list | None,
+                 model: Any = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.is_main = jax.process_index() == 0
         self.mesh = mesh_from_config(cfg, devices)
-        self.model = build_model(cfg)
-        self.stream = datalib.stream_from_config(cfg)
+        self.model = build_model(cfg) if model is None else model
+        self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
+                       else datalib.stream_from_config(cfg))
         # The LR scale changes the schedule, never the optimizer state's structure.
         self.abstract = resilience.abstract_loop_state(
             self.model, cfg, self.mesh, steplib.make_optimizer(cfg.train))
