@@ -1,0 +1,467 @@
+"""Pipeline executor: runs any schedule table, tick by tick, inside one `shard_map`.
+
+A schedule (`jax_overlap.pipeline.schedules`) says which action each stage runs at each tick.
+`compile_program` turns it into small int tables -- per tick, per stage: which branch
+(idle, or F/B/W of the first / a middle / the last virtual stage), microbatch, chunk, which
+stash slots the action reads, and which slots this tick's arrivals are filed into. The
+executor is a `lax.scan` over ticks; each stage reads its row with `axis_index('pp')` and
+`lax.switch`es to that one action, so a tick costs only the work it executes.
+
+Communication: a stage sends at most one tensor per tick -- an activation to the next virtual
+stage (F) or an input gradient to the previous one (B). Neighbours are at +1 or -1 on the
+'pp' ring (interleaved wraps from the last stage to the first for the next chunk; ZB-V's
+chunk 1 runs up the stages, so its activations go to -1 and its gradients to +1), or on the
+same stage (ZB-V's turn at the bottom). So every tick ends with two `ppermute`s, one per ring
+direction (one when p = 2: both neighbours are the same stage), carrying this tick's output;
+the receiver's table knows statically which arrival is meaningful and for which
+(microbatch, chunk).
+
+Double buffering: the `ppermute` results land in inboxes carried by the scan, separate from
+the stash slots actions read, and are filed into slots at the start of the next tick. So a
+transfer in flight never aliases a slot that an action is reading, the two rings' transfers
+are independent of each other, and what is sent at tick t is readable from tick t+1 on --
+exactly the schedules' time model. That model lets a neighbour consume at t+1 what was sent
+at t, so such a transfer lies between two ticks on the critical path (as the p2p between
+Megatron's stages does); only values consumed later than t+1 are hidden.
+
+Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
+*input*; it stays in its slot until the last backward action of that (microbatch, chunk)
+(B, or W when the backward is split), which recomputes the chunk's forward under `jax.vjp`.
+Likewise a received output gradient stays until B (split: W). Slots are assigned statically
+from the table's lifetimes, so a stage holds `peak live (microbatch, chunk) tensors` slots,
+not `microbatches x chunks`. Memory trade-off: storing inputs costs one (b, T, D) tensor per
+live (microbatch, chunk) instead of every layer's residuals (a GPT block keeps on the order
+of ten (b, T, D)-sized ones -- LayerNorm inputs, q/k/v, the MLP's hidden activations -- plus
+(b, H, T, T) attention probabilities), paid for by one extra chunk forward per B (and per W
+when split).
+
+Split backward: B = vjp of the chunk w.r.t. its input only (sent up the pipe), W = vjp w.r.t.
+the chunk's weights from the stashed input and output gradient; without the split, B does
+both in one vjp. XLA drops the weight-gradient matmuls from B, but W has only the chunk's
+output gradient, so it recomputes the forward and backpropagates through every layer of the
+chunk: a W costs about a whole non-split B (measured in bench/pipeline.py). The split buys
+scheduling freedom, not less work; making W cheap needs B to keep each matmul's output
+gradient (and input) so that W is only the weight-gradient matmuls.
+
+Embedding and head: F of virtual stage 0 embeds the microbatch's tokens, F of the last
+virtual stage ends in the head and adds loss / (global loss count); their backward (B, or W
+when split) produces the embedding / head gradients on the stage that owns them. Those are
+summed over 'pp' at the end (with tied embeddings the head's use of `wte` and the embedding's
+add up there), then the gradients go through the explicit DP reduction of `buckets`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap.collectives import Parallel, to_varying
+from jax_overlap.mesh import DP, PP, rules_for, tree_specs
+from jax_overlap.pipeline.schedules import Schedule, Task, make_schedule
+
+# ------------------------------------------------------------------------------ program
+
+IDLE = 0  # branch 0 of every program
+KIND_ORDER = ("F", "B", "W")
+ROLE_ORDER = ("first", "mid", "last")
+# Columns of the per-(tick, stage) table.
+FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
+          "file_self")
+COL = {name: i for i, name in enumerate(FIELDS)}
+ROUTES = ("down", "up", "self")
+
+
+@dataclass(frozen=True)
+class TickProgram:
+    """A schedule compiled into the int tables the executor indexes.
+
+    Attributes:
+      schedule: the schedule it was compiled from.
+      branches: `(kind, role)` of branch 1, 2, ...; branch 0 is idle. `role` is `first`
+        (virtual stage 0: embeds), `last` (last virtual stage: head and loss) or `mid`.
+      table: int32 `(ticks, stages, len(FIELDS))`; unused slot columns hold `trash`.
+      slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
+        absorbs writes of arrivals that carry nothing.
+      down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.
+      up_pairs: same for the -1 ring.
+      local_handoff: whether an output is consumed on the stage that produced it (ZB-V).
+    """
+
+    schedule: Schedule
+    branches: tuple[tuple[str, str], ...]
+    table: np.ndarray
+    slots: int
+    down_pairs: tuple[tuple[int, int], ...]
+    up_pairs: tuple[tuple[int, int], ...]
+    local_handoff: bool
+
+    @property
+    def ticks(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def trash(self) -> int:
+        return self.slots
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of the table, `(ticks, stages)`."""
+        return self.table[:, :, COL[name]]
+
+    def idle_fraction(self) -> float:
+        """Idle stage-ticks / (stages x ticks) of the table the executor runs."""
+        return float(np.mean(self.column("branch") == IDLE))
+
+
+def _role(virtual_stage: int, num_virtual_stages: int) -> str:
+    if virtual_stage == 0:
+        return "first"
+    return "last" if virtual_stage == num_virtual_stages - 1 else "mid"
+
+
+def _route(src: int, dst: int, stages: int) -> str:
+    """Which ring a message from stage `src` to `dst` travels on."""
+    delta = (dst - src) % stages
+    if delta == 0:
+        return "self"
+    if delta == 1:  # checked first: with 2 stages +1 and -1 are the same neighbour
+        return "down"
+    if delta == stages - 1:
+        return "up"
+    raise ValueError(f"schedule placement sends from stage {src} to stage {dst}, which is not a "
+                     f"neighbour on the pp ring; the executor only moves data by +-1 stage")
+
+
+def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Greedy interval colouring: a slot is reused once its last reader's tick has passed.
+
+    Args:
+      intervals: `(first tick, last tick, key)`, inclusive; a value filed at the start of
+        tick t may reuse a slot whose last read was at tick t-1 or earlier.
+
+    Returns:
+      (key -> slot, number of slots).
+    """
+    slot_of: dict[Any, int] = {}
+    busy_until: list[int] = []
+    for start, end, key in sorted(intervals, key=lambda iv: (iv[0], iv[1], repr(iv[2]))):
+        free = [i for i, until in enumerate(busy_until) if until < start]
+        slot = free[0] if free else len(busy_until)
+        if slot == len(busy_until):
+            busy_until.append(end)
+        else:
+            busy_until[slot] = end
+        slot_of[key] = slot
+    return slot_of, len(busy_until)
+
+
+def _messages(s: Schedule, tick_of: dict[Task, int]):
+    """Every transfer of a step: when and where it arrives, its ring, how long it is kept.
+
+    ('x', mb, vs) is the input of virtual stage vs, sent by F(mb, vs-1); ('g', mb, vs) is the
+    gradient of vs's output, sent by B(mb, vs+1). Each arrives at (and is filed at the start
+    of) the tick after it was sent and stays in a slot of its receiver until the last
+    backward action of (mb, vs) -- B, or W when split -- has read it.
+
+    Returns:
+      (arrivals: (tick, stage, route) -> key, per-stage lifetimes [(first, last, key)],
+       route -> set of (src, dst) stage pairs used).
+    """
+    p, n_vs = s.stages, s.stages * s.virtual_stages
+    last_kind = "W" if s.split_backward else "B"
+    arrivals: dict[tuple[int, int, str], tuple] = {}
+    lifetimes: list[list] = [[] for _ in range(p)]
+    pairs: dict[str, set] = {route: set() for route in ROUTES}
+    for (kind, mb, vs), t in tick_of.items():
+        if kind == "F" and vs < n_vs - 1:
+            key, target = ("x", mb, vs + 1), vs + 1
+        elif kind == "B" and vs > 0:
+            key, target = ("g", mb, vs - 1), vs - 1
+        else:
+            continue
+        src, dst = s.placement[vs][0], s.placement[target][0]
+        route = _route(src, dst, p)
+        pairs[route].add((src, dst))
+        arrivals[(t + 1, dst, route)] = key
+        lifetimes[dst].append((t + 1, tick_of[Task(last_kind, mb, target)], key))
+    return arrivals, lifetimes, pairs
+
+
+def compile_program(schedule: Schedule) -> TickProgram:
+    """Turns a schedule table into the executor's int tables.
+
+    Args:
+      schedule: a valid schedule (checked with `validate`).
+
+    Returns:
+      The `TickProgram`.
+
+    Raises:
+      ScheduleError: if the table is not valid; ValueError if the placement needs a
+        transfer between non-neighbouring stages.
+    """
+    from jax_overlap.pipeline.validate import validate
+
+    validate(schedule)
+    s = schedule
+    p, n_vs = s.stages, s.stages * s.virtual_stages
+    tick_of = {s.task(d, a): t for d, row in enumerate(s.grid) for t, a in enumerate(row)
+               if a is not None}
+    arrivals, lifetimes, pairs = _messages(s, tick_of)
+    slot_of: dict[tuple[int, tuple], int] = {}
+    slots = 0
+    for d in range(p):
+        assigned, used = _allocate(lifetimes[d])
+        slot_of.update({(d, key): slot for key, slot in assigned.items()})
+        slots = max(slots, used)
+    trash = slots
+
+    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs)
+             for d, row in enumerate(s.grid) for a in row if a is not None}
+    used = {(a.kind, role) for (_, a), role in roles.items()}
+    branches = tuple((k, r) for k in KIND_ORDER for r in ROLE_ORDER if (k, r) in used)
+    branch_id = {b: i + 1 for i, b in enumerate(branches)}
+    table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
+    table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"]]] = 0  # idle
+    for (d, a), role in roles.items():
+        entry = table[tick_of[s.task(d, a)], d]
+        vs = s.virtual_stage(d, a.chunk)
+        entry[COL["branch"]] = branch_id[(a.kind, role)]
+        entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk
+        entry[COL["x_slot"]] = slot_of.get((d, ("x", a.microbatch, vs)), trash)
+        entry[COL["g_slot"]] = slot_of.get((d, ("g", a.microbatch, vs)), trash)
+    for (t, d, route), key in arrivals.items():
+        table[t, d, COL["file_" + route]] = slot_of[(d, key)]
+    return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
+                       tuple(sorted(pairs["up"])), bool(pairs["self"]))
+
+
+def program_for(cfg) -> TickProgram:
+    """The compiled schedule a config's pipeline runs."""
+    schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                             cfg.pipeline.virtual_stages)
+    return compile_program(schedule)
+
+
+# ----------------------------------------------------------------------- varying types
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes `x` varies over inside `shard_map` (jax 0.12: manual_axis_type; 0.11: vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _vary(x, axes) -> jax.Array:
+    """Marks `x` varying over `axes`, skipping the ones it already varies over."""
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    return to_varying(x, missing)
+
+
+def _like(tree, ref) -> Any:
+    """Casts every leaf to its reference leaf's varying axes (switch branches must agree)."""
+    return jax.tree.map(lambda x, r: _vary(x, sorted(_varying_axes(r))), tree, ref)
+
+
+# ---------------------------------------------------------------------------- executor
+
+
+def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
+    """Per role, `(weights, x, targets) -> output` of one virtual stage.
+
+    `weights` holds the chunk's stacked layers under 'chunk' and, where used, 'embed' and
+    'head'. `first` takes token ids, `last` returns its share of the global mean loss.
+    """
+
+    def run_chunk(chunk_params, x_btd):
+        def layer(x, p_layer):
+            return model.block(p_layer, x, par), None
+
+        return jax.lax.scan(layer, x_btd, chunk_params)[0]
+
+    def first(w, ids_bt, targets_bt):
+        del targets_bt
+        return run_chunk(w["chunk"], model.embed(w["embed"], ids_bt, par))
+
+    def mid(w, x_btd, targets_bt):
+        del targets_bt
+        return run_chunk(w["chunk"], x_btd)
+
+    def last(w, x_btd, targets_bt):
+        y_btd = run_chunk(w["chunk"], x_btd)
+        return model.head_loss(w["embed"], w["head"], y_btd, targets_bt, par) / count
+
+    return {"first": first, "mid": mid, "last": last}
+
+
+def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap):
+    """One device's loss and gradients for a whole step; see the module docstring."""
+    from jax_overlap import buckets
+    from jax_overlap.step import microbatched
+
+    s = program.schedule
+    v, split = s.virtual_stages, s.split_backward
+    stage = jax.lax.axis_index(PP)
+    # Global divisor first, so every microbatch's loss is already scaled to the global mean.
+    count = jax.lax.psum(model.loss_count(batch["targets"]), DP)  # () per device, over dp
+    # Per-replica, per-stage values: autodiff must not reduce over dp or pp behind our back.
+    params = jax.tree.map(lambda x: _vary(x, (DP, PP)), params)
+    blocks_vn = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]),
+                             params["blocks"])
+    mbs = microbatched(batch, s.microbatches)
+    ids_mbt, targets_mbt = mbs["inputs"], mbs["targets"]
+
+    # What travels between stages: one microbatch's activations (shape, dtype and varying
+    # axes as the embedding produces them; the probe is dead code after tracing).
+    probe_btd = model.embed(params["embed"], ids_mbt[0], par)
+    act_axes = sorted(_varying_axes(probe_btd) | {DP, PP})
+    zeros_btd = _vary(jnp.zeros(probe_btd.shape, probe_btd.dtype), act_axes)
+    pool_sbtd = _vary(jnp.zeros((program.slots + 1, *probe_btd.shape), probe_btd.dtype),
+                      act_axes)
+    grads0 = {"embed": jax.tree.map(jnp.zeros_like, params["embed"]),
+              "blocks": jax.tree.map(jnp.zeros_like, blocks_vn),
+              "head": jax.tree.map(jnp.zeros_like, params["head"])}
+    loss0 = _vary(jnp.zeros((), jnp.float32), (DP, PP))
+    fns = _stage_functions(model, par, count)
+
+    def weights(role, chunk):
+        w = {"chunk": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, chunk, 0, False),
+                                   blocks_vn)}
+        if role in ("first", "last"):
+            w["embed"] = params["embed"]
+        if role == "last":
+            w["head"] = params["head"]
+        return w
+
+    def accumulate(grads, dw, chunk):
+        grads = dict(grads)
+        grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
+                                       dw["chunk"])
+        for part in ("embed", "head"):
+            if part in dw:
+                grads[part] = jax.tree.map(jnp.add, grads[part], dw[part])
+        return grads
+
+    def make_branch(kind: str, role: str) -> Callable:
+        fn = fns[role]
+
+        def branch(pool, grads, loss, row):
+            mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+            w = weights(role, chunk)
+            x = ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
+            targets_bt = targets_mbt[mb]
+            out, dw = zeros_btd, None
+            if kind == "F":
+                y = fn(w, x, targets_bt)
+                if role == "last":
+                    loss = loss + y
+                else:
+                    out = y
+            else:
+                want_w = kind == "W" or not split
+                want_x = kind == "B" and role != "first"  # token ids have no gradient
+                if want_w and want_x:
+                    y, vjp = jax.vjp(lambda w_, x_: fn(w_, x_, targets_bt), w, x)
+                elif want_w:
+                    y, vjp = jax.vjp(lambda w_: fn(w_, x, targets_bt), w)
+                elif want_x:
+                    y, vjp = jax.vjp(lambda x_: fn(w, x_, targets_bt), x)
+                else:  # split B of virtual stage 0: nothing to compute, W does the work
+                    y, vjp = None, None
+                if vjp is not None:
+                    ct = jnp.ones_like(y) if role == "last" else pool[row[COL["g_slot"]]]
+                    cts = vjp(ct)
+                    if want_w:
+                        dw = cts[0]
+                    if want_x:
+                        out = cts[-1]
+            if dw is not None:
+                grads = accumulate(grads, dw, chunk)
+            return _like((grads, loss, out), (grads0, loss0, zeros_btd))
+
+        return branch
+
+    def idle(pool, grads, loss, row):
+        del pool, row
+        return grads, loss, zeros_btd
+
+    branches = [idle] + [make_branch(k, r) for k, r in program.branches]
+
+    def ring(out_btd, pairs):
+        if not pairs:
+            return zeros_btd
+        return jax.lax.ppermute(out_btd, PP, perm=list(pairs))  # (b, T, D) per device, over pp
+
+    def tick(carry, rows):
+        pool, inbox_down, inbox_up, inbox_self, grads, loss = carry
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        # File last tick's arrivals (a slot of `trash` when nothing meaningful arrived).
+        if program.down_pairs:
+            pool = pool.at[row[COL["file_down"]]].set(inbox_down)
+        if program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
+            pool = pool.at[row[COL["file_up"]]].set(inbox_up)
+        if program.local_handoff:
+            pool = pool.at[row[COL["file_self"]]].set(inbox_self)
+        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        inbox_down = ring(out, program.down_pairs)
+        inbox_up = ring(out, program.up_pairs)
+        inbox_self = out if program.local_handoff else inbox_self
+        return (pool, inbox_down, inbox_up, inbox_self, grads, loss), None
+
+    carry0 = (pool_sbtd, zeros_btd, zeros_btd, zeros_btd, grads0, loss0)
+    (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, jnp.asarray(program.table))
+
+    loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
+    grads = {
+        # Each stage holds its own layers' gradients: nothing to combine over pp.
+        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), grads["blocks"]),
+        # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
+        # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
+        "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
+        "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
+    }
+    return loss, buckets.reduce_gradients(grads, overlap, DP)
+
+
+def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
+                                 program: TickProgram | None = None) -> Callable:
+    """(params, batch) -> (mean loss, grads) for pp > 1, as one `shard_map` over the mesh.
+
+    Args:
+      model: a `StagedModel`.
+      cfg: the config (mesh, pipeline schedule / microbatches / virtual stages, overlap).
+      mesh: the (dp, pp, tp) mesh.
+      par: the TP context (`step.parallel_context(cfg)`).
+      program: run this program instead of `program_for(cfg)` (benchmarks time hand-made
+        tables with it; only a program compiled from a valid schedule computes gradients).
+
+    Returns:
+      A function with the same contract as the pp=1 path of `step.make_loss_and_grads`:
+      params in the staged layout (`jax_overlap.pipeline.layout`) sharded as
+      `step.param_shardings`, batch split over dp; returns the replicated mean loss and the
+      gradients laid out as the params. Its `program` attribute is the `TickProgram` run.
+    """
+    from jax_overlap.step import shard_map
+
+    program = program_for(cfg) if program is None else program
+    if program.schedule.stages != mesh.shape[PP]:
+        raise ValueError(f"mesh.pp: the mesh has {mesh.shape[PP]} stages, the schedule "
+                         f"{program.schedule.stages}")
+    param_specs = tree_specs(model.param_axes(), rules_for(cfg.mesh.pp))
+    body = partial(_per_device, model=model, program=program, par=par, overlap=cfg.overlap)
+    mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
+                       out_specs=(P(), param_specs))
+
+    def loss_and_grads(params, batch):
+        return mapped(params, batch)
+
+    loss_and_grads.program = program
+    return loss_and_grads

@@ -1,0 +1,262 @@
+"""The pipeline executor computes the single-device loss and gradients, for every schedule.
+
+Default run (compile time is the budget): every schedule at least once, every mesh of
+pp4 x dp2, pp2 x tp2 x dp2, pp4 x tp2 and pp2 x dp4, microbatches pp and 2 pp, tied and
+untied embeddings, and one 4-step training curve against pp=1. `make test-slow` sweeps every
+schedule x mesh x microbatch count, sequence-parallel TP, and curves for every schedule.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY, max_rel_err, np_batch, rel
+from jax_overlap import config, mesh as meshlib, step as steplib, train
+from jax_overlap.pipeline import executor, layout, schedules
+from models.gpt import GPT
+
+CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
+LAYERS = 8  # divisible by pp x chunks for every case below
+
+# (schedule, pp, dp, tp, microbatches, tied)
+DEFAULT_CASES = [
+    ("1f1b", 4, 2, 1, 8, True),
+    ("interleaved", 4, 2, 1, 4, True),
+    ("zb-v", 4, 2, 1, 4, True),
+    ("1f1b", 2, 2, 2, 2, False),
+    ("zb-h1", 2, 2, 2, 4, True),
+    ("interleaved", 2, 4, 1, 4, False),
+    ("gpipe", 2, 4, 1, 2, False),
+    ("zb-v", 4, 1, 2, 8, False),
+]
+MESHES = [(4, 2, 1), (2, 2, 2), (4, 1, 2), (2, 4, 1)]  # (pp, dp, tp)
+SLOW_CASES = [(name, pp, dp, tp, m, i % 2 == 0) for i, (name, (pp, dp, tp), m) in enumerate(
+    (name, mesh, m) for name in schedules.SCHEDULES for mesh in MESHES
+    for m in (mesh[0], 2 * mesh[0]))]
+
+
+def pipeline_cfg(name, pp, dp, tp, m, tied=True, extra=()):
+    return config.load(TINY, [
+        f"mesh.pp={pp}", f"mesh.dp={dp}", f"mesh.tp={tp}", f"model.layers={LAYERS}",
+        f"model.tied_embeddings={str(tied).lower()}", f"pipeline.schedule={name}",
+        f"pipeline.microbatches={m}", f"pipeline.virtual_stages={CHUNKS[name]}", *extra])
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-device loss and gradients, per tied/untied model (computed once each)."""
+    cache = {}
+
+    def get(tied):
+        if tied not in cache:
+            cfg = pipeline_cfg("1f1b", 2, 4, 1, 2, tied)
+            model = GPT.from_config(cfg.model)
+            params = model.init(jax.random.key(cfg.train.seed))
+            batch = np_batch(cfg)
+            loss, grads = jax.jit(jax.value_and_grad(
+                lambda p: steplib.reference_loss(model, p, batch)))(params)
+            cache[tied] = (model, params, batch, float(loss), grads)
+        return cache[tied]
+
+    return get
+
+
+def check_equivalence(references, name, pp, dp, tp, m, tied, extra=()):
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
+    model, params, batch, ref_loss, ref_grads = references(tied)
+    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
+    perm = layout.layer_permutation(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    staged = jax.device_put(layout.to_staged(params, perm), steplib.param_shardings(model, mesh))
+    loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
+    assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
+    assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
+    # Gradients come back laid out as the parameters: blocks split over pp, not gathered.
+    expected = steplib.param_shardings(model, mesh)["blocks"]["w_in"]
+    assert grads["blocks"]["w_in"].sharding.is_equivalent_to(expected, 3)
+    # The executor ran exactly the schedule's table: its idle stage-ticks are the bubble.
+    program = loss_and_grads.program
+    assert program.schedule.name == name and program.ticks == program.schedule.ticks
+    assert program.idle_fraction() == pytest.approx(
+        schedules.bubble_fraction(program.schedule), abs=1e-12)
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied", DEFAULT_CASES)
+def test_pipeline_matches_single_device(references, name, pp, dp, tp, m, tied):
+    check_equivalence(references, name, pp, dp, tp, m, tied)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied", SLOW_CASES)
+def test_pipeline_matches_single_device_sweep(references, name, pp, dp, tp, m, tied):
+    check_equivalence(references, name, pp, dp, tp, m, tied)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_pipeline_with_sequence_parallel_tp(references, name):
+    check_equivalence(references, name, 2, 2, 2, 4, True, ["overlap.tp_comm=sequence_parallel"])
+
+
+# ------------------------------------------------------------------------- layout
+
+
+def test_staged_permutation_puts_each_stage_layers_contiguously():
+    interleaved = schedules.make_schedule("interleaved", 2, 2, 2)
+    # Stage 0 holds virtual stages 0 and 2, stage 1 holds 1 and 3 (2 layers each).
+    assert layout.staged_permutation(8, interleaved).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    zbv = schedules.make_schedule("zb-v", 2, 2)
+    # V placement: stage 0 holds virtual stages 0 and 3, stage 1 holds 1 and 2.
+    assert layout.staged_permutation(4, zbv).tolist() == [0, 3, 1, 2]
+    assert layout.staged_permutation(8, schedules.make_schedule("1f1b", 4, 4)).tolist() == \
+        list(range(8))
+    with pytest.raises(ValueError, match="model.layers"):
+        layout.staged_permutation(6, interleaved)
+    assert layout.layer_permutation(pipeline_cfg("1f1b", 4, 2, 1, 4)) is None
+    assert layout.layer_permutation(pipeline_cfg("zb-v", 2, 4, 1, 2)).tolist() == \
+        [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+def test_to_staged_and_to_logical_are_inverse_on_a_whole_state():
+    cfg = pipeline_cfg("interleaved", 4, 2, 1, 4)
+    perm = layout.layer_permutation(cfg)
+    blocks = {"w": np.arange(8 * 3).reshape(8, 3)}
+    state = {"params": {"blocks": blocks, "embed": {"wte": np.ones((2, 2))}},
+             "opt": ({"mu": {"blocks": blocks}}, np.int32(3))}
+    staged = layout.to_staged(state, perm)
+    np.testing.assert_array_equal(staged["params"]["blocks"]["w"], blocks["w"][perm])
+    np.testing.assert_array_equal(staged["opt"][0]["mu"]["blocks"]["w"], blocks["w"][perm])
+    np.testing.assert_array_equal(staged["params"]["embed"]["wte"], np.ones((2, 2)))
+    back = layout.to_logical(staged, perm)
+    jax.tree.map(np.testing.assert_array_equal, back, state)
+
+
+def test_init_state_has_the_same_values_on_every_mesh():
+    opt = steplib.make_optimizer(pipeline_cfg("1f1b", 2, 4, 1, 2).train)
+    flat_cfg = config.load(TINY, ["mesh.dp=8", "mesh.tp=1", f"model.layers={LAYERS}"])
+    model = GPT.from_config(flat_cfg.model)
+    flat = steplib.init_state(model, flat_cfg, meshlib.mesh_from_config(flat_cfg), opt)
+    cfg = pipeline_cfg("zb-v", 4, 1, 2, 4)
+    staged = steplib.init_state(model, cfg, meshlib.mesh_from_config(cfg), opt)
+    perm = layout.layer_permutation(cfg)
+    assert perm is not None
+    jax.tree.map(np.testing.assert_array_equal,
+                 layout.to_logical(staged.params, perm), flat.params)
+    assert staged.params["blocks"]["w_in"].sharding.spec[0] == "pp"
+
+
+# ------------------------------------------------------------------------ program
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_executed_bubble_equals_theory(name):
+    for p in (2, 4):
+        for m in (p, 2 * p):
+            program = executor.compile_program(
+                schedules.make_schedule(name, p, m, CHUNKS[name]))
+            idle = int(np.sum(program.column("branch") == executor.IDLE))
+            assert idle / (p * program.ticks) == pytest.approx(
+                schedules.bubble_formula(name, p, m, CHUNKS[name]), abs=1e-12)
+
+
+def test_stash_slots_follow_lifetimes_not_microbatch_count():
+    for m in (4, 16):
+        program = executor.compile_program(schedules.make_schedule("1f1b", 4, m))
+        # 1F1B stage 1 holds at most 3 inputs plus one output gradient waiting for its B.
+        assert program.slots == 5
+    gpipe = executor.compile_program(schedules.make_schedule("gpipe", 4, 16))
+    assert gpipe.slots == 17  # every input is held through the turn-around
+
+
+def test_program_routes_follow_the_placement():
+    interleaved = executor.compile_program(schedules.make_schedule("interleaved", 4, 4, 2))
+    assert (3, 0) in interleaved.down_pairs  # last stage's chunk 0 feeds stage 0's chunk 1
+    assert (0, 3) in interleaved.up_pairs
+    assert not interleaved.local_handoff
+    zbv = executor.compile_program(schedules.make_schedule("zb-v", 4, 4))
+    assert zbv.local_handoff  # the V's turn at the bottom stays on stage 3
+    assert (3, 0) not in zbv.down_pairs and (0, 3) not in zbv.up_pairs
+    one_f = executor.compile_program(schedules.make_schedule("1f1b", 4, 4))
+    assert one_f.down_pairs == ((0, 1), (1, 2), (2, 3))
+    assert one_f.up_pairs == ((1, 0), (2, 1), (3, 2))
+
+
+def _primitives(jaxpr):
+    """Names of every primitive in `jaxpr`, recursing into sub-jaxprs."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for sub in _sub_jaxprs(eqn):
+            names += _primitives(sub)
+    return names
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _find(jaxpr, primitive, **params):
+    """First equation of `primitive` (with these param values), depth first."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive and all(eqn.params.get(k) == v
+                                                   for k, v in params.items()):
+            return eqn
+        for sub in _sub_jaxprs(eqn):
+            found = _find(sub, primitive, **params)
+            if found is not None:
+                return found
+    return None
+
+
+def test_a_tick_runs_one_action_through_a_switch():
+    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch."""
+    cfg = pipeline_cfg("zb-h1", 4, 2, 1, 4)
+    model = GPT.from_config(cfg.model)
+    mesh = meshlib.mesh_from_config(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in np_batch(cfg).items()}
+    closed = jax.make_jaxpr(loss_and_grads)(params, batch)
+    program = loss_and_grads.program
+    tick = _find(closed.jaxpr, "scan", length=program.ticks).params["jaxpr"].jaxpr
+    outside = [e.primitive.name for e in tick.eqns]
+    assert outside.count("cond") == 1 and outside.count("ppermute") == 2
+    assert "dot_general" not in outside and "scan" not in outside
+    switch = next(e for e in tick.eqns if e.primitive.name == "cond")
+    branches = switch.params["branches"]
+    assert len(branches) == 1 + len(program.branches)
+    assert "dot_general" not in _primitives(branches[executor.IDLE].jaxpr)
+    for (kind, role), branch in zip(program.branches, branches[1:]):
+        if (kind, role) != ("B", "first"):  # split B of virtual stage 0: nothing to do
+            assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
+
+
+# ----------------------------------------------------------------------- training
+
+
+def _curve(cfg, tmp_path, name):
+    devices = jax.devices()[: cfg.num_devices]
+    return train.run(cfg, str(tmp_path / name), progress=False, devices=devices).losses
+
+
+@pytest.fixture(scope="module")
+def flat_curve(tmp_path_factory):
+    cfg = config.load(TINY, ["mesh.dp=2", "mesh.tp=1", f"model.layers={LAYERS}"])
+    return _curve(cfg, tmp_path_factory.mktemp("flat"), "pp1")
+
+
+def test_training_curve_matches_pp1(flat_curve, tmp_path):
+    losses = _curve(pipeline_cfg("interleaved", 4, 2, 1, 4), tmp_path, "interleaved")
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v"])
+def test_training_curve_matches_pp1_sweep(flat_curve, tmp_path, name):
+    losses = _curve(pipeline_cfg(name, 4, 1, 2, 8, tied=True), tmp_path, name)
+    assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)

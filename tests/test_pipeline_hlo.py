@@ -1,0 +1,103 @@
+"""What XLA compiles for a pp=4 pipeline step: two collective-permutes per tick, in the loop.
+
+One compile of the 1F1B step on pp4 x dp2. The tick loop is the `while` whose trip count is
+the schedule's tick count; its body must hold exactly the forward send (+1 ring) and the
+backward send (-1 ring), each one microbatch of activations, and the actions behind one
+`conditional`. Nothing may all-gather activations (the pipeline moves them point to point).
+"""
+
+import re
+
+import jax
+import pytest
+
+from helpers import TINY, np_batch
+from jax_overlap import config, mesh as meshlib, step as steplib
+from models.gpt import GPT
+
+PP, DP, MICROBATCHES = 4, 2, 4
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
+                             "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}"])
+    model = GPT.from_config(cfg.model)
+    mesh = meshlib.mesh_from_config(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    # 1F1B places one chunk per stage: the staged layer order is the logical one.
+    params = jax.device_put(model.init(jax.random.key(0)), steplib.param_shardings(model, mesh))
+    batch = steplib.put_batch(np_batch(cfg), mesh)
+    text = jax.jit(loss_and_grads).lower(params, batch).compile().as_text()
+    b = cfg.train.global_batch // DP // MICROBATCHES
+    return text, loss_and_grads.program, (b, cfg.model.seq_len, cfg.model.d_model)
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines (HLO text: a header line ending in '{')."""
+    comps, name = {}, None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header:
+            name = header.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    return comps
+
+
+def _tick_loop_body(text: str, ticks: int) -> str:
+    """Name of the body of the `while` that runs `ticks` iterations."""
+    bodies = [m.group(1) for m in re.finditer(
+        r"while\(.*body=%?([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"\}", text)
+        if int(m.group(2)) == ticks]
+    assert len(bodies) == 1, bodies
+    return bodies[0]
+
+
+def _pairs(line: str) -> set[tuple[int, int]]:
+    body = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line).group(1)
+    return {tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", body)}
+
+
+def test_two_collective_permutes_per_tick_inside_the_loop(compiled):
+    text, program, act_shape = compiled
+    comps = _computations(text)
+    body = _tick_loop_body(text, program.ticks)
+    permutes = [line for name, lines in comps.items() for line in lines
+                if " collective-permute(" in line or " collective-permute-start(" in line]
+    in_body = [line for line in comps[body] if line in permutes]
+    assert len(permutes) == 2 and len(in_body) == 2  # nothing permuted outside the loop
+    shape = "f32[" + ",".join(map(str, act_shape)) + "]"
+    assert all(shape in line for line in in_body), in_body  # one microbatch's activations
+    # Partition ids are positions in the (dp, pp, tp) device grid: id = dp * PP + stage.
+    ids = {(d, s): d * PP + s for d in range(DP) for s in range(PP)}
+    down = {(ids[d, s], ids[d, s + 1]) for d in range(DP) for s in range(PP - 1)}
+    up = {(b, a) for a, b in down}
+    assert sorted(map(_pairs, in_body), key=sorted) == sorted([down, up], key=sorted)
+    assert program.down_pairs == tuple((s, s + 1) for s in range(PP - 1))
+    # The actions sit behind one conditional with one branch per action kind (+ idle).
+    conditionals = [line for line in comps[body] if " conditional(" in line]
+    assert len(conditionals) == 1
+    branches = re.search(r"branch_computations=\{([^}]*)\}", conditionals[0]).group(1)
+    assert len(branches.split(",")) == 1 + len(program.branches)
+
+
+def test_per_step_collective_counts_from_the_hlo_reader(compiled):
+    text, program, _ = compiled
+    hlo = pytest.importorskip("jax_overlap.analysis.hlo")
+    report = hlo.analyze_hlo(text)
+    permutes = [op for op in report.ops if op.kind == "collective-permute"]
+    assert len(permutes) == 2
+    assert all(op.executions_per_step == program.ticks for op in permutes)
+    assert report.collectives["collective-permute"].count == 2 * program.ticks
+
+
+def test_no_all_gather_of_activations(compiled):
+    text, _, (_, t, d) = compiled
+    results = [m.group(1) for m in re.finditer(r"= (\S+) all-gather(?:-start)?\(", text)]
+    # A gathered (..., b, T, D) array would be activations (the only (T, D) weight is wpe).
+    activation_like = [shape for shape in results if re.search(rf"\[(\d+,)+{t},{d}\]", shape)]
+    assert not activation_like, activation_like
