@@ -297,7 +297,8 @@ def validate(cfg: Config) -> None:
             p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
     chunks = m.pp * pl.virtual_stages
-    if mo.layers % chunks:
+    # ResNet groups its residual blocks into pp x v balanced units itself (models/resnet.py).
+    if mo.kind != "resnet" and mo.layers % chunks:
         p.append(f"model.layers: {mo.layers} is not divisible by mesh.pp x pipeline.virtual_stages "
                  f"= {chunks}; use a multiple of {chunks}")
     if pl.microbatches < 1:

@@ -158,11 +158,11 @@ def lr_scale(guard_cfg, rollbacks: int) -> float:
 # Checkpoint layout: params are stored in the logical layer order, whatever the pipeline does
 
 
-def layer_permutation(cfg) -> Optional[np.ndarray]:
+def layer_permutation(cfg, num_layers: Optional[int] = None) -> Optional[np.ndarray]:
     """The staged layer order of this config's train state (None: logical order already)."""
     from jax_overlap.pipeline import layout
 
-    return layout.layer_permutation(cfg)
+    return layout.layer_permutation(cfg, num_layers)
 
 
 def to_checkpoint(loop: LoopState, perm: Optional[np.ndarray], shardings: LoopState) -> LoopState:

@@ -436,7 +436,7 @@ def init_state(model, cfg, mesh, optimizer) -> TrainState:
 
     from jax_overlap.pipeline import layout
 
-    perm = layout.layer_permutation(cfg)
+    perm = layout.layer_permutation(cfg, model.num_layers)
 
     def build():
         # Logical init (same values on every mesh), then the pipeline's staged layer order.

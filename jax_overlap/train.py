@@ -175,7 +175,7 @@ class _Trainer:
         self.abstract = resilience.abstract_loop_state(
             self.model, cfg, self.mesh, steplib.make_optimizer(cfg.train))
         self.shardings = resilience.shardings_of(self.abstract)
-        self.perm = resilience.layer_permutation(cfg)
+        self.perm = resilience.layer_permutation(cfg, self.model.num_layers)
         self.policy = RollbackPolicy(cfg.guard.max_skips, cfg.guard.skip_batches,
                                      cfg.guard.lr_scale_on_rollback)
         self.config_dict = cfg.to_dict()

@@ -53,7 +53,7 @@ def _permutation(num_layers: int, placement, virtual_stages: int) -> np.ndarray:
     return perm
 
 
-def layer_permutation(cfg) -> np.ndarray | None:
+def layer_permutation(cfg, num_layers: int | None = None) -> np.ndarray | None:
     """The staged permutation a config's train state uses, or None when it is the identity.
 
     Only the placement matters, which depends on the schedule name, `mesh.pp` and
@@ -61,6 +61,8 @@ def layer_permutation(cfg) -> np.ndarray | None:
 
     Args:
       cfg: a `jax_overlap.config.Config`.
+      num_layers: stacked layers of the model (`model.num_layers`); default `cfg.model.layers`
+        (they differ for models that group blocks into units, e.g. ResNet).
 
     Returns:
       `staged_permutation(...)` for pp > 1 with a non-contiguous placement, else None.
@@ -72,8 +74,9 @@ def layer_permutation(cfg) -> np.ndarray | None:
     p, v = cfg.mesh.pp, cfg.pipeline.virtual_stages
     if cfg.pipeline.schedule == "zb-v":
         v = 2  # zb-v always places two chunks per stage (see schedules.make_schedule)
-    perm = _permutation(cfg.model.layers, default_placement(cfg.pipeline.schedule, p, v), v)
-    return None if np.array_equal(perm, np.arange(cfg.model.layers)) else perm
+    n = cfg.model.layers if num_layers is None else num_layers
+    perm = _permutation(n, default_placement(cfg.pipeline.schedule, p, v), v)
+    return None if np.array_equal(perm, np.arange(n)) else perm
 
 
 def _permute_blocks(tree: Any, index: np.ndarray | None) -> Any:
