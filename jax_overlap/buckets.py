@@ -252,7 +252,8 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
       The plan; 'blocks' leaves contribute one unit per layer.
     """
     paths_leaves = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    spec_leaves = jax.tree.leaves(specs,
+                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     itemsize = np.dtype(np.float32).itemsize
     units: list[Unit] = []
     for leaf, ((path, arr), spec) in enumerate(zip(paths_leaves, spec_leaves)):

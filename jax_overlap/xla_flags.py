@@ -116,6 +116,11 @@ _GPU_OVERLAP: tuple[XlaFlag, ...] = (
     # the pass the transfer overlaps independent matmuls (jax_overlap.analysis.hlo).
     XlaFlag("xla_disable_hlo_passes", "collective-permute-motion",
             "keep pipeline ppermutes where they can overlap independent matmuls"),
+    # A bidirectional collective matmul keeps two ring transfers in flight at once; with the
+    # default limit of one, the scheduler serialises them and only ~39% of TP bytes sit under
+    # GEMMs (75% with two, measured on a deviceless 8 x H100 compile).
+    XlaFlag("xla_gpu_experimental_parallel_collective_overlap_limit", "2",
+            "let two async collectives (both ring directions) overlap the same GEMM"),
 )
 
 PRESETS: Mapping[str, tuple[XlaFlag, ...]] = {

@@ -1,0 +1,185 @@
+"""Overlap options one at a time: step time, collectives and memory against a baseline.
+
+For every option (bucket sizes and order, ZeRO-1, bf16 gradient communication, FSDP window
+1/2/3, tp_comm plain / sequence_parallel / collective_matmul uni / bi) the full train step
+of the default model is compiled for 8 forced CPU devices and measured:
+
+  step_ms         median wall time of a few steps (after one warm-up step)
+  dp_ops/dp_mb    collectives over groups that include dp: count and MiB per step
+  wire            dp MiB as a GPU would send them (bf16 buckets at half their f32 bytes;
+                  the CPU backend upcasts a bf16 all-reduce after rounding)
+  tp_ops/tp_mb    collectives within TP groups (all-reduce, reduce-scatter, all-gather,
+                  collective-permute): count and MiB per step
+  temp_mb/peak_mb `compiled.memory_analysis()`: temporaries, and temporaries + arguments +
+                  outputs - aliased (the donated state) as the peak estimate
+  x_step/x_peak   ratios to the row's baseline (same mesh, no option)
+
+Counts and bytes come from the compiled HLO (`jax_overlap.analysis.hlo`, per step: a
+collective inside a loop counts once per iteration). CPU collectives are synchronous, so
+step time here shows the cost of the extra work an option does (flat-buffer copies, the
+FSDP recompute, ring steps), not the overlap a GPU gets; that is what the HLO columns and
+`jax-overlap analyze --target h100` are for.
+
+    python bench/overlap.py [--steps 5] [--out bench/results/overlap.json] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# (name, baseline name, overrides). The two baselines: the default dp=2 x tp=4 mesh, and
+# dp=8 x tp=1 where FSDP and ZeRO-1 split 8 ways.
+DP8 = ["mesh.dp=8", "mesh.tp=1"]
+ROWS: list[tuple[str, str, list[str]]] = [
+    ("baseline dp2xtp4", "baseline dp2xtp4", []),
+    ("buckets 0.05MB", "baseline dp2xtp4", ["overlap.grad_bucket_mb=0.05"]),
+    ("buckets 0.25MB", "baseline dp2xtp4", ["overlap.grad_bucket_mb=0.25"]),
+    ("buckets 1MB", "baseline dp2xtp4", ["overlap.grad_bucket_mb=1"]),
+    ("buckets 0.25MB largest_first", "baseline dp2xtp4",
+     ["overlap.grad_bucket_mb=0.25", "overlap.bucket_order=largest_first"]),
+    ("bf16 comm, buckets 0.25MB", "baseline dp2xtp4",
+     ["overlap.grad_bucket_mb=0.25", "overlap.grad_comm_dtype=bf16"]),
+    ("zero1", "baseline dp2xtp4", ["overlap.zero1=true"]),
+    ("zero1, buckets 0.25MB", "baseline dp2xtp4",
+     ["overlap.zero1=true", "overlap.grad_bucket_mb=0.25"]),
+    ("tp sequence_parallel", "baseline dp2xtp4", ["overlap.tp_comm=sequence_parallel"]),
+    ("tp collective_matmul uni", "baseline dp2xtp4", ["overlap.tp_comm=collective_matmul"]),
+    ("tp collective_matmul bi", "baseline dp2xtp4",
+     ["overlap.tp_comm=collective_matmul", "overlap.collective_matmul_direction=bi"]),
+    ("baseline dp8", "baseline dp8", DP8),
+    ("zero1, buckets 0.25MB dp8", "baseline dp8",
+     DP8 + ["overlap.zero1=true", "overlap.grad_bucket_mb=0.25"]),
+    *((f"fsdp window {k} dp8", "baseline dp8",
+       DP8 + ["overlap.param_sharding=fsdp", f"overlap.window={k}"]) for k in (1, 2, 3)),
+]
+
+
+def collective_summary(text: str, mesh) -> dict:
+    """DP / TP collective counts and bytes per step from compiled HLO text."""
+    import numpy as np
+
+    from jax_overlap.analysis import hlo
+
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    tp_axis = list(mesh.axis_names).index("tp")
+    rows = np.moveaxis(ids, tp_axis, -1).reshape(-1, ids.shape[tp_axis])
+    tp_groups = {tuple(row) for row in rows}
+    tp_of = {d: g for g in tp_groups for d in g}
+    out = {"dp_ops": 0, "dp_bytes": 0, "tp_ops": 0, "tp_bytes": 0}
+    for op in hlo.analyze_hlo(text).ops:
+        axes = set(op.replica_groups.mesh_axes)
+        if op.kind == "collective-permute":
+            pairs = op.source_target_pairs or ()
+            side = "tp" if pairs and all(tp_of[a] == tp_of[b] for a, b in pairs) else "dp"
+        elif axes:
+            side = "dp" if "dp" in axes else ("tp" if axes == {"tp"} else None)
+        else:
+            groups = {tuple(g) for g in (op.replica_groups.groups or ())}
+            side = "tp" if groups and groups <= tp_groups else "dp"
+        if side:
+            out[f"{side}_ops"] += op.executions_per_step
+            out[f"{side}_bytes"] += op.bytes_per_step
+    return out
+
+
+def measure(overrides: list[str], steps: int) -> dict:
+    """Compile and time the train step of the default config with these overrides."""
+    import jax
+
+    from jax_overlap import config, data, step as steplib, train
+    from jax_overlap.mesh import mesh_from_config
+
+    cfg = config.load("configs/default.yaml", overrides)
+    mesh = mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
+    model = train.build_model(cfg)
+    optimizer = steplib.make_optimizer(cfg.train)
+    state = steplib.init_state(model, cfg, mesh, optimizer)
+    batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
+    t0 = time.perf_counter()
+    compiled = steplib.make_train_step(model, cfg, mesh, optimizer).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i:  # the first call pays for buffer allocation
+            times.append(time.perf_counter() - t0)
+    mem = compiled.memory_analysis()
+    peak = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes)
+    row = {"step_ms": 1e3 * statistics.median(times), "compile_s": compile_s,
+           "loss": float(metrics["loss"]), "temp_mb": mem.temp_size_in_bytes / 2**20,
+           "peak_mb": peak / 2**20}
+    row.update(collective_summary(compiled.as_text(), mesh))
+    layout = steplib.dp_layout(model, cfg.overlap, dict(mesh.shape))
+    row["buckets"] = len(layout.plan.buckets) if layout.plan else 0
+    # The CPU backend upcasts a bf16 all-reduce to f32 after the rounding; on a GPU the
+    # bucket buffers travel as bf16, half their f32 bytes.
+    row["dp_wire_bytes"] = row["dp_bytes"]
+    if cfg.overlap.grad_comm_dtype == "bf16" and layout.plan:
+        row["dp_wire_bytes"] -= layout.plan.total_bytes // 2
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'option':32s} {'step_ms':>8s} {'x_step':>7s} {'dp_ops':>6s} {'dp_MiB':>7s} "
+            f"{'wire':>6s} "
+            f"{'tp_ops':>6s} {'tp_MiB':>7s} {'bkts':>4s} {'temp_MiB':>8s} {'peak_MiB':>8s} "
+            f"{'x_peak':>6s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['option']:32s} {r['step_ms']:8.1f} {r['x_step']:7.2f} {r['dp_ops']:6d} "
+            f"{r['dp_bytes'] / 2**20:7.3f} {r['dp_wire_bytes'] / 2**20:6.3f} "
+            f"{r['tp_ops']:6d} {r['tp_bytes'] / 2**20:7.2f} "
+            f"{r['buckets']:4d} {r['temp_mb']:8.2f} {r['peak_mb']:8.2f} {r['x_peak']:6.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/overlap.json")
+    ap.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    args = ap.parse_args()
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jax_overlap.mesh import force_host_devices
+
+    force_host_devices(8)
+    rows, by_name = [], {}
+    for name, base, overrides in ROWS:
+        if args.only and name not in args.only and name != base:
+            continue
+        r = {"option": name, "baseline": base, "overrides": overrides,
+             **measure(overrides, args.steps)}
+        ref = by_name.get(base, r)
+        r["x_step"] = r["step_ms"] / ref["step_ms"]
+        r["x_peak"] = r["peak_mb"] / ref["peak_mb"]
+        by_name[name] = r
+        rows.append(r)
+        print(f"{name}: {r['step_ms']:.1f} ms, compile {r['compile_s']:.0f} s", file=sys.stderr,
+              flush=True)
+    text = table(rows)
+    print(text)
+    import jax
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": f"{jax.device_count()} forced CPU devices "
+                             f"({os.cpu_count()} cores), jax {jax.__version__}",
+                   "config": "configs/default.yaml", "steps_timed": args.steps,
+                   "note": "CPU collectives are synchronous: step time shows extra work, not "
+                           "overlap; bytes are per device per step (hlo.BYTES_CONVENTION).",
+                   "rows": rows, "table": text.splitlines()}, f, indent=2)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Collective matmul: the TP all-gather / reduce-scatter split into ring steps under the GEMMs.
+
+Under sequence parallelism a column-parallel matmul needs the whole sequence
+(`all_gather(x) @ W`) and a row-parallel one leaves partial sums that are reduce-scattered
+over the sequence (`psum_scatter(h @ W)`). Done as one collective, the GEMM waits for the
+transfer (or the transfer for the GEMM). Here the sequence moves in `tp` chunks around the
+TP ring with `ppermute`, and each ring step's partial matmul does not depend on the transfer
+in flight, so the transfer runs under the GEMM.
+
+The ring steps are a `lax.scan` (one permute + one partial GEMM per iteration) and the last
+step is outside it:
+  * unrolled, XLA's GPU pipeline merges the tp independent partial GEMMs that share the
+    weight into one GEMM of the concatenated chunks (DotMerger), which has to wait for every
+    transfer; one GEMM per loop iteration cannot be merged;
+  * the loop's final carry is used after the loop (the last chunk's GEMM), which keeps
+    XLA's CollectivePermuteMotion from moving the permute to the top of the next iteration,
+    where the GEMM would wait for it (see `jax_overlap.analysis.hlo`).
+
+Directions:
+  uni: one ring (rank r sends to r+1): tp-1 transfers of a (B, T/tp, .) chunk.
+  bi:  each chunk is split in two halves along the sequence; one half travels +1, the
+       other -1. Still tp-1 steps, but every step moves half a chunk on each direction of
+       the link, so a full-duplex link finishes each step in half the time.
+
+Numbers equal the plain collectives up to floating-point summation order (the ring adds the
+partial sums in a fixed order; XLA's reduce-scatter may use another). Autodiff of the ring
+is again a ring: the backward of the all-gather ring is a reduce-scatter ring and vice versa.
+
+Both functions are written per device (inside `shard_map`); `tp` must equal the size of
+`axis`. With tp == 1 they are a plain matmul.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_overlap.collectives import vary_like
+
+
+def _ring(tp: int, shift: int) -> list[tuple[int, int]]:
+    """ppermute pairs sending rank j's value to rank (j + shift) mod tp."""
+    return [(j, (j + shift) % tp) for j in range(tp)]
+
+
+def _halves(t_local: int) -> int:
+    """Rows per half-chunk for the bidirectional ring (checked: it must split evenly)."""
+    if t_local % 2:
+        raise ValueError(f"collective_matmul_direction=bi splits each sequence chunk in two, "
+                         f"but the local chunk has {t_local} positions (seq_len / tp is odd); "
+                         f"use an even seq_len / tp or direction=uni")
+    return t_local // 2
+
+
+def _steps(body, carry, first: int, last: int):
+    """`carry` after body(carry, i) for i in [first, last); a scan (no loop when empty)."""
+    if last <= first:
+        return carry
+    return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jnp.arange(first, last))[0]
+
+
+def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
+                      direction: str = "uni") -> jax.Array:
+    """`all_gather(x, axis, seq) @ w`, with the gather done as ring steps under the matmuls.
+
+    Args:
+      x_btd: (B, T/tp, D) this rank's sequence chunk (chunk r on rank r).
+      w_dn: (D, N) this rank's weight columns.
+      axis: the TP mesh axis name.
+      tp: size of `axis`.
+      direction: 'uni' (one ring) or 'bi' (half-chunks on both rings).
+
+    Returns:
+      (B, T, N): every position of the sequence times this rank's columns.
+    """
+    if tp == 1:
+        return jnp.einsum("btd,dn->btn", x_btd, w_dn)
+    b, t_local, _ = x_btd.shape
+    rank = jax.lax.axis_index(axis)
+    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
+    out_btn = vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn)
+
+    def place(out, part_btn, row):
+        return jax.lax.dynamic_update_slice_in_dim(out, part_btn, row, axis=1)
+
+    if direction == "uni":
+        def step(carry, i):
+            # Rank r holds chunk (r - i) mod tp. The next chunk's transfer does not depend
+            # on this chunk's matmul: it runs under it.
+            out, chunk_btd = carry
+            nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            part_btn = jnp.einsum("btd,dn->btn", chunk_btd, w_dn)
+            return place(out, part_btn, ((rank - i) % tp) * t_local), nxt_btd
+
+        out_btn, chunk_btd = _steps(step, (out_btn, x_btd), 0, tp - 1)
+        # The last chunk arrives with no transfer left to hide: its matmul ends the op.
+        part_btn = jnp.einsum("btd,dn->btn", chunk_btd, w_dn)
+        return place(out_btn, part_btn, ((rank - (tp - 1)) % tp) * t_local)
+
+    half = _halves(t_local)
+
+    def matmuls(out, fwd_btd, bwd_btd, i):
+        # Step i: first half of chunk (r - i), second half of chunk (r + i).
+        out = place(out, jnp.einsum("btd,dn->btn", fwd_btd, w_dn), ((rank - i) % tp) * t_local)
+        return place(out, jnp.einsum("btd,dn->btn", bwd_btd, w_dn),
+                     ((rank + i) % tp) * t_local + half)
+
+    def step_bi(carry, i):
+        out, fwd_btd, bwd_btd = carry
+        nxt_fwd = jax.lax.ppermute(fwd_btd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        return matmuls(out, fwd_btd, bwd_btd, i), nxt_fwd, nxt_bwd
+
+    carry = (out_btn, x_btd[:, :half], x_btd[:, half:])  # first half goes +1, second -1
+    out_btn, fwd_btd, bwd_btd = _steps(step_bi, carry, 0, tp - 1)
+    return matmuls(out_btn, fwd_btd, bwd_btd, tp - 1)
+
+
+def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
+                          direction: str = "uni") -> jax.Array:
+    """`psum_scatter(h @ w, axis, seq)`, with the reduce-scatter done as ring steps.
+
+    A partial-sum accumulator for one output chunk travels the ring; every rank adds its own
+    partial product for that chunk. The product for the next step does not depend on the
+    accumulator in flight, so it runs while the accumulator moves.
+
+    Args:
+      h_btn: (B, T, N) the whole sequence, this rank's slice of the contracted dim.
+      w_nd: (N, D) this rank's weight rows.
+      axis: the TP mesh axis name.
+      tp: size of `axis`.
+      direction: 'uni' or 'bi'.
+
+    Returns:
+      (B, T/tp, D): rows [r*T/tp, (r+1)*T/tp) of the sum over ranks of h @ w.
+    """
+    if tp == 1:
+        return jnp.einsum("btn,nd->btd", h_btn, w_nd)
+    t_local = h_btn.shape[1] // tp
+    rank = jax.lax.axis_index(axis)
+
+    def part(row, rows):
+        h_rows = jax.lax.dynamic_slice_in_dim(h_btn, row, rows, axis=1)
+        return jnp.einsum("btn,nd->btd", h_rows, w_nd)
+
+    if direction == "uni":
+        # The accumulator on rank r at step i is for chunk (r - 1 - i) mod tp; after tp - 1
+        # moves to r + 1 it lands on its owner with every rank's term added.
+        def step(acc_btd, i):
+            own_btd = part(((rank - 1 - i) % tp) * t_local, t_local)
+            acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            return acc_btd + own_btd
+
+        acc_btd = _steps(step, part(((rank - 1) % tp) * t_local, t_local), 1, tp - 1)
+        return step(acc_btd, tp - 1)  # the last step, own chunk: outside the loop
+
+    half = _halves(t_local)
+
+    # First halves accumulate along +1 (chunk (r - 1 - i)), second halves along -1
+    # (chunk (r + 1 + i)); both end on their owner after tp - 1 moves.
+    def step_bi(carry, i):
+        acc_fwd, acc_bwd = carry
+        own_fwd = part(((rank - 1 - i) % tp) * t_local, half)
+        own_bwd = part(((rank + 1 + i) % tp) * t_local + half, half)
+        acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        return acc_fwd + own_fwd, acc_bwd + own_bwd
+
+    first = (part(((rank - 1) % tp) * t_local, half),
+             part(((rank + 1) % tp) * t_local + half, half))
+    acc_fwd, acc_bwd = step_bi(_steps(step_bi, first, 1, tp - 1), tp - 1)
+    return jnp.concatenate([acc_fwd, acc_bwd], axis=1)

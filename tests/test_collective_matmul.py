@@ -1,0 +1,153 @@
+"""Collective matmul equals the plain all-gather / reduce-scatter version, alone and in the GPT."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import TINY, max_rel_err, np_batch, rel
+from jax_overlap import collective_matmul as cm
+from jax_overlap import config, mesh as meshlib, step as steplib
+from models.gpt import GPT
+
+
+def _tp_mesh(tp):
+    return meshlib.make_mesh(1, 1, tp, jax.devices()[:tp])
+
+
+def _plain_and_ring(tp, direction):
+    """Per-device (plain, ring) versions of both ops, each with its gradient, on a tp mesh."""
+    mesh = _tp_mesh(tp)
+    spec_seq, spec_col, spec_row = P(None, "tp", None), P(None, "tp"), P("tp", None)
+
+    def ag_plain(x, w):
+        x_full = jax.lax.all_gather(x, "tp", axis=1, tiled=True)  # (B, T, D), over tp
+        return jnp.einsum("btd,dn->btn", x_full, w)
+
+    def ag_ring(x, w):
+        return cm.all_gather_matmul(x, w, "tp", tp, direction)
+
+    def rs_plain(h, w):
+        partial_btd = jnp.einsum("btn,nd->btd", h, w)
+        return jax.lax.psum_scatter(partial_btd, "tp", scatter_dimension=1,
+                                    tiled=True)  # (B, T/tp, D), over tp
+
+    def rs_ring(h, w):
+        return cm.matmul_reduce_scatter(h, w, "tp", tp, direction)
+
+    def with_grads(f, in_specs, out_spec):
+        g = steplib.shard_map(f, mesh, in_specs=in_specs, out_specs=out_spec)
+
+        def value_and_grads(a, b, ct):
+            out, vjp = jax.vjp(g, a, b)
+            return out, vjp(ct)
+
+        return jax.jit(value_and_grads)
+
+    ag = [with_grads(f, (spec_seq, spec_col), P(None, None, "tp")) for f in (ag_plain, ag_ring)]
+    rs = [with_grads(f, (P(None, None, "tp"), spec_row), spec_seq) for f in (rs_plain, rs_ring)]
+    return ag, rs
+
+
+@pytest.mark.parametrize("tp,direction", [(4, "uni"), (4, "bi"), (2, "bi")])
+def test_functions_match_plain_collectives(tp, direction):
+    rng = np.random.default_rng(tp)
+    b, t, d, n = 2, 8 * tp, 16, 12 * tp
+    x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    w_in = jnp.asarray(rng.standard_normal((d, n)), jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((b, t, n)), jnp.float32)
+    ct_ag = jnp.asarray(rng.standard_normal((b, t, n)), jnp.float32)
+    ct_rs = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    (ag_plain, ag_ring), (rs_plain, rs_ring) = _plain_and_ring(tp, direction)
+
+    want, got = ag_plain(x, w_in, ct_ag), ag_ring(x, w_in, ct_ag)
+    np.testing.assert_allclose(np.asarray(want[0]), np.asarray(x @ w_in), rtol=1e-5, atol=1e-5)
+    assert max_rel_err(got, want) <= 1e-5
+
+    want, got = rs_plain(h, w_out, ct_rs), rs_ring(h, w_out, ct_rs)
+    np.testing.assert_allclose(np.asarray(want[0]), np.asarray(h @ w_out), rtol=1e-5, atol=1e-4)
+    assert max_rel_err(got, want) <= 1e-5
+
+
+def test_ring_is_ppermutes_not_gathers():
+    """The compiled ring has tp-1 collective-permutes per op and no all-gather/reduce-scatter."""
+    tp = 4
+    (_, ag_ring), (_, rs_ring) = _plain_and_ring(tp, "uni")
+    x = jnp.zeros((2, 8 * tp, 16))
+    w = jnp.zeros((16, 12 * tp))
+    text = ag_ring.lower(x, w, jnp.zeros((2, 8 * tp, 12 * tp))).compile().as_text()
+    from jax_overlap.analysis import hlo
+
+    kinds = hlo.analyze_hlo(text).collectives
+    # Forward: tp-1 permutes; backward (autodiff of the ring) is a reduce-scatter ring: tp-1.
+    assert kinds["collective-permute"].count == 2 * (tp - 1)
+    assert "all-gather" not in kinds and "reduce-scatter" not in kinds
+
+
+def test_odd_local_chunk_is_rejected_for_bi():
+    mesh = _tp_mesh(2)
+    f = steplib.shard_map(lambda x, w: cm.all_gather_matmul(x, w, "tp", 2, "bi"), mesh,
+                          in_specs=(P(None, "tp", None), P(None, "tp")),
+                          out_specs=P(None, None, "tp"))
+    with pytest.raises(ValueError, match="seq_len / tp is odd"):
+        jax.jit(f).lower(jnp.zeros((1, 6, 4)), jnp.zeros((4, 4)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = config.load(TINY)
+    model = GPT.from_config(cfg.model)
+    params = model.init(jax.random.key(cfg.train.seed))
+    batch = np_batch(cfg)
+    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
+    return model, params, batch, float(loss), grads
+
+
+def _model_matches(reference, overrides, dp=2, tp=4):
+    model, params, batch, ref_loss, ref_grads = reference
+    cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", *overrides])
+    mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))(
+        jax.device_put(params, steplib.param_shardings(model, mesh)),
+        steplib.put_batch(batch, mesh))
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("tp_comm,direction", [
+    ("sequence_parallel", "uni"), ("collective_matmul", "uni"), ("collective_matmul", "bi")])
+def test_gpt_matches_reference(reference, tp_comm, direction):
+    _model_matches(reference, [f"overlap.tp_comm={tp_comm}",
+                               f"overlap.collective_matmul_direction={direction}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp", [(1, 2), (4, 2), (1, 8)])
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_gpt_matches_reference_other_meshes(reference, dp, tp, direction):
+    _model_matches(reference, ["overlap.tp_comm=collective_matmul",
+                               f"overlap.collective_matmul_direction={direction}"], dp, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["uni", "bi"])
+def test_gpu_schedule_hides_ring_steps_under_gemms(direction):
+    """Deviceless H100: each ring step's transfer has a GEMM under it (sequence parallelism's
+    one-shot all-gather / reduce-scatter has almost none). The bidirectional ring needs two
+    collectives in flight at once, which XLA allows only when told to."""
+    from test_buckets import gpu_report, under_gemm_fraction
+
+    def tp_ops(report):
+        return [op for op in report.ops if op.kind == "collective-permute"
+                or set(op.replica_groups.mesh_axes) == {"tp"}]
+
+    sp = tp_ops(gpu_report(["overlap.tp_comm=sequence_parallel"]))
+    assert under_gemm_fraction(sp) < 0.2
+    overrides = ["overlap.tp_comm=collective_matmul",
+                 f"overlap.collective_matmul_direction={direction}"]
+    options = ({"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+               if direction == "bi" else None)
+    report = gpu_report(overrides, compiler_options=options)
+    assert under_gemm_fraction(tp_ops(report)) >= 0.6
