@@ -27,7 +27,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
+	JAX_PLATFORMS=cuda,cpu $(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
