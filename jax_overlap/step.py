@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap.collectives import Parallel, to_varying
 from jax_overlap.mesh import DP, PP, TP, rules_for, tree_specs
-from jax_overlap.train_state import TrainState, step_rng
+from jax_overlap.train_state import TrainState
 
 
 def shard_map(f, mesh, in_specs, out_specs):

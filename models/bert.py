@@ -93,21 +93,14 @@ class MLMHead(nn.Module):
 
 
 @dataclass(frozen=True)
-class BERT:
-    """The encoder as a `jax_overlap.model_api.StagedModel`; batches come from `MLMStream`."""
+class BERT(GPT):
+    """The encoder as a `jax_overlap.model_api.StagedModel`; batches come from `MLMStream`.
 
-    num_layers: int
-    d_model: int
-    heads: int
-    d_ff: int
-    vocab: int
-    seq_len: int
-    tied_embeddings: bool = True
+    Shares the GPT's initialisation, block, and per-device apply functions; only the module
+    set (bidirectional block, [MASK] embedding, MLM head), the loss and the data differ.
+    """
+
     mask_rate: float = 0.15
-
-    @classmethod
-    def from_config(cls, m) -> "BERT":
-        return cls(m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, m.tied_embeddings)
 
     def _embed(self, tp):
         return BertEmbed(self.vocab, self.d_model, self.seq_len, tp)
@@ -118,22 +111,9 @@ class BERT:
     def _head(self, tp):
         return MLMHead(self.vocab, self.d_model, self.tied_embeddings, tp)
 
-    # StagedModel ------------------------------------------------------------------------------
-    def init(self, rng: jax.Array) -> Any:
-        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        par = Parallel()
-        ids = jnp.zeros((1, self.seq_len), jnp.int32)
-        x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
-        embed = self._embed(1).init(k_embed, ids, par)["params"]
-        layer_keys = jax.random.split(k_blocks, self.num_layers)
-        blocks = jax.vmap(lambda k: self._block(1).init(k, x, par)["params"])(layer_keys)
-        head = self._head(1).init(k_head, x, embed["wte"], par)["params"]
-        return {"embed": embed, "blocks": blocks, "head": head}
-
     def param_axes(self) -> Any:
         ln = {"scale": ("embed",), "bias": ("embed",)}
-        gpt_blocks = GPT(self.num_layers, self.d_model, self.heads, self.d_ff, self.vocab,
-                         self.seq_len).param_axes()["blocks"]  # same Block, same layout
+        gpt_blocks = super().param_axes()["blocks"]  # same Block, same layout
         head: dict[str, Any] = {"ln_f": ln, "ln_transform": ln,
                                 "w_transform": ("embed", "embed"), "b_transform": ("embed",),
                                 "b_vocab": ("vocab",)}
@@ -142,12 +122,6 @@ class BERT:
         return {"embed": {"wte": ("vocab", "embed"), "wpe": ("seq", "embed"),
                           "mask": ("embed",)},
                 "blocks": gpt_blocks, "head": head}
-
-    def embed(self, params_embed, inputs_bt, par: Parallel):
-        return self._embed(par.tp).apply({"params": params_embed}, inputs_bt, par)
-
-    def block(self, params_block, x_btd, par: Parallel):
-        return self._block(par.tp).apply({"params": params_block}, x_btd, par)
 
     def head_loss(self, params_embed, params_head, x_btd, targets_bt, par: Parallel):
         logits_btv = self._head(par.tp).apply({"params": params_head}, x_btd,
@@ -165,14 +139,8 @@ class BERT:
         head = 2 * d + d * d + d + 2 * d + v + (0 if self.tied_embeddings else d * v)
         return n * per_block + v * d + t * d + d + head
 
-    def flops_per_example(self) -> float:
-        """6·N·T for the matmuls (N without position embeddings) plus attention's 12·L·T²·d.
-
-        The head runs on every position (masked or not), as the logits are computed densely.
-        """
-        t = self.seq_len
-        n = self.num_params() - t * self.d_model
-        return 6.0 * n * t + 12.0 * self.num_layers * t * t * self.d_model
+    # flops_per_example: GPT's formula; the head runs on every position (masked or not), as
+    # the logits are computed densely.
 
     def masked_per_sequence(self) -> int:
         return max(1, int(round(self.mask_rate * self.seq_len)))

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, gpt_reference, max_rel_err, rel
 from jax_overlap import buckets, config, mesh as meshlib, step as steplib
 from jax_overlap.analysis import hlo
 from models.gpt import GPT
@@ -82,12 +82,7 @@ def test_plan_covers_every_layer_of_the_gpt_once():
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = config.load(TINY)
-    model = GPT.from_config(cfg.model)
-    params = model.init(jax.random.key(cfg.train.seed))
-    batch = np_batch(cfg)
-    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
-    return model, params, batch, float(loss), grads
+    return gpt_reference()
 
 
 _COMPILED: dict = {}

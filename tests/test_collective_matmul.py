@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, gpt_reference, max_rel_err, rel
 from jax_overlap import collective_matmul as cm
 from jax_overlap import config, mesh as meshlib, step as steplib
-from models.gpt import GPT
 
 
 def _tp_mesh(tp):
@@ -97,12 +96,7 @@ def test_odd_local_chunk_is_rejected_for_bi():
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = config.load(TINY)
-    model = GPT.from_config(cfg.model)
-    params = model.init(jax.random.key(cfg.train.seed))
-    batch = np_batch(cfg)
-    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
-    return model, params, batch, float(loss), grads
+    return gpt_reference()
 
 
 def _model_matches(reference, overrides, dp=2, tp=4):

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 from jax_overlap import config, mesh as meshlib, step as steplib, train
 from models.gpt import GPT
 
@@ -13,12 +13,7 @@ MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4), (8, 1)]
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = config.load(TINY)
-    model = GPT.from_config(cfg.model)
-    params = model.init(jax.random.key(cfg.train.seed))
-    batch = np_batch(cfg)
-    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
-    return cfg, model, params, batch, float(loss), grads
+    return (config.load(TINY),) + gpt_reference()
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 from jax_overlap import config, mesh as meshlib, step as steplib, train
 from models.gpt import GPT
 
@@ -29,12 +29,7 @@ def test_block_layout_splits_every_block_leaf_over_dp():
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = config.load(TINY)
-    model = GPT.from_config(cfg.model)
-    params = model.init(jax.random.key(cfg.train.seed))
-    batch = np_batch(cfg)
-    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
-    return model, params, batch, float(loss), grads
+    return gpt_reference()
 
 
 def _check(reference, overrides, dp=2, tp=4):
