@@ -1,0 +1,1138 @@
+"""Simulator costs for any parallel plan of a config, measured on this machine.
+
+What is measured
+----------------
+On the devices given -- all at once, each running its own copy, as the devices of a
+real step do -- the configured model's pieces are timed at the micro-batch shape of one
+TP rank (medians of a few calls, less the launch overhead of one call, since in a train
+step every piece runs inside one program):
+
+* the blocks: forward (``block_f``), forward + backward w.r.t. weights and input
+  (``block_fb``) and, for split-backward schedules, forward + backward w.r.t. the input
+  only (``block_fbx``) and w.r.t. the weights only (``block_fbw``), per layer of a
+  ``lax.scan`` over every layer, as the train step and the executor run them (the scan
+  stacks residuals for the backward: ~40% more work than a lone block at large
+  micro-batches here). ``block1_*`` are the same for a one-layer pipeline chunk, whose
+  length-1 scan XLA unrolls;
+* the embedding (``embed_f``, ``embed_fb``) and the head with its loss (``head_f``,
+  ``head_fb``);
+* the optimizer update of one device's parameters (``optimizer``);
+* psums over groups of each size the plans use (all groups at once), as ring links.
+
+A TP rank's work is computed without its collectives: the model runs with
+``Parallel(tp_axis=None, tp=k)``, i.e. at the per-rank shapes (heads, ``d_ff`` and
+vocabulary split ``k`` ways, rank 0's slice) with every collective the identity. The
+collectives are costed from their bytes and the measured links.
+
+How a measurement becomes the cost of any plan
+-----------------------------------------------
+Each quantity is fitted (least squares on relative error) to
+
+    t(b, k) = c0 + c1 * b + c2 * b / k
+
+for micro-batch ``b`` sequences and TP degree ``k``. This is how TP is scaled: ``c2 *
+b / k`` is the work TP divides -- every matmul, attention over the rank's ``heads / k``
+heads, GELU on ``d_ff / k``, the ``vocab / k`` slice of the logits and loss -- while
+``c1 * b`` is the work every rank repeats in full (layer norms, residual adds and
+biases on ``d_model``, the position embedding) and ``c0`` per-call overhead. The tuner
+measures the corners ``(smallest b, smallest k)``, ``(largest b, smallest k)``,
+``(largest b, largest k)`` of its candidates, so predictions interpolate. A virtual
+stage of ``n`` layers costs ``n`` blocks, plus the embedding on the first and the head
+on the last; F, B and W are made of these as the step runs them:
+
+* ``pp = 1`` (microbatches accumulated by a ``scan`` of ``value_and_grad``): F =
+  ``f``, B = ``fb - f``;
+* ``pp > 1`` (the pipeline executor stashes only each chunk's input and recomputes its
+  forward under ``jax.vjp``): B = ``fb`` (non-split), or B = ``fbx`` and W = ``fbw``
+  (split; B of virtual stage 0 has no input gradient to compute and is free, and its
+  W does the whole backward).
+
+Shared cores
+------------
+On the XLA CPU backend the forced devices share the machine's cores: a device's
+compute is slower the more other devices compute at the same time. Measuring on all
+``N`` devices at once builds that into every number. ``parallel_capacity`` -- ``N``
+times the one-device-alone time over the all-devices time of the same block -- is how
+many devices' worth of compute the machine runs at once. In a pipelined step the
+lockstep executor leaves a schedule's bubble fraction of the devices idle, and idle
+devices free their share of the cores, so pipelined compute times are scaled by
+``max(N (1 - bubble), capacity) / max(N, capacity)``.
+
+Communication
+-------------
+The simulator lumps one virtual stage's TP traffic per F / B into one all-reduce of
+``tp_bytes``. Megatron's GPT issues several per action (per layer two in the forward
+and two in the backward; the embedding one; the vocabulary-parallel loss a max and two
+sums, and one more in its backward), each paying the ring latency. ``tp_bytes`` is
+therefore the summed bytes plus ``k * (count - 1) * latency * bandwidth``, which makes
+the simulator's single ring all-reduce cost exactly as much as the ``count`` separate
+ones. The optimizer update and the step's one launch are outside the simulated
+loss-and-gradients step; the tuner adds them to the predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from jax_overlap.analysis.hardware import HardwareProfile, Link
+from jax_overlap.analysis.simulate import Costs
+from jax_overlap.config import Config
+
+# ``block_*``: per layer of a lax.scan over every layer; ``block1_*``: a one-layer chunk,
+# whose length-1 scan XLA unrolls, so it skips the residual stacking a longer scan pays.
+QUANTITIES: tuple[str, ...] = (
+    "block_f",
+    "block_fb",
+    "block_fbx",
+    "block_fbw",
+    "block1_f",
+    "block1_fb",
+    "block1_fbx",
+    "block1_fbw",
+    "embed_f",
+    "embed_fb",
+    "head_f",
+    "head_fb",
+)
+SPLIT_QUANTITIES: tuple[str, ...] = ("block_fbx", "block_fbw", "block1_fbx", "block1_fbw")
+BASE_QUANTITIES: tuple[str, ...] = ("block_f", "block_fb", "embed_f", "embed_fb", "head_f",
+                                    "head_fb")
+LINK_LOOP = 8  # psums per timed call when measuring a link
+PARAM_BYTES = 4  # master weights, gradients and Adam moments stay fp32 under bf16 compute
+
+# ------------------------------------------------------------------------------ fits
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``t(b, k) = c0 + c1 b + c2 b / k``, fitted to measured points.
+
+    Attributes:
+      c0: per-call seconds.
+      c1: seconds per sequence of work TP does not divide.
+      c2: seconds per sequence of work TP divides.
+      max_rel_residual: largest |fit - measured| / measured over the fitted points.
+    """
+
+    c0: float
+    c1: float
+    c2: float
+    max_rel_residual: float = 0.0
+
+    def at(self, micro_batch: float, tp: int) -> float:
+        """Predicted seconds at micro-batch ``micro_batch`` and TP degree ``tp`` (>= 0)."""
+        return max(0.0, self.c0 + self.c1 * micro_batch + self.c2 * micro_batch / tp)
+
+
+def fit_points(points: Sequence[tuple[int, int, float]]) -> Fit:
+    """Relative least-squares :class:`Fit` through ``(micro_batch, tp, seconds)`` points.
+
+    Repeated shapes are first reduced to their median. Each point is weighted by
+    ``1 / seconds``, so the relative error is what is minimised: small shapes (fast
+    pieces) are fitted as well as large ones. With fewer distinct shapes than
+    coefficients (one micro-batch size, or only ``tp = 1``) the minimum-norm solution is
+    used; it reproduces the measured points, so predictions stay right where the plans
+    need them.
+
+    Args:
+      points: measured ``(b, k, t)``.
+
+    Returns:
+      The :class:`Fit`.
+    """
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for b, k, t in points:
+        by_shape.setdefault((b, k), []).append(t)
+    shapes = sorted(by_shape)
+    ts = np.array([statistics.median(by_shape[sh]) for sh in shapes])
+    w = 1.0 / np.maximum(ts, 1e-12)
+    a = np.array([[1.0, b, b / k] for b, k in shapes]) * w[:, None]
+    coef, *_ = np.linalg.lstsq(a, ts * w, rcond=None)
+    fit = Fit(*(float(c) for c in coef))
+    resid = max((abs(fit.at(b, k) - t) / t for (b, k), t in zip(shapes, ts) if t > 0),
+                default=0.0)
+    return dataclasses.replace(fit, max_rel_residual=float(resid))
+
+
+# ----------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured point: ``quantity`` at micro-batch ``micro_batch`` and TP ``tp``."""
+
+    quantity: str
+    micro_batch: int
+    tp: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured compute costs of one model on this machine.
+
+    Attributes:
+      model: the model config it was measured for (``ModelConfig`` fields).
+      precision: ``fp32`` or ``bf16`` compute.
+      optimizer: ``adamw`` or ``lamb``.
+      devices: devices that ran the measurements at once.
+      parallel_capacity: devices' worth of compute the machine runs at once.
+      fits: quantity -> :class:`Fit` of the whole pieces (see :data:`QUANTITIES`).
+      optimizer_fit: seconds of one optimizer update, with the parameter elements in
+        place of the micro-batch and ``tp = 1`` (so affine in the elements).
+      split_ratios: split piece (``*_fbx``, ``*_fbw``) -> its time as a fraction of the
+        matching ``*_fb``, measured at one shape and applied at every shape.
+      dispatch_s: launch overhead of one call on all devices (subtracted from every
+        piece; a train step pays it once).
+      links: group size -> :class:`Link` measured for collectives over groups of that
+        many devices (all groups at once).
+      samples: every measured point.
+    """
+
+    model: dict[str, Any]
+    precision: str
+    optimizer: str
+    devices: int
+    parallel_capacity: float
+    fits: dict[str, Fit]
+    optimizer_fit: Fit
+    split_ratios: dict[str, float] = field(default_factory=dict)
+    dispatch_s: float = 0.0
+    links: dict[int, Link] = field(default_factory=dict)
+    samples: tuple[Sample, ...] = field(default=(), repr=False)
+
+    def seconds(self, quantity: str, micro_batch: int, tp: int) -> float:
+        """Seconds of ``quantity`` at ``(micro_batch, tp)``: measured there, else fitted.
+
+        A shape that was measured uses its (median) measurement: on a CPU the cost is
+        not quite affine in the micro-batch (cache effects make large ones superlinear),
+        so the fit is only for shapes nobody measured.
+        """
+        exact = self.measured(quantity, micro_batch, tp)
+        if exact is not None:
+            return exact
+        if quantity in self.split_ratios:
+            whole = quantity.rsplit("_", 1)[0] + "_fb"
+            return self.split_ratios[quantity] * self.seconds(whole, micro_batch, tp)
+        if quantity not in self.fits:
+            raise KeyError(
+                f"calibration: {quantity!r} was not measured (measured: {', '.join(self.fits)})"
+            )
+        return self.fits[quantity].at(micro_batch, tp)
+
+    def measured(self, quantity: str, micro_batch: int, tp: int) -> float | None:
+        """Median measured seconds of ``quantity`` at exactly this shape, if any."""
+        times = [s.seconds for s in self.samples
+                 if (s.quantity, s.micro_batch, s.tp) == (quantity, micro_batch, tp)]
+        return statistics.median(times) if times else None
+
+    def optimizer_s(self, elements: float) -> float:
+        """Seconds of one optimizer update over ``elements`` parameters on one device."""
+        return self.optimizer_fit.at(elements, 1)
+
+    def profile(self, hw: HardwareProfile, cfg: Config) -> HardwareProfile:
+        """``hw`` with each mesh axis on the link measured for its group size, if any."""
+        sizes = {"dp": cfg.mesh.dp, "pp": cfg.mesh.pp, "tp": cfg.mesh.tp}
+        for axis, n in sizes.items():
+            if n in self.links:
+                hw = hw.with_link(axis, self.links[n])
+        return hw
+
+    def matches(self, cfg: Config) -> bool:
+        """Whether this calibration measured ``cfg``'s model, precision and optimizer."""
+        return (
+            self.model == dataclasses.asdict(cfg.model)
+            and self.precision == cfg.train.precision
+            and self.optimizer == cfg.train.optimizer
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "model": dict(self.model),
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "devices": self.devices,
+            "parallel_capacity": self.parallel_capacity,
+            "fits": {k: dataclasses.asdict(v) for k, v in self.fits.items()},
+            "optimizer_fit": dataclasses.asdict(self.optimizer_fit),
+            "split_ratios": dict(self.split_ratios),
+            "dispatch_s": self.dispatch_s,
+            "links": {str(n): dataclasses.asdict(link) for n, link in self.links.items()},
+            "samples": [dataclasses.asdict(s) for s in self.samples],
+        }
+
+
+def _median_time(fn: Callable[..., Any], args: Sequence[Any], repeats: int,
+                 warmup: bool = True) -> float:
+    """Median of ``repeats`` calls, after one untimed call (compilation, first touch).
+
+    The median, not the fastest: on cores shared with other processes a short call is
+    more likely than a whole train step to slip into a quiet moment, so the fastest of
+    many short calls would be biased low against step times; medians of both, taken
+    under the same load, compare fairly.
+    """
+    import jax
+
+    if warmup:
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _local_shape(shape: tuple[int, ...], axes: tuple, tp: int) -> tuple[int, ...]:
+    """One TP rank's shape: every dimension bound to the TP mesh axis divided by ``tp``."""
+    from jax_overlap.mesh import LOGICAL_RULES, TP
+
+    return tuple(
+        n // tp if a is not None and LOGICAL_RULES.get(a) == TP else n
+        for n, a in zip(shape, axes)
+    )
+
+
+def local_param_shapes(model: Any, tp: int) -> Any:
+    """``ShapeDtypeStruct`` tree of one TP rank's parameters (blocks keep the layer axis)."""
+    import jax
+
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    return jax.tree.map(
+        lambda s, axes: jax.ShapeDtypeStruct(_local_shape(s.shape, axes, tp), s.dtype),
+        abstract,
+        model.param_axes(),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def _random_like(shapes: Any, seed: int) -> Any:
+    """Small random arrays of the given shapes (numpy: no compilation per leaf shape)."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), shapes
+    )
+
+
+def _on_all(fn: Callable, devices: Sequence[Any], args: tuple, batch_args: tuple[bool, ...]):
+    """``fn`` run by every device at once on its own copy, plus the stacked arguments.
+
+    Arguments flagged in ``batch_args`` are split over the devices along their leading
+    (micro-batch) axis; the others are replicated and marked device-varying so autodiff
+    adds no reduction over the devices: no collective runs, only the per-device work.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_overlap.collectives import to_varying
+    from jax_overlap.step import shard_map
+
+    mesh = Mesh(np.array(devices, dtype=object), ("calib",))
+    n = len(devices)
+
+    def body(*local):
+        local = tuple(a if is_batch else to_varying(a, ("calib",))
+                      for a, is_batch in zip(local, batch_args))
+        out = fn(*local)
+        # A leading axis of 1 per device, so every output leaf (scalars too) can be
+        # concatenated over the devices.
+        return jax.tree.map(lambda x: x[None], out)
+
+    in_specs = tuple(P("calib") if b else P() for b in batch_args)
+    mapped = jax.jit(shard_map(body, mesh, in_specs=in_specs, out_specs=P("calib")))
+    placed = []
+    for a, is_batch in zip(args, batch_args):
+        if is_batch:
+            big = jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * n), a)
+            placed.append(jax.device_put(big, NamedSharding(mesh, P("calib"))))
+        else:
+            placed.append(jax.device_put(a, NamedSharding(mesh, P())))
+    return mapped, tuple(placed)
+
+
+def _piece_functions(model: Any, par: Any) -> dict[str, tuple[Callable, tuple[bool, ...]]]:
+    """Per quantity, ``(fn, which args are per-micro-batch)`` of one TP rank."""
+    import jax
+    import jax.numpy as jnp
+
+    def vjp_all(f, w, x):
+        y, pull = jax.vjp(f, w, x)
+        return pull(jnp.ones_like(y))
+
+    def block(w_stack, x):
+        # Every layer under one lax.scan, as the train step and the pipeline executor
+        # run them: the scan stacks each layer's residuals for the backward, which costs
+        # copies a lone block does not pay (~40% more work at large micro-batches here).
+        def layer(x, w):
+            return model.block(w, x, par), None
+
+        return jax.lax.scan(layer, x, w_stack)[0]
+
+    def embed(w, ids):
+        return model.embed(w, ids, par)
+
+    def head(w, x, targets):
+        return model.head_loss(w["embed"], w["head"], x, targets, par)
+
+    def head_fb(w, x, targets):
+        return vjp_all(lambda w_, x_: head(w_, x_, targets), w, x)
+
+    def embed_fb(w, ids):
+        y, pull = jax.vjp(lambda w_: embed(w_, ids), w)
+        return pull(jnp.ones_like(y))
+
+    def block_fbx(w, x):
+        y, pull = jax.vjp(lambda x_: block(w, x_), x)
+        return pull(jnp.ones_like(y))
+
+    def block_fbw(w, x):
+        y, pull = jax.vjp(lambda w_: block(w_, x), w)
+        return pull(jnp.ones_like(y))
+
+    def lone(w, x):
+        return model.block(w, x, par)
+
+    def lone_fbx(w, x):
+        y, pull = jax.vjp(lambda x_: lone(w, x_), x)
+        return pull(jnp.ones_like(y))
+
+    def lone_fbw(w, x):
+        y, pull = jax.vjp(lambda w_: lone(w_, x), w)
+        return pull(jnp.ones_like(y))
+
+    return {
+        "block_f": (block, (False, True)),
+        "block_fb": (lambda w, x: vjp_all(block, w, x), (False, True)),
+        "block_fbx": (block_fbx, (False, True)),
+        "block_fbw": (block_fbw, (False, True)),
+        "block1_f": (lone, (False, True)),
+        "block1_fb": (lambda w, x: vjp_all(lone, w, x), (False, True)),
+        "block1_fbx": (lone_fbx, (False, True)),
+        "block1_fbw": (lone_fbw, (False, True)),
+        "embed_f": (embed, (False, True)),
+        "embed_fb": (embed_fb, (False, True)),
+        "head_f": (head, (False, True, True)),
+        "head_fb": (head_fb, (False, True, True)),
+    }
+
+
+def _piece_args(quantity: str, params: Any, micro_batch: int, cfg: Config, dtype: Any) -> tuple:
+    import jax
+    import jax.numpy as jnp
+
+    m = cfg.model
+    ids = (jnp.arange(micro_batch * m.seq_len, dtype=jnp.int32) % m.vocab).reshape(
+        micro_batch, m.seq_len
+    )
+    x = 0.1 * jax.random.normal(jax.random.key(1), (micro_batch, m.seq_len, m.d_model), dtype)
+    if quantity.startswith("block1"):
+        return (jax.tree.map(lambda w: w[0], params["blocks"]), x)
+    if quantity.startswith("block"):
+        return (params["blocks"], x)
+    if quantity.startswith("embed"):
+        return (params["embed"], ids)
+    return ({"embed": params["embed"], "head": params["head"]}, x, ids)
+
+
+def ring_link(name: str, n: int, tiny_s: float, big_s: float, big_bytes: float) -> Link:
+    """The :class:`Link` whose ring all-reduce formula reproduces two measured psums.
+
+    Args:
+      name: link name.
+      n: devices in the group.
+      tiny_s: seconds of a psum of a few bytes (all latency).
+      big_s: seconds of a psum of ``big_bytes`` per device.
+      big_bytes: bytes per device of the large psum.
+
+    Returns:
+      ``latency = tiny / 2(n-1)``, ``bandwidth = 2(n-1)/n big_bytes / (big - tiny)``.
+    """
+    hops = 2 * (n - 1)
+    return Link(
+        name=name,
+        bandwidth_bytes_per_s=hops / n * big_bytes / max(big_s - tiny_s, 1e-9),
+        latency_s=tiny_s / hops,
+        efficiency=1.0,
+    )
+
+
+@dataclass
+class Calibrator:
+    """Times the pieces of one config's model on a set of devices, all at once.
+
+    Compiled functions are kept, so the same shapes can be re-timed (e.g. interleaved
+    with step measurements so both see the same load from other processes).
+
+    Attributes:
+      cfg: the config whose model, precision and optimizer are measured.
+      devices: the devices that run every measurement together.
+      repeats: timed calls per measurement (the median counts).
+    """
+
+    cfg: Config
+    devices: list
+    repeats: int = 5
+    _compiled: dict = field(default_factory=dict, repr=False)
+    _warm: set = field(default_factory=set, repr=False)
+    _measured: dict = field(default_factory=dict, repr=False)
+    _params: dict = field(default_factory=dict, repr=False)
+
+    def _model(self):
+        from jax_overlap.train import build_model
+
+        return build_model(self.cfg)
+
+    def _dtype(self):
+        from jax_overlap.step import compute_dtype
+
+        return compute_dtype(self.cfg.train.precision)
+
+    def _time(self, key: Any) -> float:
+        """Median time of a compiled entry; its first use also runs one untimed call."""
+        fn, args = self._compiled[key]
+        seconds = _median_time(fn, args, self.repeats, warmup=key not in self._warm)
+        self._warm.add(key)
+        return seconds
+
+    def _params_at(self, tp: int) -> Any:
+        if tp not in self._params:
+            self._params[tp] = _random_like(local_param_shapes(self._model(), tp), seed=0)
+        return self._params[tp]
+
+    def time_piece(self, quantity: str, micro_batch: int, tp: int) -> Sample:
+        """Time ``quantity`` at ``(micro_batch, tp)`` (compiled on first use)."""
+        from jax_overlap.collectives import Parallel
+
+        key = (quantity, micro_batch, tp)
+        if key not in self._compiled:
+            par = Parallel(tp_axis=None, tp=tp, compute_dtype=self._dtype())
+            fn, batch_args = _piece_functions(self._model(), par)[quantity]
+            args = _piece_args(quantity, self._params_at(tp), micro_batch, self.cfg,
+                               self._dtype())
+            self._compiled[key] = _on_all(fn, self.devices, args, batch_args)
+        # In a train step every piece runs inside one program: its own call's launch
+        # overhead is not part of its cost. Block pieces run every layer: per layer.
+        per = self.cfg.model.layers if quantity.startswith("block_") else 1
+        seconds = max(self._time(key) - self.dispatch_s(), 0.0) / per
+        return Sample(quantity, micro_batch, tp, seconds)
+
+    def dispatch_s(self) -> float:
+        """Launch overhead of one call on all devices: a trivial program's median time."""
+        import jax.numpy as jnp
+
+        if "dispatch" not in self._compiled:
+            self._compiled["dispatch"] = _on_all(lambda x: x + 1, self.devices,
+                                                 (jnp.zeros((1,), jnp.float32),), (True,))
+        if "dispatch" not in self._measured:
+            self._measured["dispatch"] = _median_time(*self._compiled["dispatch"],
+                                                      repeats=max(5, self.repeats))
+        return self._measured["dispatch"]
+
+    def time_shapes(self, shapes: Sequence[tuple[int, int]],
+                    quantities: Sequence[str] = BASE_QUANTITIES) -> list[Sample]:
+        """Time every quantity at every ``(micro_batch, tp)`` shape."""
+        return [self.time_piece(q, b, k) for b, k in shapes for q in quantities]
+
+    def time_optimizer(self, tp: int) -> Sample:
+        """One optimizer update of a TP rank's parameters (``micro_batch`` = elements)."""
+        import jax
+
+        from jax_overlap.step import make_optimizer
+
+        key = ("optimizer", tp)
+        params = self._params_at(tp)
+        if key not in self._compiled:
+            optimizer = make_optimizer(self.cfg.train)
+
+            def update(p, s, g):
+                updates, s = optimizer.update(g, s, p)
+                return jax.tree.map(lambda a, u: a + u, p, updates), s
+
+            args = (params, optimizer.init(params), params)
+            self._compiled[key] = _on_all(update, self.devices, args, (False, False, False))
+        elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        return Sample("optimizer", elements, 1, max(self._time(key) - self.dispatch_s(), 0.0))
+
+    def time_link(self, group: int, big_bytes: int = 1 << 20) -> Link:
+        """Psum cost over groups of ``group`` devices (all groups at once) as a ring link.
+
+        Each timed call runs :data:`LINK_LOOP` psums back to back in one program, less one
+        call's launch overhead, so the per-psum time is what a psum inside a step costs.
+
+        Args:
+          group: devices per group (divides the device count).
+          big_bytes: float32 bytes per device of the large psum.
+
+        Returns:
+          A :class:`Link` named ``measured_<group>`` (see :func:`ring_link`).
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from jax_overlap.collectives import to_varying
+        from jax_overlap.step import shard_map
+
+        n = len(self.devices)
+        mesh = Mesh(np.array(self.devices, dtype=object).reshape(n // group, group),
+                    ("rest", "g"))
+
+        def psums(x):
+            # Rescaled so repeated sums stay finite; the carry is varying again after each
+            # psum (the loop's type must not change).
+            body = lambda _, y: to_varying(jax.lax.psum(y, "g") * (1.0 / group), ("g",))
+            return jax.lax.fori_loop(0, LINK_LOOP, body, x)
+
+        times = []
+        for nbytes in (4 * group, big_bytes):
+            key = ("psum", group, nbytes)
+            if key not in self._compiled:
+                fn = jax.jit(shard_map(psums, mesh, in_specs=P(("rest", "g")),
+                                       out_specs=P(("rest", "g"))))
+                x = jax.device_put(jnp.ones((n * (nbytes // 4),), jnp.float32),
+                                   NamedSharding(mesh, P(("rest", "g"))))
+                self._compiled[key] = (fn, (x,))
+            times.append(max(self._time(key) - self.dispatch_s(), 1e-9) / LINK_LOOP)
+        return ring_link(f"measured_{group}", group, times[0], times[1], big_bytes)
+
+    def parallel_capacity(self, micro_batch: int, tp: int) -> float:
+        """Devices' worth of compute the machine runs at once.
+
+        One block's forward timed on the first device alone and on all devices at once
+        (each its own copy): capacity = ``N x alone / together``, clipped to ``[1, N]``.
+        About the core count on a CPU host whose devices run single-threaded ops; 1
+        when one device's ops already use every core; ``N`` on real accelerators.
+        """
+        import jax
+
+        from jax_overlap.collectives import Parallel
+
+        n = len(self.devices)
+        if n <= 1:
+            return 1.0
+        key = ("alone", micro_batch, tp)
+        if key not in self._compiled:
+            par = Parallel(tp_axis=None, tp=tp, compute_dtype=self._dtype())
+            fn, _ = _piece_functions(self._model(), par)["block_f"]
+            args = _piece_args("block_f", self._params_at(tp), micro_batch, self.cfg,
+                               self._dtype())
+            self._compiled[key] = (jax.jit(fn), jax.device_put(args, self.devices[0]))
+        alone = max(self._time(key) - self.dispatch_s(), 0.0) / self.cfg.model.layers
+        together = self.time_piece("block_f", micro_batch, tp).seconds
+        if together <= 0:
+            return float(n)
+        return float(min(n, max(1.0, n * alone / together)))
+
+    def calibration(self, samples: Sequence[Sample], capacity: float,
+                    links: dict[int, Link]) -> Calibration:
+        """Fit measured samples into a :class:`Calibration`.
+
+        Args:
+          samples: piece samples (any shapes; split pieces optional) and optimizer
+            samples.
+          capacity: from :meth:`parallel_capacity`.
+          links: group size -> measured :class:`Link`.
+
+        Returns:
+          The :class:`Calibration`.
+        """
+        measured = {s.quantity for s in samples}
+        fits = {
+            q: fit_points([(s.micro_batch, s.tp, s.seconds) for s in samples if s.quantity == q])
+            for q in QUANTITIES
+            if q in measured and q not in SPLIT_QUANTITIES
+        }
+        # Split pieces: measured at one shape, as fractions of that variant's fb there.
+        ratios = {}
+        for q in SPLIT_QUANTITIES:
+            split = [s for s in samples if s.quantity == q]
+            whole = q.rsplit("_", 1)[0] + "_fb"
+            ref = [s for s in samples if s.quantity == whole and split
+                   and (s.micro_batch, s.tp) == (split[-1].micro_batch, split[-1].tp)]
+            if ref:
+                ratios[q] = statistics.median(s.seconds for s in split) / max(
+                    statistics.median(s.seconds for s in ref), 1e-12)
+        opt = [(s.micro_batch, 1, s.seconds) for s in samples if s.quantity == "optimizer"]
+        if len({e for e, _, _ in opt}) > 1:
+            opt_fit = fit_points(opt)
+        else:  # one size: proportional to the elements
+            opt_fit = Fit(0.0, opt[0][2] / max(opt[0][0], 1), 0.0) if opt else Fit(0, 0, 0)
+        return Calibration(
+            model=dataclasses.asdict(self.cfg.model),
+            precision=self.cfg.train.precision,
+            optimizer=self.cfg.train.optimizer,
+            devices=len(self.devices),
+            parallel_capacity=capacity,
+            fits=fits,
+            optimizer_fit=opt_fit,
+            split_ratios=ratios,
+            dispatch_s=self.dispatch_s(),
+            links=dict(links),
+            samples=tuple(samples),
+        )
+
+
+def corner_shapes(micro_batches: Sequence[int], tps: Sequence[int]) -> list[tuple[int, int]]:
+    """The shapes to measure so the plans' ``(b, k)`` range is interpolated.
+
+    Three points fix the three coefficients of a :class:`Fit` -- the smallest and largest
+    micro-batch without TP, and the largest micro-batch at the largest TP degree -- and
+    the middle micro-batch without TP shows how far from affine in ``b`` the cost is.
+
+    Args:
+      micro_batches: micro-batch sizes the plans use.
+      tps: TP degrees the plans use.
+
+    Returns:
+      Distinct ``(micro_batch, tp)`` shapes.
+    """
+    sizes = sorted(set(micro_batches))
+    b_lo, b_mid, b_hi = sizes[0], sizes[len(sizes) // 2], sizes[-1]
+    k_lo, k_hi = min(tps), max(tps)
+    return sorted({(b_lo, k_lo), (b_mid, k_lo), (b_hi, k_lo), (b_hi, k_hi)})
+
+
+def extend(calibrator: Calibrator, calibration: Calibration,
+           points: Sequence[tuple[str, int, int]]) -> Calibration:
+    """``calibration`` plus measurements of ``(quantity, micro_batch, tp)`` points.
+
+    Measured shapes are used as measured (:meth:`Calibration.seconds`), so this is how
+    a caller makes the plans it cares most about exact.
+
+    Args:
+      calibrator: the :class:`Calibrator` that made ``calibration`` (its compiled
+        functions and devices are reused).
+      calibration: the calibration to extend.
+      points: what to measure; points already measured are skipped.
+
+    Returns:
+      A new :class:`Calibration` fitted over all samples.
+    """
+    have = {(s.quantity, s.micro_batch, s.tp) for s in calibration.samples}
+    new = [calibrator.time_piece(q, b, k) for q, b, k in sorted(set(points))
+           if (q, b, k) not in have]
+    return calibrator.calibration(list(calibration.samples) + new, calibration.parallel_capacity,
+                                  calibration.links)
+
+
+def quantities_for(cfg: Config, split_backward: bool) -> tuple[str, ...]:
+    """The pieces a plan's costs are made of (see :func:`compute_times`)."""
+    block = block_variant(cfg)
+    out = [f"{block}_f", f"{block}_fb", "embed_f", "embed_fb", "head_f", "head_fb"]
+    if cfg.mesh.pp > 1 and split_backward:
+        out += [f"{block}_fbx", f"{block}_fbw"]
+    return tuple(out)
+
+
+def block_variant(cfg: Config) -> str:
+    """``block1`` when the pipeline runs one-layer chunks (an unrolled scan), else ``block``."""
+    n = cfg.model.layers // (cfg.mesh.pp * cfg.pipeline.virtual_stages)
+    return "block1" if cfg.mesh.pp > 1 and n == 1 and cfg.model.layers > 1 else "block"
+
+
+def calibrate(
+    cfg: Config,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    devices: Sequence[Any] | None = None,
+    quantities: Sequence[str] = BASE_QUANTITIES,
+    groups: Sequence[int] = (),
+    repeats: int = 5,
+    calibrator: Calibrator | None = None,
+) -> Calibration:
+    """Measure the model of ``cfg`` on ``devices`` and fit its per-piece costs.
+
+    Compiling each timed function dominates the cost of calibrating (a second or more
+    per function on a CPU), so few shapes are measured: :func:`corner_shapes` of the
+    plans. Split-backward pieces are measured at one shape (the largest micro-batch at
+    the smallest TP degree) as fractions of the matching ``*_fb``.
+
+    Args:
+      cfg: the config whose model, precision and optimizer are measured (its mesh is
+        not used).
+      shapes: ``(micro_batch, tp)`` points: sequences per microbatch and TP degree (each
+        must divide the model's heads, ``d_ff`` and vocabulary).
+      devices: devices that run the measurement at once (default: all); use the
+        devices the plans will run on.
+      quantities: pieces to measure (:data:`QUANTITIES`; :func:`quantities_for` says
+        what a plan needs).
+      groups: group sizes whose psum cost to measure as links (sizes that divide the
+        device count; e.g. the plans' dp, tp and pp degrees).
+      repeats: timed calls per point (the median counts).
+      calibrator: a :class:`Calibrator` to measure with (its compiled functions are
+        kept for :func:`extend`); None makes one from ``devices`` and ``repeats``.
+
+    Returns:
+      The :class:`Calibration`.
+    """
+    import jax
+
+    if not shapes:
+        raise ValueError("calibrate: need at least one (micro_batch, tp) shape")
+    unknown = sorted(set(quantities) - set(QUANTITIES))
+    if unknown:
+        raise ValueError(f"calibrate: unknown quantities {unknown}; known: {QUANTITIES}")
+    if calibrator is not None:
+        devices = calibrator.devices
+    devices = list(jax.devices() if devices is None else devices)
+    shapes = sorted({(int(b), int(k)) for b, k in shapes})
+    cal = calibrator if calibrator is not None else Calibrator(cfg, devices, repeats)
+    base = [q for q in QUANTITIES if q in quantities and q not in SPLIT_QUANTITIES]
+    split = [q for q in QUANTITIES if q in quantities and q in SPLIT_QUANTITIES]
+    for q in split:  # a split piece is a fraction of its variant's whole backward
+        whole = q.rsplit("_", 1)[0] + "_fb"
+        if whole not in base:
+            base.append(whole)
+    samples = cal.time_shapes(shapes, base)
+    b_ref = max(b for b, _ in shapes)
+    k_ref = min(k for b, k in shapes if b == b_ref)
+    samples += cal.time_shapes([(b_ref, k_ref)], split)
+    samples += [cal.time_optimizer(k) for k in sorted({k for _, k in shapes})]
+    links = {g: cal.time_link(g) for g in sorted(set(groups))
+             if 1 < g <= len(devices) and len(devices) % g == 0}
+    return cal.calibration(samples, cal.parallel_capacity(b_ref, k_ref), links)
+
+
+# ------------------------------------------------------------------- plan structure
+
+
+def micro_batch_size(cfg: Config) -> int:
+    """Sequences per microbatch on one data-parallel replica."""
+    return cfg.train.global_batch // (cfg.mesh.dp * cfg.pipeline.microbatches)
+
+
+def dtype_bytes(cfg: Config) -> int:
+    """Bytes of one activation element in the compute dtype."""
+    return 2 if cfg.train.precision == "bf16" else 4
+
+
+def layers_per_virtual_stage(cfg: Config) -> list[int]:
+    """Layers of each virtual stage in model order (validation makes them equal)."""
+    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    return [cfg.model.layers // n_vs] * n_vs
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter elements on one TP rank.
+
+    Attributes:
+      per_layer: one block's elements.
+      embed: embedding elements (token + position).
+      head: head elements (final norm; output matrix when untied).
+      leaves_per_layer: one block's parameter arrays, each ``(elements,)``.
+      embed_leaves: embedding arrays' elements.
+      head_leaves: head arrays' elements.
+    """
+
+    per_layer: int
+    embed: int
+    head: int
+    leaves_per_layer: tuple[int, ...]
+    embed_leaves: tuple[int, ...]
+    head_leaves: tuple[int, ...]
+
+
+def param_counts(cfg: Config, tp: int) -> ParamCounts:
+    """Parameter elements of ``cfg``'s model on one rank of a ``tp``-way TP group.
+
+    Args:
+      cfg: the config (its model).
+      tp: TP degree.
+
+    Returns:
+      The :class:`ParamCounts` (computed from abstract shapes; nothing is allocated).
+    """
+    return _param_counts(dataclasses.astuple(cfg.model), tp)
+
+
+@lru_cache(maxsize=64)
+def _param_counts(model_fields: tuple, tp: int) -> ParamCounts:
+    # Tracing the model's init takes ~0.1 s and a sweep asks for the same few counts
+    # thousands of times: keyed by the model's fields, which fully determine them.
+    import jax
+
+    from jax_overlap.config import ModelConfig
+    from jax_overlap.train import build_model
+
+    cfg = Config(model=ModelConfig(*model_fields))
+    shapes = local_param_shapes(build_model(cfg), tp)
+
+    def sizes(tree, drop_layer_axis=False):
+        return tuple(
+            int(np.prod(s.shape[1:] if drop_layer_axis else s.shape))
+            for s in jax.tree.leaves(tree)
+        )
+
+    blocks = sizes(shapes["blocks"], drop_layer_axis=True)
+    embed, head = sizes(shapes["embed"]), sizes(shapes.get("head", {}))
+    return ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
+
+
+def stage_param_elements(cfg: Config) -> float:
+    """Parameter elements one device holds: its stage's layers plus embedding and head.
+
+    Every pipeline stage holds the (TP-sharded) embedding and head: they are replicated
+    over ``pp`` and their gradients summed over it.
+    """
+    c = param_counts(cfg, cfg.mesh.tp)
+    layers = cfg.model.layers // cfg.mesh.pp
+    return layers * c.per_layer + c.embed + c.head
+
+
+def tp_collectives(cfg: Config, vs: int, kind: str) -> tuple[int, float]:
+    """TP collectives one ``F`` or ``B`` of virtual stage ``vs`` issues (plain Megatron).
+
+    Per layer two all-reduces of the ``(b, T, d)`` activations in the forward (after
+    the row-parallel attention and MLP projections) and two in the backward (the
+    gradients of the column-parallel inputs). The embedding's forward adds one; the
+    vocabulary-parallel loss adds a max and two sums of ``(b, T)`` fp32 values in the
+    forward and one ``(b, T, d)`` all-reduce in the backward (the head input's gradient).
+
+    Args:
+      cfg: the candidate config.
+      vs: virtual stage index.
+      kind: ``F`` or ``B`` (``W`` issues none).
+
+    Returns:
+      ``(count, bytes)`` per device; ``(0, 0)`` without TP.
+    """
+    if cfg.mesh.tp <= 1 or kind not in ("F", "B"):
+        return 0, 0.0
+    b, t, d = micro_batch_size(cfg), cfg.model.seq_len, cfg.model.d_model
+    act = b * t * d * dtype_bytes(cfg)
+    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    n_layers = layers_per_virtual_stage(cfg)[vs]
+    count, nbytes = 2 * n_layers, 2 * n_layers * act
+    if kind == "F" and vs == 0:
+        count, nbytes = count + 1, nbytes + act
+    if vs == n_vs - 1:
+        if kind == "F":
+            count, nbytes = count + 3, nbytes + 3 * b * t * 4
+        else:
+            count, nbytes = count + 1, nbytes + act
+    return count, nbytes
+
+
+def latency_equivalent_bytes(count: int, nbytes: float, n: int, link: Link) -> float:
+    """Bytes of one ring all-reduce over ``n`` devices costing as much as ``count`` ones.
+
+    ``count`` all-reduces totalling ``nbytes`` cost ``2(n-1)(count latency) + 2(n-1)/n
+    nbytes / bw``; one of ``nbytes + n (count-1) latency bw`` costs the same.
+
+    Args:
+      count: collectives.
+      nbytes: their summed bytes.
+      n: group size.
+      link: the group's link.
+
+    Returns:
+      Bytes for :attr:`Costs.tp_bytes`.
+    """
+    if count <= 0:
+        return 0.0
+    return nbytes + n * (count - 1) * link.latency_s * link.effective_bandwidth
+
+
+def stash_bytes(cfg: Config, vs: int) -> float:
+    """Activation bytes one microbatch holds on ``vs`` between its ``F`` and backward.
+
+    ``pp = 1``: every layer's residuals (``value_and_grad`` keeps them), per token and
+    layer the norm and matmul inputs (4 d, not TP-sharded), q, k, v, attention output
+    and both MLP hidden tensors (4 d + 2 d_ff, sharded) and the attention
+    probabilities (heads x T, sharded), plus the fp32 logits slice on the last stage.
+    ``pp > 1``: only the chunk's input, which the executor stashes and recomputes from.
+    """
+    m, tp = cfg.model, cfg.mesh.tp
+    tokens = micro_batch_size(cfg) * m.seq_len
+    act = tokens * m.d_model * dtype_bytes(cfg)
+    if cfg.mesh.pp > 1:
+        return float(act)
+    return float(layer_residual_bytes(cfg) * m.layers + tokens * m.vocab // tp * 4)
+
+
+def layer_residual_bytes(cfg: Config) -> float:
+    """Residual bytes one layer keeps for its backward, for one microbatch on one rank."""
+    m, tp = cfg.model, cfg.mesh.tp
+    tokens = micro_batch_size(cfg) * m.seq_len
+    width = 4 * m.d_model + (4 * m.d_model + 2 * m.d_ff + m.heads * m.seq_len) / tp
+    return tokens * dtype_bytes(cfg) * width
+
+
+def transient_bytes(cfg: Config) -> float:
+    """Peak residuals the pipelined backward recomputes on top of the stash (one chunk)."""
+    if cfg.mesh.pp <= 1:
+        return 0.0
+    return layer_residual_bytes(cfg) * max(layers_per_virtual_stage(cfg))
+
+
+def grad_buckets(cfg: Config) -> tuple[tuple[float, ...], str]:
+    """Gradient buckets of one device's stage and when they are issued.
+
+    ``overlap.grad_bucket_mb = 0`` reduces each gradient array on its own after the
+    backward (per stage: its layers' stacked arrays, the embedding's and the head's);
+    otherwise buckets of that many MB are issued as the backward produces them.
+
+    Returns:
+      ``(bucket bytes in issue order, Plan.bucket_issue)``.
+    """
+    from jax_overlap.analysis.simulate import even_buckets
+
+    grad_bytes = 2 if cfg.overlap.grad_comm_dtype == "bf16" else 4
+    c = param_counts(cfg, cfg.mesh.tp)
+    layers = cfg.model.layers // cfg.mesh.pp
+    if cfg.overlap.grad_bucket_mb <= 0:
+        leaves = [n * layers for n in c.leaves_per_layer] + list(c.embed_leaves + c.head_leaves)
+        return tuple(float(n * grad_bytes) for n in reversed(leaves)), "after_backward"
+    total = (layers * c.per_layer + c.embed + c.head) * grad_bytes
+    return even_buckets(total, cfg.overlap.grad_bucket_mb * 2**20), "during_backward"
+
+
+def assemble_costs(
+    cfg: Config,
+    hw: HardwareProfile,
+    placement: Sequence[tuple[int, int]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    weight_s: Sequence[float],
+) -> Costs:
+    """:class:`Costs` of ``cfg`` from per-virtual-stage compute times and its structure.
+
+    Args:
+      cfg: the candidate config.
+      hw: hardware profile (TP link latency for the collective count).
+      placement: the schedule's virtual stage -> ``(stage, chunk)``.
+      forward_s: F seconds per virtual stage.
+      backward_s: B seconds per virtual stage (input gradients when split).
+      weight_s: W seconds per virtual stage.
+
+    Returns:
+      The :class:`Costs` (bytes per device).
+    """
+    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    link = hw.link("tp")
+    tp_bytes = []
+    for vs in range(n_vs):
+        # The simulator charges the same tp_bytes to F and B; use the mean of the two.
+        f_count, f_bytes = tp_collectives(cfg, vs, "F")
+        b_count, b_bytes = tp_collectives(cfg, vs, "B")
+        f_eq = latency_equivalent_bytes(f_count, f_bytes, cfg.mesh.tp, link)
+        b_eq = latency_equivalent_bytes(b_count, b_bytes, cfg.mesh.tp, link)
+        tp_bytes.append((f_eq + b_eq) / 2)
+    c = param_counts(cfg, cfg.mesh.tp)
+    per_layer = layers_per_virtual_stage(cfg)
+    params = []
+    for vs in range(n_vs):
+        # Every stage holds the embedding and head (replicated over pp): count them once
+        # per stage, on its chunk 0.
+        extra = c.embed + c.head if placement[vs][1] == 0 else 0
+        params.append(float((per_layer[vs] * c.per_layer + extra) * PARAM_BYTES))
+    tokens = micro_batch_size(cfg) * cfg.model.seq_len
+    return Costs(
+        forward_s=tuple(float(x) for x in forward_s),
+        backward_s=tuple(float(x) for x in backward_s),
+        weight_s=tuple(float(x) for x in weight_s),
+        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg)),
+        tp_bytes=tuple(tp_bytes),
+        param_bytes=tuple(params),
+        stash_bytes=tuple(stash_bytes(cfg, vs) for vs in range(n_vs)),
+        optimizer_factor=2.0,
+    )
+
+
+def busy_scale(cfg: Config, capacity: float, devices: int, bubble: float) -> float:
+    """Compute-time factor for a pipelined step on shared cores (see module docstring).
+
+    Args:
+      cfg: the candidate config.
+      capacity: :attr:`Calibration.parallel_capacity`.
+      devices: devices the calibration ran on at once.
+      bubble: the schedule's lockstep bubble fraction.
+
+    Returns:
+      ``max(N (1 - bubble), capacity) / max(N, capacity)``; 1 for ``pp = 1``.
+    """
+    if cfg.mesh.pp <= 1:
+        return 1.0
+    busy = devices * (1.0 - bubble)
+    return max(busy, capacity) / max(devices, capacity)
+
+
+def compute_times(cal: Calibration, cfg: Config, split_backward: bool, bubble: float = 0.0
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """Per-virtual-stage F, B, W seconds of ``cfg`` from a calibration.
+
+    Args:
+      cal: the calibration (of ``cfg``'s model).
+      cfg: the candidate config.
+      split_backward: whether the schedule splits B and W.
+      bubble: the schedule's lockstep bubble fraction (shared-core scaling).
+
+    Returns:
+      ``(forward_s, backward_s, weight_s)`` lists, one entry per virtual stage.
+    """
+    b, k = micro_batch_size(cfg), cfg.mesh.tp
+    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    s = {q: cal.seconds(q, b, k) for q in quantities_for(cfg, split_backward)}
+    scale = busy_scale(cfg, cal.parallel_capacity, cal.devices, bubble)
+    blk = block_variant(cfg)
+    fwd, bwd, wgt = [], [], []
+    for vs, n in enumerate(layers_per_virtual_stage(cfg)):
+        first, last = vs == 0, vs == n_vs - 1
+        f = n * s[f"{blk}_f"] + first * s["embed_f"] + last * s["head_f"]
+        fb = n * s[f"{blk}_fb"] + first * s["embed_fb"] + last * s["head_fb"]
+        if cfg.mesh.pp == 1:
+            fwd.append(f)
+            bwd.append(max(fb - f, 0.0))
+            wgt.append(0.0)
+        elif not split_backward:
+            fwd.append(f)
+            bwd.append(fb)  # the executor recomputes the forward under jax.vjp
+            wgt.append(0.0)
+        else:
+            # B = vjp w.r.t. the chunk input; W = vjp w.r.t. the weights, which still
+            # backpropagates through the later layers to reach the earlier ones' weights
+            # (measured that way: per layer of a scan over every layer). On virtual stage
+            # 0 the split B has no input gradient to compute and is free, and W, reaching
+            # the embedding, needs every input gradient.
+            head = last * s["head_fb"]
+            fwd.append(f)
+            if first:
+                bwd.append(0.0)
+                wgt.append(n * s[f"{blk}_fb"] + s["embed_fb"] + head)
+            else:
+                bwd.append(n * s[f"{blk}_fbx"] + head)
+                wgt.append(n * s[f"{blk}_fbw"] + head)
+    return [x * scale for x in fwd], [x * scale for x in bwd], [x * scale for x in wgt]
+
+
+def costs_for_config(cal: Calibration, cfg: Config, hw: HardwareProfile) -> Costs:
+    """Simulator :class:`Costs` of the plan ``cfg`` from a calibration.
+
+    Args:
+      cal: calibration of ``cfg``'s model (measured on the machine ``hw`` describes).
+      cfg: the candidate config (mesh, pipeline, overlap).
+      hw: the hardware profile (links).
+
+    Returns:
+      The :class:`Costs`.
+    """
+    from jax_overlap.pipeline.schedules import bubble_fraction, make_schedule
+
+    schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                             cfg.pipeline.virtual_stages)
+    fwd, bwd, wgt = compute_times(cal, cfg, schedule.split_backward, bubble_fraction(schedule))
+    return assemble_costs(cfg, cal.profile(hw, cfg), schedule.placement, fwd, bwd, wgt)

@@ -1,0 +1,775 @@
+"""`jax-overlap tune`: rank every valid parallel plan for N devices with the simulator.
+
+A plan is a config that differs from the user's only in how the step is laid out: data,
+tensor and pipeline degrees, virtual stages, microbatches, schedule, gradient bucket
+size and, for sharded parameters, the all-gather prefetch window. Each candidate is a
+real :class:`~jax_overlap.config.Config`, kept only if it passes
+:func:`jax_overlap.config.validate` and its schedule can be built.
+
+Each plan is predicted by :func:`jax_overlap.analysis.simulate.simulate` on a hardware
+profile. Compute costs come from measuring the model here
+(:mod:`jax_overlap.analysis.calibrate`) when the profile is ``cpu_here`` -- the machine
+this runs on -- and from FLOP counts at an assumed fraction of the chip's peak otherwise
+(no device is needed then). The predicted step time is the simulated loss-and-gradients
+step plus, when calibrated, the measured optimizer update.
+
+Plans that fit in device memory come first, each group ordered by step time, then CCOR
+(higher first), then a stable key of the plan, so the ranking is deterministic. Times
+are compared at three significant digits: measurement noise below that cannot reorder
+plans whose predictions agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import yaml
+
+from jax_overlap import config as configlib
+from jax_overlap.analysis import calibrate as cal_lib
+from jax_overlap.analysis.hardware import HardwareProfile, load_profile
+from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
+from jax_overlap.config import Config, ConfigError
+from jax_overlap.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+
+CALIBRATED_PROFILE = "cpu_here"
+# Assumed model-FLOPs utilisation of the compute for FLOP-based costs: an assumption,
+# not a measurement; it scales every compute time alike, so it moves the balance between
+# compute and communication, not the order of plans with equal communication.
+FLOP_EFFICIENCY = 0.5
+DEFAULT_OUT = os.path.join("runs", "tuned.yaml")
+DEFAULT_BUCKETS_MB: tuple[float, ...] = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
+# Bucket sizes that cut one stage's gradients into more pieces than this are skipped:
+# per-bucket latency dominates there, and each bucket is an event to simulate.
+MAX_BUCKETS = 256
+DEFAULT_WINDOWS: tuple[int, ...] = (1, 2, 3)
+MAX_MICROBATCHES = 64
+MAX_VIRTUAL_STAGES = 4
+# Calibrated tuning measures the exact shapes of this many leading plans after a first
+# ranking with interpolated costs, then ranks again.
+REFINE_PLANS = 5
+TABLE_ROWS = 20
+
+
+# ------------------------------------------------------------------------- candidates
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One parallel plan, in config terms.
+
+    Attributes:
+      dp: data-parallel degree.
+      tp: tensor-parallel degree.
+      pp: pipeline stages.
+      virtual_stages: chunks per stage.
+      microbatches: microbatches per replica per step.
+      schedule: pipeline schedule name.
+      grad_bucket_mb: gradient bucket size (0: one reduction per array after the
+        backward).
+      fsdp: parameters sharded over dp and all-gathered before use.
+      window: FSDP prefetch depth (1 when not sharded).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    microbatches: int
+    schedule: str
+    grad_bucket_mb: float
+    fsdp: bool
+    window: int
+
+    def key(self) -> tuple:
+        """Stable tie-break key (the fields in order)."""
+        return dataclasses.astuple(self)
+
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``dp2 tp4 pp1 m2 1f1b b0 repl``."""
+        sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        shard = f"fsdp w{self.window}" if self.fsdp else "repl"
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
+            f"b{self.grad_bucket_mb:g} {shard}"
+        )
+
+
+def apply_candidate(cfg: Config, cand: Candidate) -> Config:
+    """``cfg`` with the plan's fields set, validated.
+
+    Args:
+      cfg: the base config.
+      cand: the plan.
+
+    Returns:
+      A new validated :class:`Config`.
+
+    Raises:
+      ConfigError: if the plan is not valid for this config.
+    """
+    c = cand
+    out = dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, dp=c.dp, tp=c.tp, pp=c.pp),
+        pipeline=dataclasses.replace(cfg.pipeline, schedule=c.schedule,
+                                     microbatches=c.microbatches,
+                                     virtual_stages=c.virtual_stages),
+        overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
+                                    param_sharding="fsdp" if c.fsdp else "replicated",
+                                    window=c.window),
+    )
+    configlib.validate(out)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@lru_cache(maxsize=512)
+def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """:func:`make_schedule`, memoised (building large tables takes a while)."""
+    return make_schedule(name, stages, microbatches, virtual_stages)
+
+
+def _layouts(pp: int) -> list[tuple[str, int]]:
+    """``(schedule, virtual stages)`` pairs worth trying with ``pp`` stages."""
+    if pp == 1:
+        # One stage: every schedule is the same microbatch loop; keep one.
+        return [("1f1b", 1)]
+    out = []
+    for name in SCHEDULES:
+        if name == "interleaved":
+            out += [(name, v) for v in range(2, MAX_VIRTUAL_STAGES + 1)]
+        elif name == "zb-v":
+            out.append((name, 2))
+        else:
+            out.append((name, 1))
+    return out
+
+
+def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]) -> list[float]:
+    """Bucket sizes that give distinct, sensible plans for one layout.
+
+    Sizes past the whole gradient are all one plan (the smallest is kept); sizes that
+    make more than :data:`MAX_BUCKETS` buckets are dropped.
+    """
+    if dp == 1:
+        return [0.0]  # nothing to reduce over dp
+    probe = dataclasses.replace(cfg, mesh=configlib.MeshConfig(dp=dp, pp=pp, tp=tp))
+    grad_mb = cal_lib.stage_param_elements(probe) * 4 / 2**20
+    out, whole = [], False
+    for s in sorted(set(float(x) for x in sizes)):
+        if s > 0 and grad_mb / s > MAX_BUCKETS:
+            continue
+        if s > 0 and s >= grad_mb:
+            if whole:
+                continue
+            whole = True
+        out.append(s)
+    return out
+
+
+def enumerate_candidates(
+    cfg: Config,
+    devices: int,
+    *,
+    bucket_sizes_mb: Sequence[float] = DEFAULT_BUCKETS_MB,
+    windows: Sequence[int] = DEFAULT_WINDOWS,
+    max_microbatches: int = MAX_MICROBATCHES,
+) -> list[tuple[Candidate, Config]]:
+    """Every valid plan of ``cfg``'s model and batch on ``devices`` devices.
+
+    Args:
+      cfg: the base config (model, batch, precision, optimizer are kept).
+      devices: devices the plan must use exactly (dp x tp x pp).
+      bucket_sizes_mb: gradient bucket sizes to try (sizes past the whole gradient are
+        one plan).
+      windows: FSDP prefetch depths to try (FSDP only when dp > 1).
+      max_microbatches: most microbatches tried.
+
+    Returns:
+      ``(candidate, validated config)`` pairs in a fixed order.
+    """
+    if devices < 1:
+        raise ValueError(f"--devices: must be >= 1, got {devices}")
+    out = []
+    for tp in _divisors(devices):
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            buckets = None
+            for schedule, v in _layouts(pp):
+                for m in _divisors(max(1, cfg.train.global_batch // dp)):
+                    if m > max_microbatches:
+                        break
+                    base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1)
+                    try:
+                        apply_candidate(cfg, base)
+                        cached_schedule(schedule, pp, m, v)
+                    except (ConfigError, ValueError):
+                        continue
+                    if buckets is None:
+                        buckets = _bucket_sizes(cfg, dp, tp, pp, bucket_sizes_mb)
+                    shardings = [(False, 1)] + ([(True, w) for w in windows] if dp > 1 else [])
+                    for bucket in buckets:
+                        for fsdp, window in shardings:
+                            cand = dataclasses.replace(
+                                base, grad_bucket_mb=bucket, fsdp=fsdp, window=window
+                            )
+                            try:
+                                out.append((cand, apply_candidate(cfg, cand)))
+                            except ConfigError:
+                                continue
+    return out
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICIENCY) -> Costs:
+    """FLOP-based :class:`Costs` of the plan ``cfg`` on the chip ``hw`` describes.
+
+    Compute times come from :func:`costs_from_model` at ``efficiency`` of the chip's
+    peak; the pipelined path's recomputation is added the way the executor runs it (B,
+    and W when split, redo the chunk's forward), and the structure -- TP collective
+    count, parameter bytes per stage, stash -- is the same as for calibrated costs.
+
+    Args:
+      cfg: the candidate config.
+      hw: the hardware profile.
+      efficiency: achieved fraction of peak FLOP/s.
+
+    Returns:
+      The :class:`Costs`.
+    """
+    m = cfg.model
+    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                        cfg.pipeline.virtual_stages)
+    base = costs_from_model(
+        m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, cal_lib.micro_batch_size(cfg),
+        cfg.mesh.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
+        num_virtual_stages=cfg.mesh.pp * cfg.pipeline.virtual_stages,
+    )
+    fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
+    if cfg.mesh.pp == 1:
+        # A non-split B does both gradients: costs_from_model splits them into B and W.
+        bwd = [b + w for b, w in zip(bwd, wgt)]
+        wgt = [0.0] * len(wgt)
+    elif not s.split_backward:
+        bwd = [f + b + w for f, b, w in zip(fwd, bwd, wgt)]
+        wgt = [0.0] * len(wgt)
+    else:
+        # Same rule as the calibrated costs: B redoes the forward and the input gradients;
+        # W redoes the forward, the weight gradients and the input gradients of all but the
+        # chunk's first layer; on virtual stage 0 the split B is free and W does it all.
+        layers = cal_lib.layers_per_virtual_stage(cfg)
+        new_b, new_w = [], []
+        for vs, (f, b, w) in enumerate(zip(fwd, bwd, wgt)):
+            if vs == 0:
+                new_b.append(0.0)
+                new_w.append(f + b + w)
+            else:
+                new_b.append(f + b)
+                new_w.append(f + w + b * (layers[vs] - 1) / layers[vs])
+        bwd, wgt = new_b, new_w
+    return cal_lib.assemble_costs(cfg, hw, s.placement, fwd, bwd, wgt)
+
+
+def memory_budget(hw: HardwareProfile) -> float:
+    """Bytes one device may use: its own memory, or its share of host RAM on a CPU host."""
+    source = hw.sources.get("chip.memory_bytes", "")
+    if "shared by all devices" in source:
+        return hw.memory_bytes / max(1, hw.devices_per_host * hw.hosts)
+    return hw.memory_bytes
+
+
+# ------------------------------------------------------------------------ prediction
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for one plan.
+
+    Attributes:
+      candidate: the plan.
+      config: its validated config.
+      step_time_s: predicted step time (simulated step + optimizer update).
+      simulated_s: the simulated loss-and-gradients step.
+      optimizer_s: the optimizer update plus the step's one launch (0 for FLOP-based
+        costs: not modelled there).
+      ccor: overlap / (compute + comm).
+      hidden_comm: overlap / comm, the share of communication under compute.
+      bubble_rate: idle / step.
+      exposed_comm_s: communication not under compute.
+      memory_bytes: peak memory per device.
+      fits: whether ``memory_bytes`` fits the device's budget.
+    """
+
+    candidate: Candidate
+    config: Config = field(repr=False, compare=False)
+    step_time_s: float
+    simulated_s: float
+    optimizer_s: float
+    ccor: float
+    hidden_comm: float
+    bubble_rate: float
+    exposed_comm_s: float
+    memory_bytes: float
+    fits: bool
+
+    def sort_key(self) -> tuple:
+        """Fitting plans first, then step time, CCOR (higher first), plan key."""
+        return (not self.fits, _sig(self.step_time_s), -round(self.ccor, 3), self.candidate.key())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready row."""
+        return {
+            "plan": self.candidate.label(),
+            **dataclasses.asdict(self.candidate),
+            "step_time_s": self.step_time_s,
+            "simulated_s": self.simulated_s,
+            "optimizer_s": self.optimizer_s,
+            "ccor": self.ccor,
+            "hidden_comm": self.hidden_comm,
+            "bubble_rate": self.bubble_rate,
+            "exposed_comm_s": self.exposed_comm_s,
+            "memory_bytes": self.memory_bytes,
+            "fits": self.fits,
+        }
+
+
+def _sig(x: float, digits: int = 3) -> float:
+    """``x`` rounded to ``digits`` significant digits."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def plan_for(cfg: Config) -> Plan:
+    """The simulator :class:`Plan` of a config."""
+    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                        cfg.pipeline.virtual_stages)
+    buckets, issue = cal_lib.grad_buckets(cfg)
+    fsdp = cfg.overlap.param_sharding == "fsdp"
+    return Plan(
+        schedule=s,
+        dp=cfg.mesh.dp,
+        tp=cfg.mesh.tp,
+        grad_buckets=buckets,
+        bucket_issue=issue,
+        fsdp=fsdp,
+        fsdp_window=cfg.overlap.window if fsdp else 0,
+        tp_comm="plain",
+    )
+
+
+def predict(
+    cand: Candidate,
+    cfg: Config,
+    hw: HardwareProfile,
+    calibration: cal_lib.Calibration | None = None,
+    efficiency: float = FLOP_EFFICIENCY,
+) -> Prediction:
+    """Simulate one plan.
+
+    Args:
+      cand: the plan.
+      cfg: its validated config.
+      hw: hardware profile.
+      calibration: measured costs of the model (None: FLOP-based costs).
+      efficiency: FLOP efficiency for FLOP-based costs.
+
+    Returns:
+      The :class:`Prediction`.
+    """
+    if calibration is not None:
+        hw = calibration.profile(hw, cfg)  # links measured with the compute
+        costs = cal_lib.costs_for_config(calibration, cfg, hw)
+        # The update and the one launch of the whole step, outside the simulated part.
+        opt = calibration.optimizer_s(cal_lib.stage_param_elements(cfg)) + calibration.dispatch_s
+    else:
+        costs = flop_costs(cfg, hw, efficiency)
+        opt = 0.0
+    r = simulate(plan_for(cfg), costs, hw)
+    memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg)
+    m = r.metrics
+    return Prediction(
+        candidate=cand,
+        config=cfg,
+        step_time_s=r.step_time_s + opt,
+        simulated_s=r.step_time_s,
+        optimizer_s=opt,
+        ccor=r.ccor,
+        hidden_comm=m.overlap_s / m.comm_s if m.comm_s > 0 else 0.0,
+        bubble_rate=r.bubble_rate,
+        exposed_comm_s=r.exposed_comm_s,
+        memory_bytes=memory,
+        fits=memory <= memory_budget(hw),
+    )
+
+
+def rank(predictions: Sequence[Prediction]) -> list[Prediction]:
+    """Predictions in ranking order (see :meth:`Prediction.sort_key`)."""
+    return sorted(predictions, key=Prediction.sort_key)
+
+
+def _needs(cfg: Config) -> tuple[str, ...]:
+    """The calibration pieces one plan's costs are made of."""
+    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                        cfg.pipeline.virtual_stages)
+    return cal_lib.quantities_for(cfg, s.split_backward)
+
+
+def calibration_for(
+    cfg: Config,
+    candidates: Sequence[tuple[Candidate, Config]],
+    devices: Sequence[Any] | None = None,
+    repeats: int = 5,
+    calibrator: cal_lib.Calibrator | None = None,
+) -> cal_lib.Calibration:
+    """Calibrate ``cfg``'s model over the shapes and pieces the candidates need.
+
+    Args:
+      cfg: the base config.
+      candidates: from :func:`enumerate_candidates`.
+      devices: the devices the plans run on (default: all).
+      repeats: timed calls per point.
+      calibrator: measure with this :class:`~jax_overlap.analysis.calibrate.Calibrator`
+        (kept by the caller to refine later); None makes one.
+
+    Returns:
+      The :class:`~jax_overlap.analysis.calibrate.Calibration`.
+    """
+    b = [cal_lib.micro_batch_size(c) for _, c in candidates]
+    k = [c.mesh.tp for _, c in candidates]
+    quantities = {q for _, c in candidates for q in _needs(c)}
+    groups = {n for _, c in candidates for n in (c.mesh.dp, c.mesh.tp, c.mesh.pp)}
+    return cal_lib.calibrate(cfg, cal_lib.corner_shapes(b, k), devices=devices,
+                             quantities=sorted(quantities), groups=sorted(groups),
+                             repeats=repeats, calibrator=calibrator)
+
+
+def refine(
+    calibrator: cal_lib.Calibrator,
+    calibration: cal_lib.Calibration,
+    ranked: Sequence[Prediction],
+    plans: int = REFINE_PLANS,
+) -> cal_lib.Calibration:
+    """Measure the exact shapes of the leading plans, so their predictions are not fits.
+
+    Args:
+      calibrator: the calibrator that made ``calibration``.
+      calibration: the first, interpolating calibration.
+      ranked: predictions ranked with it.
+      plans: how many leading fitting plans to make exact.
+
+    Returns:
+      The extended calibration.
+    """
+    points = set()
+    for p in [p for p in ranked if p.fits][:plans]:
+        b, k = cal_lib.micro_batch_size(p.config), p.config.mesh.tp
+        points.update((q, b, k) for q in _needs(p.config) if q not in cal_lib.SPLIT_QUANTITIES)
+    return cal_lib.extend(calibrator, calibration, sorted(points))
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """A ranked sweep.
+
+    Attributes:
+      hardware: the profile name.
+      devices: devices planned for.
+      costs: ``calibrated`` or ``flops``.
+      plans: ranked predictions.
+      calibration: the calibration used, if any.
+    """
+
+    hardware: str
+    devices: int
+    costs: str
+    plans: tuple[Prediction, ...]
+    calibration: cal_lib.Calibration | None = field(default=None, repr=False)
+
+    @property
+    def best(self) -> Prediction:
+        """The top plan that fits (the top plan when none fits)."""
+        return next((p for p in self.plans if p.fits), self.plans[0])
+
+
+def tune(
+    cfg: Config,
+    devices: int,
+    hardware: str | HardwareProfile = CALIBRATED_PROFILE,
+    *,
+    calibration: cal_lib.Calibration | None = None,
+    jax_devices: Sequence[Any] | None = None,
+    efficiency: float = FLOP_EFFICIENCY,
+    bucket_sizes_mb: Sequence[float] = DEFAULT_BUCKETS_MB,
+    windows: Sequence[int] = DEFAULT_WINDOWS,
+    max_microbatches: int = MAX_MICROBATCHES,
+) -> TuneResult:
+    """Enumerate, predict and rank every valid plan of ``cfg`` for ``devices`` devices.
+
+    Args:
+      cfg: the base config.
+      devices: devices to plan for.
+      hardware: profile name or path, or a loaded profile. ``cpu_here`` uses measured
+        costs (unless ``calibration`` is given: calibrating now at the corners of the
+        plans' shapes, ranking, measuring the exact shapes of the leading
+        :data:`REFINE_PLANS` plans and ranking again); others use FLOPs.
+      calibration: measured costs to use instead of calibrating.
+      jax_devices: devices to calibrate on (default: the first ``devices``).
+      efficiency: FLOP efficiency for FLOP-based costs.
+      bucket_sizes_mb: gradient bucket sizes to sweep.
+      windows: FSDP windows to sweep.
+      max_microbatches: most microbatches swept.
+
+    Returns:
+      The :class:`TuneResult`. Plans whose TP group would span more devices than one
+      host has are left out when the profile keeps TP inside a host.
+
+    Raises:
+      ValueError: if no plan is valid.
+    """
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    candidates = enumerate_candidates(cfg, devices, bucket_sizes_mb=bucket_sizes_mb,
+                                      windows=windows, max_microbatches=max_microbatches)
+    if not hw.axes["tp"].crosses_hosts:
+        # The profile puts TP on an intra-host link: a TP group larger than a host would
+        # in fact cross hosts, which the profile does not describe.
+        candidates = [(c, conf) for c, conf in candidates if c.tp <= hw.devices_per_host]
+    if not candidates:
+        raise ValueError(
+            f"--devices: no valid plan of this model and batch uses exactly {devices} devices"
+        )
+    refine_with = None
+    if calibration is None and hw.name == CALIBRATED_PROFILE:
+        import jax
+
+        chosen = list(jax_devices) if jax_devices is not None else jax.devices()[:devices]
+        refine_with = cal_lib.Calibrator(cfg, chosen)
+        calibration = calibration_for(cfg, candidates, calibrator=refine_with)
+    if calibration is not None and not calibration.matches(cfg):
+        raise ValueError("calibration: it was measured for another model, precision or optimizer")
+    preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+    if refine_with is not None:
+        calibration = refine(refine_with, calibration, preds)
+        preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+    return TuneResult(
+        hardware=hw.name,
+        devices=devices,
+        costs="calibrated" if calibration is not None else "flops",
+        plans=tuple(preds),
+        calibration=calibration,
+    )
+
+
+# ------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A plan run for real.
+
+    Attributes:
+      prediction: what was predicted.
+      measured_s: median step after the first (compiling) one -- a median, like the
+        calibration's timings, so both see the same share of a shared machine.
+      fastest_s: fastest of those steps.
+      steps: steps run.
+    """
+
+    prediction: Prediction
+    measured_s: float
+    fastest_s: float
+    steps: int
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.prediction.step_time_s - self.measured_s) / self.measured_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready row."""
+        return {
+            "plan": self.prediction.candidate.label(),
+            "predicted_s": self.prediction.step_time_s,
+            "measured_s": self.measured_s,
+            "fastest_s": self.fastest_s,
+            "error": self.error,
+            "steps": self.steps,
+        }
+
+
+def measure_step_time(cfg: Config, devices: Sequence[Any], steps: int = 6) -> tuple[float, float]:
+    """Train ``steps`` steps of ``cfg`` on ``devices``; median and fastest later step.
+
+    Args:
+      cfg: a validated config with ``dp x tp x pp == len(devices)``.
+      devices: the devices.
+      steps: steps to run (the first compiles and is not counted).
+
+    Returns:
+      ``(median, fastest)`` seconds.
+    """
+    import statistics
+
+    from jax_overlap import train
+
+    run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    with tempfile.TemporaryDirectory(prefix="jax_overlap_tune_") as run_dir:
+        train.run(run_cfg, run_dir, progress=False, devices=list(devices))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            times = [json.loads(line)["step_time_s"] for line in f][1:]
+    return statistics.median(times), min(times)
+
+
+def measure_top(result: TuneResult, k: int, steps: int = 6,
+                jax_devices: Sequence[Any] | None = None) -> list[Measured]:
+    """Run the top ``k`` fitting plans for real and pair them with their predictions.
+
+    Args:
+      result: a :class:`TuneResult`.
+      k: plans to run.
+      steps: steps per plan (the first compiles).
+      jax_devices: devices (default: the first ``result.devices``).
+
+    Returns:
+      One :class:`Measured` per plan, in ranking order.
+    """
+    import jax
+
+    devices = list(jax_devices) if jax_devices is not None else jax.devices()[: result.devices]
+    out = []
+    for p in [p for p in result.plans if p.fits][:k]:
+        median, fastest = measure_step_time(p.config, devices, steps)
+        out.append(Measured(p, median, fastest, steps))
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def write_config(cfg: Config, path: str, header: Sequence[str] = ()) -> str:
+    """Write ``cfg`` as YAML that :func:`jax_overlap.config.load` reads back.
+
+    Args:
+      cfg: a validated config.
+      path: output file (parent directories are created).
+      header: comment lines written first.
+
+    Returns:
+      The path written.
+    """
+    configlib.validate(cfg)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = "".join(f"# {line}\n" for line in header)
+    text += yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:,.1f}"
+
+
+def format_table(result: TuneResult, rows: int = TABLE_ROWS) -> str:
+    """The ranked plans as a text table (the first ``rows``)."""
+    lines = [
+        f"tune: {len(result.plans)} valid plans for {result.devices} devices on "
+        f"{result.hardware} ({result.costs} costs); fitting plans first, by step time, "
+        f"then CCOR",
+        f"{'#':>3} {'plan':<40}{'step ms':>10}{'CCOR':>7}{'bubble':>8}{'exposed ms':>11}"
+        f"{'mem/dev MiB':>13}{'fits':>6}",
+    ]
+    for i, p in enumerate(result.plans[:rows], 1):
+        lines.append(
+            f"{i:>3} {p.candidate.label():<40}{p.step_time_s * 1e3:>10.3f}{p.ccor * 100:>6.1f}%"
+            f"{p.bubble_rate * 100:>7.1f}%{p.exposed_comm_s * 1e3:>11.3f}"
+            f"{_mb(p.memory_bytes):>13}{'yes' if p.fits else 'no':>6}"
+        )
+    if len(result.plans) > rows:
+        lines.append(f"    ... {len(result.plans) - rows} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def format_measured(measured: Sequence[Measured]) -> str:
+    """Predicted vs measured step times as a text table."""
+    lines = [f"{'plan':<40}{'predicted ms':>14}{'measured ms':>13}{'error':>8}"]
+    for m in measured:
+        lines.append(
+            f"{m.prediction.candidate.label():<40}{m.prediction.step_time_s * 1e3:>14.3f}"
+            f"{m.measured_s * 1e3:>13.3f}{m.error * 100:>+7.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def tune_command(
+    cfg: Config,
+    devices: int,
+    hardware: str = CALIBRATED_PROFILE,
+    measure: int = 0,
+    out: str = "",
+    as_json: bool = False,
+) -> str:
+    """What ``jax-overlap tune`` prints; writes the best plan's config to ``out``.
+
+    Args:
+      cfg: the base config (the CLI has forced at least ``devices`` host devices).
+      devices: devices to plan for.
+      hardware: profile name or path.
+      measure: run the top this many plans for real and compare.
+      out: where to write the best config (empty: ``runs/tuned.yaml``).
+      as_json: print one JSON document (with a ``plans`` list) instead of tables.
+
+    Returns:
+      The text to print.
+    """
+    if measure < 0:
+        raise ValueError(f"--measure: must be >= 0, got {measure}")
+    result = tune(cfg, devices, hardware)
+    best = result.best
+    path = write_config(
+        best.config,
+        out or DEFAULT_OUT,
+        header=[
+            f"Written by `jax-overlap tune --devices {devices} --hardware {hardware}`: best of "
+            f"{len(result.plans)} plans ({result.costs} costs).",
+            f"Plan: {best.candidate.label()}; predicted step {best.step_time_s * 1e3:.3f} ms, "
+            f"CCOR {best.ccor * 100:.1f}%, bubble {best.bubble_rate * 100:.1f}%.",
+        ],
+    )
+    measured = measure_top(result, measure) if measure else []
+    if as_json:
+        doc = {
+            "hardware": result.hardware,
+            "devices": result.devices,
+            "costs": result.costs,
+            "best": best.to_dict(),
+            "out": path,
+            "plans": [p.to_dict() for p in result.plans],
+            "measured": [m.to_dict() for m in measured],
+        }
+        if result.calibration is not None:
+            doc["calibration"] = result.calibration.to_dict()
+        return json.dumps(doc, sort_keys=True)
+    text = format_table(result)
+    text += f"\nbest: {best.candidate.label()} -> {path}"
+    if measured:
+        text += "\n\npredicted vs measured (median step after compilation):\n"
+        text += format_measured(measured)
+        if result.costs != "calibrated":
+            text += (f"\nnote: measured on this machine's devices, predicted for "
+                     f"{result.hardware}; the two only agree on the machine the profile describes")
+    return text
