@@ -40,11 +40,12 @@ def _curve(overrides, tmp_path, name):
 def test_training_curves_agree_across_meshes(tmp_path):
     ref = _curve(["mesh.dp=1", "mesh.tp=1"], tmp_path, "ref")
     assert len(ref) == 4 and ref[-1] < ref[0]
-    for dp, tp in [(2, 4), (8, 1), (2, 2)]:
+    for dp, tp in [(2, 4), (8, 1)]:
         losses = _curve([f"mesh.dp={dp}", f"mesh.tp={tp}"], tmp_path, f"{dp}x{tp}")
         assert max(rel(a, b) for a, b in zip(losses, ref)) <= 1e-4, (dp, tp, losses, ref)
 
 
+@pytest.mark.slow
 def test_microbatches_do_not_change_the_step(tmp_path):
     one = _curve(["pipeline.microbatches=1"], tmp_path, "m1")
     four = _curve(["pipeline.microbatches=4"], tmp_path, "m4")

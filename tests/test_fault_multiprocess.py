@@ -73,6 +73,7 @@ FAULTY = ["train.steps=10", "fault.nan_at_step=5", "fault.spike_at_step=7", "gua
           "guard.max_skips=1", "guard.skip_batches=1", "checkpoint.every_steps=2"]
 
 
+@pytest.mark.slow
 def test_two_processes_roll_back_together_and_finish(tmp_path, jax_cache):
     run_dir = tmp_path / "run"
     args = ["train", "--config", TINY, "--no-progress", "--run-dir", str(run_dir),

@@ -91,6 +91,7 @@ def test_peak_memory_grows_by_one_block_per_window_step():
     assert temps[-1] < 16 * block / 2
 
 
+@pytest.mark.slow
 def test_train_step_fsdp_zero1_follows_baseline(tmp_path):
     """FSDP blocks + ZeRO-1 (optimizer state split over dp, update under GSPMD) + buckets:
     the same loss curve as the plain step, with the state stored split."""

@@ -20,12 +20,10 @@ LAYERS = 8  # divisible by pp x chunks for every case below
 
 # (schedule, pp, dp, tp, microbatches, tied)
 DEFAULT_CASES = [
-    ("1f1b", 4, 2, 1, 8, True),
     ("interleaved", 4, 2, 1, 4, True),
     ("zb-v", 4, 2, 1, 4, True),
     ("1f1b", 2, 2, 2, 2, False),
     ("zb-h1", 2, 2, 2, 4, True),
-    ("interleaved", 2, 4, 1, 4, False),
     ("gpipe", 2, 4, 1, 2, False),
     ("zb-v", 4, 1, 2, 8, False),
 ]

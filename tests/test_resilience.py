@@ -305,6 +305,7 @@ def test_nan_and_spike_roll_back_and_finish_finite(faulty_run):
     assert after["lr"] == first[5]
 
 
+@pytest.mark.slow
 def test_rollback_without_checkpoints_restarts_from_the_initial_state(tmp_path):
     cfg = config.load(TINY, ["train.steps=4", "fault.nan_at_step=2", "guard.max_skips=0",
                              "guard.skip_batches=2", "guard.lr_scale_on_rollback=0.5",

@@ -129,6 +129,7 @@ def test_synced_bn_under_dp_matches_single_device(reference):
     assert max_rel_err(grads, ref_grads) <= 1e-5
 
 
+@pytest.mark.slow
 def test_local_bn_under_dp_differs(reference):
     model, params, batch, ref_loss, ref_grads = reference
     local = ResNetModel(ResNetConfig(**{**SMALL18.__dict__, "bn_sync": False}))
