@@ -43,6 +43,14 @@ def tp_index(par: Parallel) -> jax.Array:
     return jax.lax.axis_index(par.tp_axis) if par.active else jnp.zeros((), jnp.int32)
 
 
+def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.Array:
+    """This rank's positions [r*T/tp, (r+1)*T/tp) of per-position data under sequence
+    parallelism (position embeddings, token ids); `a` unchanged otherwise."""
+    if not par.sequence_sharded:
+        return a
+    return jax.lax.dynamic_slice_in_dim(a, tp_index(par) * t_local, t_local, axis=axis)
+
+
 def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     """Marks values as device-varying over `axes` (so autodiff leaves their reductions to us).
 

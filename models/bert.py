@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap.collectives import Parallel, tp_index, vocab_cross_entropy, vocab_embed
+from jax_overlap.collectives import Parallel, sequence_shard, vocab_cross_entropy, vocab_embed
 from models.gpt import GPT, Block, LayerNorm
 
 MASK_ID = -1  # input id of the [MASK] token (not a vocabulary row)
@@ -55,12 +55,9 @@ class BertEmbed(nn.Module):
         # MASK_ID lies outside every rank's vocabulary rows, so it embeds to zeros here.
         x_btd = vocab_embed(ids_bt, wte_vd.astype(dt), par)
         t = ids_bt.shape[1]
-        pos_td = wpe_td[:t].astype(dt)
-        if par.sequence_sharded:  # this rank holds positions [r*T/tp, (r+1)*T/tp)
-            t_local = x_btd.shape[1]
-            start = tp_index(par) * t_local
-            pos_td = jax.lax.dynamic_slice_in_dim(pos_td, start, t_local, axis=0)
-            ids_bt = jax.lax.dynamic_slice_in_dim(ids_bt, start, t_local, axis=1)
+        t_local = x_btd.shape[1]
+        pos_td = sequence_shard(wpe_td[:t].astype(dt), 0, t_local, par)
+        ids_bt = sequence_shard(ids_bt, 1, t_local, par)
         masked_bt1 = (ids_bt == MASK_ID)[..., None]
         return jnp.where(masked_bt1, mask_d.astype(dt), x_btd) + pos_td
 

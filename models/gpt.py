@@ -19,8 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_overlap.collectives import (Parallel, column_parallel, row_parallel, vocab_cross_entropy,
-                                     vocab_embed)
+from jax_overlap.collectives import (Parallel, column_parallel, row_parallel, sequence_shard,
+                                     vocab_cross_entropy, vocab_embed)
 
 
 def _normal(std: float):
@@ -108,11 +108,7 @@ class Embed(nn.Module):
         wpe_td = self.param("wpe", _normal(0.01), (self.seq_len, self.d_model))
         x_btd = vocab_embed(ids_bt, wte_vd.astype(par.compute_dtype), par)
         t = ids_bt.shape[1]
-        pos_td = wpe_td[:t].astype(par.compute_dtype)
-        if par.sequence_sharded:  # this rank holds positions [r*T/tp, (r+1)*T/tp)
-            t_local = x_btd.shape[1]
-            start = jax.lax.axis_index(par.tp_axis) * t_local
-            pos_td = jax.lax.dynamic_slice_in_dim(pos_td, start, t_local, axis=0)
+        pos_td = sequence_shard(wpe_td[:t].astype(par.compute_dtype), 0, x_btd.shape[1], par)
         return x_btd + pos_td
 
 

@@ -190,11 +190,12 @@ class HloModule:
     entry: str
 
 
-def _scan_balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at ``text[start]``.
+def _structure(text: str, start: int = 0):
+    """Yields ``(index, char, depth)`` for characters outside double-quoted strings.
 
-    Tracks ``()``, ``{}``, ``[]`` and double-quoted strings (with escapes), so JSON in
-    ``backend_config`` and quoted metadata do not confuse it.
+    Tracks ``()``, ``{}``, ``[]`` and strings (with escapes), so JSON in ``backend_config``
+    and quoted metadata do not confuse the walkers below. ``depth`` is the nesting after
+    an opening bracket and before a closing one.
     """
     depth = 0
     i = start
@@ -209,41 +210,31 @@ def _scan_balanced(text: str, start: int) -> int:
                 in_str = False
         elif ch == '"':
             in_str = True
-        elif ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        else:
+            if ch in "({[":
+                depth += 1
+            yield i, ch, depth
+            if ch in ")}]":
+                depth -= 1
         i += 1
+
+
+def _scan_balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]``."""
+    for i, ch, depth in _structure(text, start):
+        if ch in ")}]" and depth == 1:
+            return i + 1
     return len(text)
 
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split on ``sep`` outside brackets and strings."""
     parts: list[str] = []
-    depth = 0
-    in_str = False
     cur_start = 0
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if in_str:
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        elif ch == sep and depth == 0:
+    for i, ch, depth in _structure(text):
+        if ch == sep and depth == 0:
             parts.append(text[cur_start:i])
             cur_start = i + 1
-        i += 1
     parts.append(text[cur_start:])
     return [p.strip() for p in parts if p.strip()]
 

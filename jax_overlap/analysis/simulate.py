@@ -68,10 +68,7 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n <= 1`` or no bytes.
     """
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    hops = 2 * (n - 1)
-    return hops * link.latency_s + hops * (nbytes / n) / link.effective_bandwidth
+    return _ring_time(nbytes, n, link, hops=2 * (n - 1))
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
@@ -87,9 +84,13 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n <= 1`` or no bytes.
     """
+    return _ring_time(nbytes, n, link, hops=n - 1)
+
+
+def _ring_time(nbytes: float, n: int, link: Link, hops: int) -> float:
+    """`hops` ring steps, each paying the link latency and moving one `nbytes / n` shard."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    hops = n - 1
     return hops * link.latency_s + hops * (nbytes / n) / link.effective_bandwidth
 
 
