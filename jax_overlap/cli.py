@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--virtual", type=int, default=1)
+    p.add_argument("--transfer-latency", type=int, default=1,
+                   help="ticks between stages: 2 overlaps transfers with the next tick")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
@@ -114,7 +116,7 @@ def cmd_schedule(args) -> int:
     from jax_overlap.pipeline.schedules import schedule_command
 
     print(schedule_command(args.schedule, args.stages, args.microbatches, args.virtual,
-                           as_json=args.json))
+                           as_json=args.json, transfer_latency=args.transfer_latency))
     return 0
 
 

@@ -75,12 +75,19 @@ class PipelineConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
     microbatches: int = 1  # per data-parallel replica per step; also gradient accumulation when pp=1
     virtual_stages: int = 1  # chunks per pipeline stage (interleaved / zb-v)
+    # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
+    # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
+    # at the price of a longer ramp (bubble L(p-1)/(m+L(p-1)) for 1F1B) and more activations.
+    transfer_latency: int = 1
 
 
 @dataclass
 class OverlapConfig:
     grad_bucket_mb: float = 0.0  # 0: one reduction per gradient leaf, after the backward
     bucket_order: Literal["backward", "largest_first"] = "backward"
+    # backward order: reduce the embedding's gradients before the first layer's, so the
+    # first layer's weight-gradient GEMMs can hide them (see buckets.pack_units)
+    embed_before_first_layer: bool = True
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     param_sharding: Literal["replicated", "fsdp"] = "replicated"
@@ -310,10 +317,19 @@ def validate(cfg: Config) -> None:
     if m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
         p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
+    group = m.pp * pl.transfer_latency
+    if pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
+        lower = pl.microbatches // group * group
+        fix = f"{lower} or {lower + group}" if lower else f"{group}"
+        p.append(f"pipeline.microbatches: interleaved needs a multiple of mesh.pp x "
+                 f"pipeline.transfer_latency = {group}, got {pl.microbatches}; use {fix}")
     if pl.schedule == "interleaved" and m.pp > 1 and pl.virtual_stages < 2:
         p.append("pipeline.virtual_stages: interleaved needs >= 2; set pipeline.virtual_stages=2")
     if pl.schedule == "zb-v" and m.pp > 1 and pl.virtual_stages != 2:
         p.append("pipeline.virtual_stages: zb-v places exactly 2 chunks per stage; set it to 2")
+    if pl.transfer_latency not in (1, 2):
+        p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
+                 f"to overlap stage-to-stage transfers with compute")
     if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v"):
         p.append(f"pipeline.virtual_stages: {pl.virtual_stages} needs pipeline.schedule "
                  f"interleaved or zb-v (got {pl.schedule}); set it to 1")

@@ -30,6 +30,10 @@ def test_tiny_loads_with_types():
     (["train.precision=fp16"], "train.precision", "is not one of"),
     (["train.optimizer=adam"], "train.optimizer", "did you mean 'adamw'"),
     (["model.layers=3", "mesh.pp=2", "mesh.dp=1"], "model.layers", "multiple of 2"),
+    (["pipeline.transfer_latency=3"], "pipeline.transfer_latency", "must be 1 or 2"),
+    (["mesh.pp=2", "mesh.dp=1", "model.layers=4", "pipeline.schedule=interleaved",
+      "pipeline.virtual_stages=2", "pipeline.microbatches=2", "pipeline.transfer_latency=2"],
+     "pipeline.microbatches", "use 4"),
 ])
 def test_each_rule_names_field_and_fix(overrides, field, fix):
     problems = _problems(overrides)

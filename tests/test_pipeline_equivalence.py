@@ -90,6 +90,23 @@ def test_pipeline_matches_single_device_sweep(references, name, pp, dp, tp, m, t
     check_equivalence(references, name, pp, dp, tp, m, tied)
 
 
+# transfer_latency=2: the skewed loop that sends tick t-1's output beside tick t's action.
+SKEWED_CASES = [("1f1b", 4, 2, 1, 4, True), ("zb-v", 2, 2, 2, 2, False),
+                ("interleaved", 2, 2, 2, 4, True)]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied", SKEWED_CASES)
+def test_skewed_pipeline_matches_single_device(references, name, pp, dp, tp, m, tied):
+    check_equivalence(references, name, pp, dp, tp, m, tied, ["pipeline.transfer_latency=2"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1", "interleaved", "zb-v"])
+def test_skewed_pipeline_matches_single_device_sweep(references, name):
+    m = 8 if name == "interleaved" else 4
+    check_equivalence(references, name, 4, 2, 1, m, True, ["pipeline.transfer_latency=2"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_pipeline_with_sequence_parallel_tp(references, name):

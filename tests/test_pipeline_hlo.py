@@ -101,3 +101,34 @@ def test_no_all_gather_of_activations(compiled):
     # A gathered (..., b, T, D) array would be activations (the only (T, D) weight is wpe).
     activation_like = [shape for shape in results if re.search(rf"\[(\d+,)+{t},{d}\]", shape)]
     assert not activation_like, activation_like
+
+
+# ------------------------------------------------------- the GPU schedule, without a GPU
+
+
+def _gpu_permutes(latency: int) -> list[dict]:
+    """collective-permute ops of the pp4 x dp2 step compiled for 8 H100s (gpu_overlap)."""
+    from helpers import last_json_line, run_cli
+
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
+                   "--set", "mesh.pp=4", "--set", "mesh.dp=2", "--set", "mesh.tp=1",
+                   "--set", "model.layers=4", "--set", "pipeline.schedule=1f1b",
+                   "--set", "pipeline.microbatches=8", "--set", "train.global_batch=32",
+                   "--set", f"pipeline.transfer_latency={latency}",
+                   "--set", "overlap.xla_preset=gpu_overlap", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [op for op in last_json_line(proc.stdout)["ops"] if op["kind"] == "collective-permute"]
+
+
+def test_skewed_loop_puts_every_stage_transfer_under_the_ticks_gemms():
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
+    # transfer_latency=2: each tick sends the previous tick's output, so XLA can start both
+    # rings' permutes before the tick's `conditional` (its GEMMs) and finish them after.
+    permutes = _gpu_permutes(2)
+    assert len(permutes) == 2
+    for op in permutes:
+        assert op["async"], op
+        assert op["gemms_between"], op

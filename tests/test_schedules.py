@@ -387,6 +387,100 @@ def test_bad_arguments_name_the_field(args, field, hint):
     assert "\n" not in message
 
 
+# ------------------------------------------------------------- two-tick transfer latency
+
+LATENCY2 = [(name, p, m, v) for p in (2, 4) for m in (2 * p, 4 * p) for name in SCHEDULES
+            for v in ((2, 3) if name == "interleaved" else (1,))]
+
+
+def _cross_stage_gaps(s: Schedule) -> list[int]:
+    """Ticks between every cross-stage dependency and its consumer."""
+    from jax_overlap.pipeline.schedules import dependencies
+
+    tick_of = {s.task(d, a): (t, d) for d, row in enumerate(s.grid)
+               for t, a in enumerate(row) if a is not None}
+    gaps = []
+    for task, (t, d) in tick_of.items():
+        for dep in dependencies(task, s.stages * s.virtual_stages):
+            dep_tick, dep_stage = tick_of[dep]
+            if dep_stage != d:
+                gaps.append(t - dep_tick)
+    return gaps
+
+
+@pytest.mark.parametrize("name,p,m,v", LATENCY2)
+def test_latency2_schedules_validate_and_leave_a_tick_for_every_transfer(name, p, m, v):
+    s = make_schedule(name, p, m, v, transfer_latency=2)
+    validate(s)
+    assert s.transfer_latency == 2
+    gaps = _cross_stage_gaps(s)
+    assert gaps and min(gaps) >= 2
+    # The same table read with one tick of latency is legal too: latency 2 only adds ticks.
+    validate(dataclasses.replace(s, transfer_latency=1))
+    # Every action still runs once.
+    per_stage = (3 if s.split_backward else 2) * m * s.virtual_stages
+    assert all(sum(a is not None for a in row) == per_stage for row in s.grid)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_latency2_bubbles_follow_the_longer_ramp(p, m):
+    ramp = 2 * (p - 1)  # L (p - 1) with L = 2
+    for name, busy in (("gpipe", m), ("1f1b", m), ("zb-h1", 3 * m)):
+        got = bubble_fraction(make_schedule(name, p, m, transfer_latency=2))
+        assert got == pytest.approx(ramp / (busy + ramp), abs=1e-12), name
+    got = bubble_fraction(make_schedule("interleaved", p, m, 2, transfer_latency=2))
+    assert got == pytest.approx(ramp / (2 * m + ramp), abs=1e-12)
+    # The price of hiding transfers: never less bubble than one tick of latency.
+    for name in SCHEDULES:
+        v = 2 if name in ("interleaved", "zb-v") else 1
+        assert (bubble_fraction(make_schedule(name, p, m, v, transfer_latency=2))
+                >= bubble_fraction(make_schedule(name, p, m, v)) - 1e-12)
+
+
+def test_latency2_one_f_one_b_holds_l_times_more_in_flight():
+    # Stage d holds L(p-d-1)+1 microbatches: enough to cover a round trip twice as long.
+    assert peak_activations(make_schedule("1f1b", 4, 16, transfer_latency=2)) == [7, 5, 3, 1]
+    assert peak_activations(make_schedule("zb-h1", 4, 16, transfer_latency=2)) == [7] * 4
+
+
+def test_validator_applies_the_schedules_latency():
+    s = make_schedule("1f1b", 2, 2)  # stage 1 runs F0 at tick 1, one tick after stage 0
+    with pytest.raises(ScheduleError) as info:
+        validate(dataclasses.replace(s, transfer_latency=2))
+    assert str(info.value) == ("tick 1, stage 1: F0 needs F0 from stage 0 at an earlier tick "
+                               "(it runs at tick 0)")
+    s = make_schedule("gpipe", 2, 4)
+    delayed = tuple((None, *row) for row in s.grid)  # everything one tick later
+    validate(dataclasses.replace(s, grid=delayed))
+    with pytest.raises(ScheduleError) as info:
+        validate(dataclasses.replace(s, grid=delayed, transfer_latency=2))
+    assert str(info.value) == ("tick 2, stage 1: F0 needs F0 from stage 0 by tick 0 "
+                               "(it runs at tick 1)")
+
+
+def test_latency_is_in_json_text_and_cli():
+    s = make_schedule("zb-v", 2, 4, 2, transfer_latency=2)
+    data = s.to_json()
+    assert data["transfer_latency"] == 2
+    assert Schedule.from_json(json.loads(json.dumps(data))) == s
+    assert json.loads(schedule_command("1f1b", 4, 8, as_json=True,
+                                       transfer_latency=2))["transfer_latency"] == 2
+    assert "transfer_latency=2" in schedule_command("1f1b", 4, 8, transfer_latency=2)
+
+
+@pytest.mark.parametrize(
+    "args,field,hint",
+    [
+        (("1f1b", 4, 8, 1, 3), "pipeline.transfer_latency", "got 3"),
+        (("interleaved", 4, 12, 2, 2), "pipeline.microbatches", "to 8 or 16"),
+    ],
+)
+def test_bad_latency_arguments_name_the_field(args, field, hint):
+    with pytest.raises(ValueError) as info:
+        make_schedule(*args)
+    assert str(info.value).startswith(field + ":") and hint in str(info.value)
+
+
 def test_names_are_normalised():
     assert make_schedule("ZB_H1", 2, 2) == sched("zb-h1", 2, 2)
     assert make_schedule("zb-v", 2, 2, 2) == sched("zb-v", 2, 2)

@@ -24,6 +24,16 @@ exactly the schedules' time model. That model lets a neighbour consume at t+1 wh
 at t, so such a transfer lies between two ticks on the critical path (as the p2p between
 Megatron's stages does); only values consumed later than t+1 are hidden.
 
+Skewed loop (`pipeline.transfer_latency: 2`): tick t sends tick t-1's output, at the top of
+the loop body, and files what arrives at the end, after the tick's action. Neither the
+transfers nor the action read the other's result, so XLA issues the collective-permute
+starts before the tick's `conditional` and the dones after it: the whole tick's GEMMs run
+while the activations travel. The tables are generated for that latency (a consumer on
+another stage runs two ticks after its producer), which lengthens the ramp. XLA's
+`collective-permute-motion` pass would rotate such a loop back (moving the permute of the
+carried value to the end of the previous iteration, after the action that makes it); the
+`gpu_overlap` XLA preset turns that pass off.
+
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
 *input*; it stays in its slot until the last backward action of that (microbatch, chunk)
 (B, or W when the backward is split), which recomputes the chunk's forward under `jax.vjp`.
@@ -63,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap.collectives import Parallel, to_varying
 from jax_overlap.mesh import DP, PP, rules_for, tree_specs
-from jax_overlap.pipeline.schedules import Schedule, Task, make_schedule
+from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
 
 # ------------------------------------------------------------------------------ program
 
@@ -108,6 +118,11 @@ class TickProgram:
     @property
     def trash(self) -> int:
         return self.slots
+
+    @property
+    def skewed(self) -> bool:
+        """Whether each tick sends the previous tick's output (`transfer_latency` 2)."""
+        return self.schedule.transfer_latency == 2
 
     def column(self, name: str) -> np.ndarray:
         """One field of the table, `(ticks, stages)`."""
@@ -164,9 +179,9 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
     """Every transfer of a step: when and where it arrives, its ring, how long it is kept.
 
     ('x', mb, vs) is the input of virtual stage vs, sent by F(mb, vs-1); ('g', mb, vs) is the
-    gradient of vs's output, sent by B(mb, vs+1). Each arrives at (and is filed at the start
-    of) the tick after it was sent and stays in a slot of its receiver until the last
-    backward action of (mb, vs) -- B, or W when split -- has read it.
+    gradient of vs's output, sent by B(mb, vs+1). Each becomes readable `transfer_latency`
+    ticks after it was sent (the next tick on the same stage) and stays in a slot of its
+    receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
 
     Returns:
       (arrivals: (tick, stage, route) -> key, per-stage lifetimes [(first, last, key)],
@@ -187,8 +202,9 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
         src, dst = s.placement[vs][0], s.placement[target][0]
         route = _route(src, dst, p)
         pairs[route].add((src, dst))
-        arrivals[(t + 1, dst, route)] = key
-        lifetimes[dst].append((t + 1, tick_of[Task(last_kind, mb, target)], key))
+        readable = t + dependency_gap(src, dst, s.transfer_latency)
+        arrivals[(readable, dst, route)] = key
+        lifetimes[dst].append((readable, tick_of[Task(last_kind, mb, target)], key))
     return arrivals, lifetimes, pairs
 
 
@@ -244,7 +260,7 @@ def compile_program(schedule: Schedule) -> TickProgram:
 def program_for(cfg) -> TickProgram:
     """The compiled schedule a config's pipeline runs."""
     schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                             cfg.pipeline.virtual_stages)
+                             cfg.pipeline.virtual_stages, cfg.pipeline.transfer_latency)
     return compile_program(schedule)
 
 
@@ -400,24 +416,55 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             return zeros_btd
         return jax.lax.ppermute(out_btd, PP, perm=list(pairs))  # (b, T, D) per device, over pp
 
+    def file(pool, row, route, arrival):
+        # A slot of `trash` when nothing meaningful arrived.
+        return pool.at[row[COL["file_" + route]]].set(arrival)
+
     def tick(carry, rows):
         pool, inbox_down, inbox_up, inbox_self, grads, loss = carry
         row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        # File last tick's arrivals (a slot of `trash` when nothing meaningful arrived).
+        # File last tick's arrivals.
         if program.down_pairs:
-            pool = pool.at[row[COL["file_down"]]].set(inbox_down)
+            pool = file(pool, row, "down", inbox_down)
         if program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
-            pool = pool.at[row[COL["file_up"]]].set(inbox_up)
+            pool = file(pool, row, "up", inbox_up)
         if program.local_handoff:
-            pool = pool.at[row[COL["file_self"]]].set(inbox_self)
+            pool = file(pool, row, "self", inbox_self)
         grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
         inbox_down = ring(out, program.down_pairs)
         inbox_up = ring(out, program.up_pairs)
         inbox_self = out if program.local_handoff else inbox_self
         return (pool, inbox_down, inbox_up, inbox_self, grads, loss), None
 
-    carry0 = (pool_sbtd, zeros_btd, zeros_btd, zeros_btd, grads0, loss0)
-    (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, jnp.asarray(program.table))
+    def skewed_tick(carry, rows_now_next):
+        # Tick t sends tick t-1's output, so the transfers and this tick's action have no
+        # data dependency: the ppermutes start before the action and finish after it. What
+        # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
+        pool, pending, inbox_self, grads, loss = carry
+        rows, rows_next = rows_now_next
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
+        arrival_down = ring(pending, program.down_pairs)
+        arrival_up = ring(pending, program.up_pairs)
+        if program.local_handoff:  # same stage: readable one tick after it was made
+            pool = file(pool, row, "self", inbox_self)
+        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        if program.down_pairs:
+            pool = file(pool, row_next, "down", arrival_down)
+        if program.up_pairs:
+            pool = file(pool, row_next, "up", arrival_up)
+        return (pool, out, out, grads, loss), None
+
+    table = jnp.asarray(program.table)
+    if program.skewed:
+        # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
+        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
+        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
+        carry0 = (pool_sbtd, zeros_btd, zeros_btd, grads0, loss0)
+        (_, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
+    else:
+        carry0 = (pool_sbtd, zeros_btd, zeros_btd, zeros_btd, grads0, loss0)
+        (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
 
     loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
     grads = {

@@ -10,7 +10,12 @@ The executor runs the table in lockstep, one tick per action: every action -- ``
 ``B``, ``W`` or a non-split ``B`` (which also computes weight gradients) -- takes one
 tick. A value produced at tick ``t`` on one stage can be consumed on another stage at
 tick ``t + 1`` at the earliest (one tick of transfer latency); on the same stage the
-consumer simply runs at a later tick. Dependencies, for microbatch ``mb`` and virtual
+consumer simply runs at a later tick. A schedule built with ``transfer_latency = L``
+asks for ``L`` ticks between stages instead: with ``L = 2`` the executor sends tick
+``t``'s output at the start of tick ``t + 1``, beside that tick's compute, so every
+transfer can hide under a whole tick of GEMMs (see ``jax_overlap.pipeline.executor``),
+at the price of a longer ramp (GPipe and 1F1B idle ``2(p-1)`` ticks per stage instead of
+``p-1``). Dependencies, for microbatch ``mb`` and virtual
 stage ``vs`` (model order, ``0 .. p*v - 1``):
 
 * ``F(mb, vs)`` needs ``F(mb, vs - 1)``;
@@ -100,6 +105,20 @@ def dependencies(task: Task, num_virtual_stages: int) -> tuple[Task, ...]:
     return (Task("B", mb, vs),)
 
 
+def dependency_gap(producer_stage: int, consumer_stage: int, transfer_latency: int) -> int:
+    """Ticks from a dependency's tick to the earliest tick its consumer may run.
+
+    Args:
+      producer_stage: stage that runs the dependency.
+      consumer_stage: stage that runs the consumer.
+      transfer_latency: ticks a value takes between two different stages.
+
+    Returns:
+      1 on the same stage (the next tick), else ``transfer_latency``.
+    """
+    return 1 if producer_stage == consumer_stage else transfer_latency
+
+
 # Extra facts a schedule's JSON carries, keyed by schedule name.
 MEMORY_NOTES: dict[str, str] = {
     "zb-v": (
@@ -164,6 +183,8 @@ class Schedule:
       split_backward: whether B and W are separate actions.
       placement: virtual stage (model order) -> (stage, chunk).
       grid: ``grid[stage][tick]``; ``None`` is idle; rows have equal length.
+      transfer_latency: ticks between a value's producer and a consumer on another
+        stage (1: the next tick; 2: the executor overlaps every transfer with a tick).
     """
 
     name: str
@@ -173,6 +194,7 @@ class Schedule:
     split_backward: bool
     placement: tuple[tuple[int, int], ...]
     grid: tuple[tuple[Action | None, ...], ...]
+    transfer_latency: int = 1
 
     @property
     def ticks(self) -> int:
@@ -211,7 +233,7 @@ class Schedule:
 
         Returns:
           Keys ``name, stages, microbatches, virtual_stages, split_backward, placement,
-          ticks, bubble_fraction, peak_activations, table`` and, for schedules with a
+          transfer_latency, ticks, bubble_fraction, peak_activations, table`` and, for schedules with a
           memory caveat (zb-v), ``memory_note``. ``table[stage][tick]`` is ``None`` or
           an entry string such as ``"F3"`` / ``"F3.1"``.
         """
@@ -222,6 +244,7 @@ class Schedule:
             "virtual_stages": self.virtual_stages,
             "split_backward": self.split_backward,
             "placement": [list(pos) for pos in self.placement],
+            "transfer_latency": self.transfer_latency,
             "ticks": self.ticks,
             "bubble_fraction": bubble_fraction(self),
             "peak_activations": peak_activations(self),
@@ -237,8 +260,9 @@ class Schedule:
 
         Args:
           data: needs ``name, stages, microbatches, table``; ``virtual_stages`` defaults
-            to 1, ``split_backward`` to whether any ``W`` appears, and ``placement`` to
-            the named schedule's own (round-robin for unknown names).
+            to 1, ``split_backward`` to whether any ``W`` appears, ``placement`` to
+            the named schedule's own (round-robin for unknown names) and
+            ``transfer_latency`` to 1.
 
         Returns:
           The schedule, unvalidated (call ``validate`` on hand-written tables).
@@ -252,7 +276,8 @@ class Schedule:
             placement = tuple((int(s), int(c)) for s, c in data["placement"])
         else:
             placement = default_placement(data["name"], p, v)
-        return cls(data["name"], p, int(data["microbatches"]), v, bool(split), placement, grid)
+        return cls(data["name"], p, int(data["microbatches"]), v, bool(split), placement, grid,
+                   int(data.get("transfer_latency", 1)))
 
     def to_text(self) -> str:
         """The table as aligned text: a tick header, then one row per stage.
@@ -342,6 +367,7 @@ def _list_schedule(
     placement: tuple[tuple[int, int], ...],
     split_backward: bool,
     policy: _Policy,
+    transfer_latency: int = 1,
 ) -> Schedule:
     """Lockstep list scheduling of every task of one training step.
 
@@ -352,6 +378,7 @@ def _list_schedule(
       placement: virtual stage -> (stage, chunk).
       split_backward: emit separate ``W`` tasks.
       policy: priority order, activation cap and selection mode.
+      transfer_latency: ticks between stages (see :func:`dependency_gap`).
 
     Returns:
       The schedule table.
@@ -375,7 +402,13 @@ def _list_schedule(
         # The task itself breaks ties so the result never depends on set order.
         return (policy.priority(task, stage), task)
 
-    tick = 0
+    def arrived(dep: Task, stage: int, tick: int) -> bool:
+        if dep not in done:
+            return False
+        gap = dependency_gap(placement[dep.virtual_stage][0], stage, transfer_latency)
+        return done[dep] + gap <= tick
+
+    tick, stalled = 0, 0
     while any(pending):
         chosen: list[Task | None] = []
         for d in range(stages):
@@ -386,10 +419,11 @@ def _list_schedule(
                 task
                 for task in candidates
                 if (task.kind != "F" or held[d] < caps[d])
-                and all(done.get(dep, tick) < tick for dep in dependencies(task, n_vs))
+                and all(arrived(dep, d, tick) for dep in dependencies(task, n_vs))
             ]
             chosen.append(min(ready, key=lambda t, d=d: rank(t, d)) if ready else None)
-        if all(task is None for task in chosen):
+        stalled = stalled + 1 if all(task is None for task in chosen) else 0
+        if stalled >= transfer_latency:  # nothing in flight can make a task ready
             raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
         for d, task in enumerate(chosen):
             if task is None:
@@ -408,6 +442,7 @@ def _list_schedule(
         split_backward=split_backward,
         placement=placement,
         grid=tuple(tuple(row) for row in rows),
+        transfer_latency=transfer_latency,
     )
 
 
@@ -424,7 +459,7 @@ def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}
 
 
-def gpipe(stages: int, microbatches: int) -> Schedule:
+def gpipe(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
     """GPipe: all forwards, then all backwards (Huang et al. 2019).
 
     Greedy, forward first: every stage holds all ``m`` activations at the turn-around.
@@ -432,71 +467,85 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     Args:
       stages: ``p``.
       microbatches: ``m``.
+      transfer_latency: ``L``, ticks between stages.
 
     Returns:
-      The schedule; bubble ``(p-1)/(m+p-1)``.
+      The schedule; bubble ``L(p-1)/(m+L(p-1))``.
     """
     policy = _Policy(
         priority=lambda t, d: (t.kind != "F", t.microbatch),
         cap=lambda d: microbatches,
     )
-    return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False, policy)
+    return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False, policy,
+                          transfer_latency)
 
 
-def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
     """1F1B / PipeDream-flush (Narayanan et al. 2021).
 
     Greedy, backward first whenever one is ready, stage ``d`` holding at most ``p - d``
     activations: this yields the warm-up of ``p-d-1`` forwards, the steady
-    one-forward-one-backward phase and the cool-down.
+    one-forward-one-backward phase and the cool-down. With ``L`` ticks between stages a
+    microbatch's round trip from stage ``d`` is ``L`` times longer, so the cap is
+    ``L(p-d-1) + 1``: the least that keeps the steady phase free of stalls.
 
     Args:
       stages: ``p``.
       microbatches: ``m``.
+      transfer_latency: ``L``, ticks between stages.
 
     Returns:
-      The schedule; bubble ``(p-1)/(m+p-1)``, stage 0 holds ``min(p, m)`` activations.
+      The schedule; bubble ``L(p-1)/(m+L(p-1))``, stage 0 holds ``min(L(p-1)+1, m)``
+      activations.
     """
+    lat = transfer_latency
     policy = _Policy(
         priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch),
-        cap=lambda d: stages - d,
+        cap=lambda d: lat * (stages - d - 1) + 1,
     )
-    return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False, policy)
+    return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False, policy,
+                          lat)
 
 
 def megatron_chunk_order(
-    microbatches: int, stages: int, virtual_stages: int
+    microbatches: int, stages: int, virtual_stages: int, transfer_latency: int = 1
 ) -> list[tuple[int, int]]:
     """Megatron's interleaved forward order on every stage, as (microbatch, chunk).
 
     Microbatches go in groups of ``p`` (the last group may be smaller); each group runs
     through chunk 0, then chunk 1, ... -- ``p`` microbatches are exactly enough to keep
-    a stage busy while the group's first microbatch travels round the pipeline.
+    a stage busy while the group's first microbatch travels round the pipeline. With
+    ``L`` ticks between stages the round trip is ``L`` times longer: groups of ``L*p``.
 
     Args:
       microbatches: ``m``.
       stages: ``p``.
       virtual_stages: ``v``.
+      transfer_latency: ``L``.
 
     Returns:
       ``m * v`` pairs; the backward order is the same with chunk ``c`` read as
       ``v - 1 - c``.
     """
     order = []
-    for start in range(0, microbatches, stages):
-        group = range(start, min(start + stages, microbatches))
+    size = stages * transfer_latency
+    for start in range(0, microbatches, size):
+        group = range(start, min(start + size, microbatches))
         order.extend((mb, chunk) for chunk in range(virtual_stages) for mb in group)
     return order
 
 
-def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+def interleaved(stages: int, microbatches: int, virtual_stages: int,
+                transfer_latency: int = 1) -> Schedule:
     """Megatron interleaved 1F1B with ``v`` chunks per stage (Narayanan et al. 2021).
 
     Placement is round-robin (virtual stage ``c*p + d`` on stage ``d``, chunk ``c``).
     Stage ``d`` runs Megatron's program in order: ``2(p-d-1) + (v-1)p`` warm-up
     forwards, then alternating forward/backward, then the remaining backwards, with
     forwards in :func:`megatron_chunk_order` and backwards in the same order with the
-    chunks reversed.
+    chunks reversed. With ``L`` ticks between stages every transfer takes ``L`` times
+    longer, so the warm-up is ``L`` times Megatron's and microbatches go in groups of
+    ``L*p``.
 
     Args:
       stages: ``p``.
@@ -504,28 +553,29 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule
         the round trip; with a smaller last group the in-order program stalls (or, e.g.
         for ``p=4, m=5``, deadlocks), so :func:`make_schedule` rejects such ``m``.
       virtual_stages: ``v >= 2``.
+      transfer_latency: ``L``, ticks between stages.
 
     Returns:
-      The schedule; bubble ``(p-1)/(v*m+p-1)`` when ``m % p == 0``.
+      The schedule; bubble ``L(p-1)/(v*m+L(p-1))`` when ``m`` is a multiple of ``L*p``.
     """
-    p, v, m = stages, virtual_stages, microbatches
-    order = megatron_chunk_order(m, p, v)
+    p, v, m, lat = stages, virtual_stages, microbatches, transfer_latency
+    order = megatron_chunk_order(m, p, v, lat)
     forwards = [Task("F", mb, c * p) for mb, c in order]
     backwards = [Task("B", mb, (v - 1 - c) * p) for mb, c in order]
     programs = []
     for d in range(p):
         fwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in forwards]
         bwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in backwards]
-        warmup = min(2 * (p - d - 1) + (v - 1) * p, m * v)
+        warmup = min(lat * (2 * (p - d - 1) + (v - 1) * p), m * v)
         program = fwd[:warmup]
         for k in range(m * v - warmup):
             program += [fwd[warmup + k], bwd[k]]
         programs.append(program + bwd[m * v - warmup :])
     placement = round_robin_placement(p, v)
-    return _list_schedule("interleaved", p, m, placement, False, _program_policy(programs))
+    return _list_schedule("interleaved", p, m, placement, False, _program_policy(programs), lat)
 
 
-def zb_h1(stages: int, microbatches: int) -> Schedule:
+def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
     """ZB-H1 zero-bubble schedule (Qi et al. 2023), as the paper's program.
 
     The backward is split into ``B`` (input gradients, on the critical path) and ``W``
@@ -533,32 +583,36 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     ``p - d`` forwards, then for each ``k``: ``B(k)``, ``W(k - d)``, ``F(k + p - d)``
     (skipping out-of-range ones), then its last ``d`` weight gradients. Delaying ``W``
     by ``d`` fills the cool-down; every stage holds at most ``p`` activations (each
-    until its ``W``), the same peak as 1F1B's stage 0.
+    until its ``W``), the same peak as 1F1B's stage 0. With ``L`` ticks between stages
+    the warm-up is ``L(p-d-1) + 1`` forwards and ``W`` is delayed by ``L*d``: every
+    stage then holds ``L(p-1) + 1`` activations, as 1F1B's stage 0 does at that latency.
 
     Args:
       stages: ``p``.
       microbatches: ``m``.
+      transfer_latency: ``L``, ticks between stages.
 
     Returns:
-      The schedule; bubble ``(p-1)/(3m+p-1)`` when ``m >= p``.
+      The schedule; bubble ``L(p-1)/(3m+L(p-1))`` when ``m >= 2p``.
     """
-    p, m = stages, microbatches
+    p, m, lat = stages, microbatches, transfer_latency
     programs = []
     for d in range(p):
-        warmup = min(p - d, m)
+        warmup, delay = min(lat * (p - d - 1) + 1, m), lat * d
         program = [Task("F", mb, d) for mb in range(warmup)]
         for k in range(m):
             program.append(Task("B", k, d))
-            if k - d >= 0:
-                program.append(Task("W", k - d, d))
-            if k + p - d < m:
-                program.append(Task("F", k + p - d, d))
-        program += [Task("W", mb, d) for mb in range(max(m - d, 0), m)]
+            if k - delay >= 0:
+                program.append(Task("W", k - delay, d))
+            if k + warmup < m:
+                program.append(Task("F", k + warmup, d))
+        program += [Task("W", mb, d) for mb in range(max(m - delay, 0), m)]
         programs.append(program)
-    return _list_schedule("zb-h1", p, m, linear_placement(p), True, _program_policy(programs))
+    return _list_schedule("zb-h1", p, m, linear_placement(p), True, _program_policy(programs),
+                          lat)
 
 
-def zb_v(stages: int, microbatches: int) -> Schedule:
+def zb_v(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
     """ZB-V zero-bubble schedule with a V-shaped placement (Qi et al. 2024).
 
     Stage ``d`` holds virtual stages ``d`` (chunk 0) and ``2p-1-d`` (chunk 1), so each
@@ -570,9 +624,14 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     is half a stage's layers, so that equals ``p`` full-stage microbatches -- the same
     activation memory as 1F1B's stage 0, but every stage (not just stage 0) reaches it.
 
+    With ``L`` ticks between stages the cap is ``2pL``: a smaller one lets a stage fill
+    up with chunk-0 activations while the chunk-1 forwards that would start the backward
+    wait for room (the greedy deadlocks, e.g. ``p=4, m=8, L=2`` at ``2p``).
+
     Args:
       stages: ``p``.
       microbatches: ``m``.
+      transfer_latency: ``L``, ticks between stages.
 
     Returns:
       The schedule. Its bubble is at least ``(p-1)/(6m+p-1)`` -- stage ``d`` idles
@@ -584,8 +643,9 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     def priority(task: Task, stage: int) -> tuple:
         return (_KIND_RANK[task.kind], task.microbatch, -task.virtual_stage)
 
-    policy = _Policy(priority=priority, cap=lambda d: 2 * stages)
-    return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True, policy)
+    policy = _Policy(priority=priority, cap=lambda d: 2 * stages * transfer_latency)
+    return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True, policy,
+                          transfer_latency)
 
 
 # ------------------------------------------------------------------------- metrics
@@ -683,7 +743,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def make_schedule(
-    name: str, stages: int, microbatches: int, virtual_stages: int = 1
+    name: str, stages: int, microbatches: int, virtual_stages: int = 1,
+    transfer_latency: int = 1,
 ) -> Schedule:
     """Build a named schedule.
 
@@ -693,6 +754,9 @@ def make_schedule(
       microbatches: ``m >= 1``; interleaved needs a multiple of ``p``.
       virtual_stages: chunks per stage: ``>= 2`` for interleaved; 1 for gpipe, 1f1b and
         zb-h1; zb-v always uses 2 and accepts 1 (the default) or 2.
+      transfer_latency: ticks between stages, 1 or 2 (2: the executor hides every
+        transfer under the next tick's compute); interleaved then needs ``m`` to be a
+        multiple of ``2p``.
 
     Returns:
       The schedule.
@@ -703,6 +767,7 @@ def make_schedule(
         and the fix.
     """
     key = name.strip().lower().replace("_", "-")
+    lat = transfer_latency
     if key not in SCHEDULES:
         close = difflib.get_close_matches(key, SCHEDULES, n=1, cutoff=0.4)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -718,35 +783,42 @@ def make_schedule(
         isinstance(microbatches, int) and microbatches >= 1,
         f"pipeline.microbatches: must be an integer >= 1, got {microbatches!r}",
     )
+    _require(
+        lat in (1, 2),
+        f"pipeline.transfer_latency: must be 1 (transfers between ticks) or 2 (transfers "
+        f"under the next tick's compute), got {lat!r}",
+    )
     if key == "interleaved":
         _require(
             isinstance(virtual_stages, int) and virtual_stages >= 2,
             f"pipeline.virtual_stages: interleaved needs >= 2 chunks per stage, got "
             f"{virtual_stages!r}; set pipeline.virtual_stages to 2 or more (or use 1f1b)",
         )
-        lower = microbatches // stages * stages
-        fix = f"{lower} or {lower + stages}" if lower else f"{stages}"
+        group = stages * lat
+        lower = microbatches // group * group
+        fix = f"{lower} or {lower + group}" if lower else f"{group}"
+        what = (f"pipeline.stages={stages}" if lat == 1 else
+                f"2 x pipeline.stages={group} with pipeline.transfer_latency=2")
         _require(
-            microbatches % stages == 0,
-            f"pipeline.microbatches: interleaved needs a multiple of pipeline.stages="
-            f"{stages} (at least {stages}), got {microbatches}; set pipeline.microbatches "
-            f"to {fix}",
+            microbatches % group == 0,
+            f"pipeline.microbatches: interleaved needs a multiple of {what} (at least "
+            f"{group}), got {microbatches}; set pipeline.microbatches to {fix}",
         )
-        return interleaved(stages, microbatches, virtual_stages)
+        return interleaved(stages, microbatches, virtual_stages, lat)
     if key == "zb-v":
         _require(
             virtual_stages in (1, 2),
             f"pipeline.virtual_stages: zb-v always uses 2 chunks per stage, got "
             f"{virtual_stages!r}; set pipeline.virtual_stages to 2 (or leave it at 1)",
         )
-        return zb_v(stages, microbatches)
+        return zb_v(stages, microbatches, lat)
     _require(
         virtual_stages == 1,
         f"pipeline.virtual_stages: {key} uses one chunk per stage, got {virtual_stages!r}; "
         f"set pipeline.virtual_stages to 1 (or use interleaved / zb-v)",
     )
     builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[key]
-    return builder(stages, microbatches)
+    return builder(stages, microbatches, lat)
 
 
 def summary_line(schedule: Schedule) -> str:
@@ -754,7 +826,9 @@ def summary_line(schedule: Schedule) -> str:
     s = schedule
     return (
         f"{s.name}: stages={s.stages} microbatches={s.microbatches} "
-        f"virtual_stages={s.virtual_stages} ticks={s.ticks} "
+        f"virtual_stages={s.virtual_stages} "
+        + (f"transfer_latency={s.transfer_latency} " if s.transfer_latency != 1 else "")
+        + f"ticks={s.ticks} "
         f"bubble_fraction={bubble_fraction(s):.4f} peak_activations={peak_activations(s)}"
     )
 
@@ -765,6 +839,7 @@ def schedule_command(
     microbatches: int,
     virtual: int = 1,
     as_json: bool = False,
+    transfer_latency: int = 1,
 ) -> str:
     """What ``jax-overlap schedule`` prints.
 
@@ -774,6 +849,7 @@ def schedule_command(
       microbatches: ``--microbatches``.
       virtual: ``--virtual`` (chunks per stage).
       as_json: ``--json``: print ``json.dumps(to_json())`` instead of the text grid.
+      transfer_latency: ``--transfer-latency``.
 
     Returns:
       The text grid and a summary line, or the JSON document.
@@ -781,7 +857,7 @@ def schedule_command(
     Raises:
       ValueError: bad arguments, as in :func:`make_schedule`.
     """
-    s = make_schedule(schedule, stages, microbatches, virtual)
+    s = make_schedule(schedule, stages, microbatches, virtual, transfer_latency)
     if as_json:
         return json.dumps(s.to_json())
     return s.to_text() + "\n" + summary_line(s)

@@ -7,7 +7,8 @@ loaded tables can be trusted before they drive a training step.
 
 from __future__ import annotations
 
-from jax_overlap.pipeline.schedules import KINDS, Action, Schedule, Task, dependencies, format_entry
+from jax_overlap.pipeline.schedules import (KINDS, Action, Schedule, Task, dependencies,
+                                            dependency_gap, format_entry)
 
 
 class ScheduleError(ValueError):
@@ -15,7 +16,7 @@ class ScheduleError(ValueError):
 
 
 def _check_header(s: Schedule) -> None:
-    for field in ("stages", "microbatches", "virtual_stages"):
+    for field in ("stages", "microbatches", "virtual_stages", "transfer_latency"):
         value = getattr(s, field)
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"schedule: {field} must be an integer >= 1, got {value!r}")
@@ -83,7 +84,8 @@ def validate(schedule: Schedule) -> None:
     order (stages in order within a tick), that every entry is a legal
     :class:`Action` (``W`` only when ``split_backward``), runs once, and has its
     dependencies (own ``F`` before ``B``, ``B`` before ``W``, neighbours' outputs) done
-    at an earlier tick; finally that every ``F`` and ``B`` -- and every ``W`` when the
+    at an earlier tick -- ``transfer_latency`` ticks earlier when the dependency ran on
+    another stage; finally that every ``F`` and ``B`` -- and every ``W`` when the
     backward is split -- appears.
 
     Args:
@@ -128,8 +130,9 @@ def validate(schedule: Schedule) -> None:
             if task in done:
                 raise ScheduleError(f"{where}: {name(task)} already ran at tick {done[task]}")
             for dep in dependencies(task, n_vs):
-                if done.get(dep, tick) >= tick:
-                    by = f"by tick {tick - 1}" if tick else "at an earlier tick"
+                gap = dependency_gap(stage_of(dep), d, s.transfer_latency)
+                if dep not in done or done[dep] + gap > tick:
+                    by = f"by tick {tick - gap}" if tick >= gap else "at an earlier tick"
                     ran = first_run.get(dep)
                     when = "it never runs" if ran is None else f"it runs at tick {ran}"
                     raise ScheduleError(
