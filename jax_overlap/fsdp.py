@@ -1,8 +1,10 @@
 """FSDP communication window: block parameters stored split over dp, gathered k blocks ahead.
 
-With `overlap.param_sharding: fsdp` (pp=1) every 'blocks' leaf is stored split over dp as
-well (along the dim `buckets.split_dim` picks for one layer's per-device slice). The layer
-stack then runs as one custom-VJP function:
+With `overlap.param_sharding: fsdp` every 'blocks' leaf is stored split over dp as well
+(along the dim `buckets.split_dim` picks for one layer's per-device slice). With pp > 1 the
+pipeline executor gathers a stage's blocks once per step and reduce-scatters their gradients
+at the end (every tick uses them; see `pipeline.executor`). With pp = 1 the layer stack runs
+as one custom-VJP function:
 
   forward   gather blocks 0..k-1 into a ring of k slots; for block l: start the all-gather
             of block l+k, compute block l from slot l mod k, then write block l+k into that

@@ -110,8 +110,8 @@ def reduce_grads_dp(grads, cfg, split_dims: Any = None) -> Any:
 
 
 class DpLayout(NamedTuple):
-    """How every parameter leaf relates to dp, derived from `cfg.overlap` (FSDP and the
-    in-backward buckets exist on the pp=1 path only; ZeRO-1's state split on every path).
+    """How every parameter leaf relates to dp, derived from `cfg.overlap` (the in-backward
+    buckets exist on the pp=1 path only; FSDP storage and ZeRO-1's state split on every path).
 
     Attributes:
       param_specs: storage; `param_sharding: fsdp` splits 'blocks' leaves over dp too.
@@ -137,7 +137,7 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
     specs = tree_specs(model.param_axes(), rules_for(pp))
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     block_layout = None
-    if overlap.param_sharding == "fsdp" and pp == 1:
+    if overlap.param_sharding == "fsdp":
         block_layout, block_specs = fsdp.block_layout(abstract["blocks"], specs["blocks"],
                                                       axis_sizes, DP)
         specs = {**specs, "blocks": block_specs}
@@ -398,8 +398,8 @@ def make_train_step(model, cfg, mesh, optimizer: optax.GradientTransformation,
 
 
 def param_shardings(model, mesh, overlap=None) -> Any:
-    """NamedSharding per parameter leaf; `overlap.param_sharding: fsdp` (pp=1) adds dp."""
-    if overlap is not None and mesh.shape[PP] == 1:
+    """NamedSharding per parameter leaf; `overlap.param_sharding: fsdp` adds dp."""
+    if overlap is not None:
         specs = dp_layout(model, overlap, dict(mesh.shape)).param_specs
     else:
         specs = tree_specs(model.param_axes(), rules_for(mesh.shape[PP]))

@@ -65,12 +65,14 @@ def check_equivalence(references, name, pp, dp, tp, m, tied, extra=()):
     mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
     perm = layout.layer_permutation(cfg)
     loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
-    staged = jax.device_put(layout.to_staged(params, perm), steplib.param_shardings(model, mesh))
+    shardings = steplib.param_shardings(model, mesh, cfg.overlap)
+    staged = jax.device_put(layout.to_staged(params, perm), shardings)
     loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
-    # Gradients come back laid out as the parameters: blocks split over pp, not gathered.
-    expected = steplib.param_shardings(model, mesh)["blocks"]["w_in"]
+    # Gradients come back laid out as the parameters: blocks split over pp (and over dp under
+    # fsdp), not gathered.
+    expected = shardings["blocks"]["w_in"]
     assert grads["blocks"]["w_in"].sharding.is_equivalent_to(expected, 3)
     # The executor ran exactly the schedule's table: its idle stage-ticks are the bubble.
     program = loss_and_grads.program
@@ -98,6 +100,26 @@ SKEWED_CASES = [("1f1b", 4, 2, 1, 4, True), ("zb-v", 2, 2, 2, 2, False),
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied", SKEWED_CASES)
 def test_skewed_pipeline_matches_single_device(references, name, pp, dp, tp, m, tied):
     check_equivalence(references, name, pp, dp, tp, m, tied, ["pipeline.transfer_latency=2"])
+
+
+# Overlap options under the pipeline (each with TP in the mesh where it fits).
+OPTION_CASES = [
+    ("1f1b", 2, 2, 2, 2, True, ["overlap.param_sharding=fsdp"]),
+    ("zb-v", 4, 2, 1, 4, False, ["overlap.param_sharding=fsdp", "pipeline.transfer_latency=2"]),
+    ("interleaved", 2, 4, 1, 2, True, ["overlap.zero1=true", "overlap.grad_bucket_mb=0.05"]),
+]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", OPTION_CASES)
+def test_pipeline_with_overlap_options_matches_single_device(references, name, pp, dp, tp, m,
+                                                            tied, extra):
+    check_equivalence(references, name, pp, dp, tp, m, tied, extra)
+    if "overlap.param_sharding=fsdp" in extra:  # the storage really is split over dp
+        cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
+        model = GPT.from_config(cfg.model)
+        mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
+        spec = steplib.param_shardings(model, mesh, cfg.overlap)["blocks"]["w_in"].spec
+        assert meshlib.DP in jax.tree.leaves(tuple(spec)), spec
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.collectives import Parallel, to_varying
-from jax_overlap.mesh import DP, PP, rules_for, tree_specs
+from jax_overlap.mesh import DP, PP
 from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
 
 # ------------------------------------------------------------------------------ program
@@ -318,7 +318,32 @@ def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
     return {"first": first, "mid": mid, "last": last}
 
 
-def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap):
+def _gather_stage_blocks(blocks, fsdp_layout):
+    """FSDP storage -> this stage's whole (tp-local) block leaves: one all-gather per leaf."""
+    leaves, treedef = jax.tree.flatten(blocks)
+    full = [x if u.split_dim is None else
+            jax.lax.all_gather(x, DP, axis=u.split_dim + 1, tiled=True)  # over dp
+            for x, u in zip(leaves, fsdp_layout.units)]
+    return jax.tree.unflatten(treedef, full)
+
+
+def _scatter_stage_grads(grads, fsdp_layout, comm_dtype: str):
+    """Block gradients -> each rank's FSDP shard, summed over dp; None for leaves stored
+    whole (their psum goes with the embedding's and head's buckets)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    out = []
+    for g, u in zip(leaves, fsdp_layout.units):
+        if u.split_dim is None:
+            out.append(None)
+            continue
+        wire = g.astype(jnp.bfloat16) if comm_dtype == "bf16" else g
+        out.append(jax.lax.psum_scatter(wire, DP, scatter_dimension=u.split_dim + 1,
+                                        tiled=True).astype(g.dtype))  # over dp
+    return jax.tree.unflatten(treedef, out)
+
+
+def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
+                fsdp_layout=None):
     """One device's loss and gradients for a whole step; see the module docstring."""
     from jax_overlap import buckets
     from jax_overlap.step import microbatched
@@ -330,6 +355,12 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     count = jax.lax.psum(model.loss_count(batch["targets"]), DP)  # () per device, over dp
     # Per-replica, per-stage values: autodiff must not reduce over dp or pp behind our back.
     params = jax.tree.map(lambda x: _vary(x, (DP, PP)), params)
+    if fsdp_layout is not None:
+        # FSDP under a pipeline: every tick of the step uses the stage's blocks, so they are
+        # gathered once per step (not per tick: that would move them `ticks` times) and the
+        # gradients are reduce-scattered once at the end. Storage and optimizer state stay
+        # split over dp; the gathered copy lives for the step.
+        params = {**params, "blocks": _gather_stage_blocks(params["blocks"], fsdp_layout)}
     blocks_vn = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]),
                              params["blocks"])
     mbs = microbatched(batch, s.microbatches)
@@ -475,7 +506,16 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
         "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
     }
-    return loss, buckets.reduce_gradients(grads, overlap, DP)
+    if fsdp_layout is None:
+        return loss, buckets.reduce_gradients(grads, overlap, DP)
+    scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, overlap.grad_comm_dtype)
+    # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
+    grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
+                                   scattered, is_leaf=lambda x: x is None)
+    reduced = buckets.reduce_gradients(grads, overlap, DP)
+    reduced["blocks"] = jax.tree.map(lambda r, sc: r if sc is None else sc, reduced["blocks"],
+                                     scattered, is_leaf=lambda x: x is None)
+    return loss, reduced
 
 
 def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
@@ -502,8 +542,12 @@ def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
     if program.schedule.stages != mesh.shape[PP]:
         raise ValueError(f"mesh.pp: the mesh has {mesh.shape[PP]} stages, the schedule "
                          f"{program.schedule.stages}")
-    param_specs = tree_specs(model.param_axes(), rules_for(cfg.mesh.pp))
-    body = partial(_per_device, model=model, program=program, par=par, overlap=cfg.overlap)
+    from jax_overlap.step import dp_layout
+
+    dp = dp_layout(model, cfg.overlap, dict(mesh.shape))
+    param_specs = dp.param_specs  # 'blocks' also split over dp under fsdp
+    body = partial(_per_device, model=model, program=program, par=par, overlap=cfg.overlap,
+                   fsdp_layout=dp.fsdp)
     mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
                        out_specs=(P(), param_specs))
 
