@@ -107,6 +107,10 @@ OPTION_CASES = [
     ("1f1b", 2, 2, 2, 2, True, ["overlap.param_sharding=fsdp"]),
     ("zb-v", 4, 2, 1, 4, False, ["overlap.param_sharding=fsdp", "pipeline.transfer_latency=2"]),
     ("interleaved", 2, 4, 1, 2, True, ["overlap.zero1=true", "overlap.grad_bucket_mb=0.05"]),
+    # In-loop buckets with TP: each chunk's last backward reduces over dp (and tp for the
+    # TP-replicated leaves) inside the tick loop.
+    ("1f1b", 2, 2, 2, 4, True, ["overlap.grad_bucket_mb=0.01"]),
+    ("zb-v", 2, 2, 2, 2, False, ["overlap.grad_bucket_mb=0.01", "pipeline.transfer_latency=2"]),
 ]
 
 
@@ -267,9 +271,61 @@ def test_a_tick_runs_one_action_through_a_switch():
     branches = switch.params["branches"]
     assert len(branches) == 1 + len(program.branches)
     assert "dot_general" not in _primitives(branches[executor.IDLE].jaxpr)
-    for (kind, role), branch in zip(program.branches, branches[1:]):
+    for (kind, role, _), branch in zip(program.branches, branches[1:]):
         if (kind, role) != ("B", "first"):  # split B of virtual stage 0: nothing to do
             assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
+
+
+def _tick_switch(cfg):
+    model = GPT.from_config(cfg.model)
+    mesh = meshlib.mesh_from_config(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in np_batch(cfg).items()}
+    closed = jax.make_jaxpr(loss_and_grads)(params, batch)
+    program = loss_and_grads.program
+    tick = _find(closed.jaxpr, "scan", length=program.ticks).params["jaxpr"].jaxpr
+    switch = next(e for e in tick.eqns if e.primitive.name == "cond")
+    return closed.jaxpr, program, switch.params["branches"]
+
+
+def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
+    """With buckets, the dp psums sit in the sync branches only (one per stage and chunk),
+    and no block gradient is reduced after the loop."""
+    cfg = pipeline_cfg("interleaved", 2, 2, 2, 4, extra=["overlap.grad_bucket_mb=0.01"])
+    jaxpr, program, branches = _tick_switch(cfg)
+    syncs = [b for b in program.branches if b.sync]
+    assert {(b.kind, b.role) for b in syncs} == {("B", "first"), ("B", "mid"), ("B", "last")}
+    # Each (stage, chunk) runs its sync action exactly once per step.
+    column = program.column("branch")
+    sync_ids = [i + 1 for i, b in enumerate(program.branches) if b.sync]
+    assert int(np.isin(column, sync_ids).sum()) == 2 * 2  # stages x chunks
+    freqs = program.branch_frequencies()
+    assert sum(freqs) == pytest.approx(1.0)
+    assert freqs[executor.IDLE] == pytest.approx(program.idle_fraction())
+    for b, branch in zip(program.branches, branches[1:]):
+        n_dp = len(_dp_sums(branch.jaxpr))
+        assert (n_dp >= 2) if b.sync else (n_dp == 0), (b, n_dp)  # sync: one per bucket
+    # After the loop only the embedding and head are reduced over dp: every dp sum outside
+    # the tick loop is far smaller than the blocks.
+    blocks_elems = sum(np.prod(x.shape) for x in jax.tree.leaves(
+        jax.eval_shape(GPT.from_config(cfg.model).init, jax.random.key(0))["blocks"]))
+    scan = _find(jaxpr, "scan", length=program.ticks)
+    outside = _dp_sums(jaxpr, skip=scan)
+    assert outside and all(n < blocks_elems // 4 for n in outside), outside
+
+
+def _dp_sums(jaxpr, skip=None) -> list[int]:
+    """Element counts of every sum over 'dp' in `jaxpr` (not descending into `skip`)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn is skip:
+            continue
+        if eqn.primitive.name.startswith("psum") and "dp" in tuple(eqn.params.get("axes", ())):
+            found.append(int(sum(np.prod(v.aval.shape) for v in eqn.invars)))
+        for sub in _sub_jaxprs(eqn):
+            found += _dp_sums(sub, skip)
+    return found
 
 
 # ----------------------------------------------------------------------- training

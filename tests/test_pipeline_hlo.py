@@ -106,29 +106,39 @@ def test_no_all_gather_of_activations(compiled):
 # ------------------------------------------------------- the GPU schedule, without a GPU
 
 
-def _gpu_permutes(latency: int) -> list[dict]:
-    """collective-permute ops of the pp4 x dp2 step compiled for 8 H100s (gpu_overlap)."""
+def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
+    """pp4 x dp2, 1F1B, transfer_latency 2, 1 MB buckets, compiled for 8 H100s.
+
+    Each tick sends the previous tick's output, so XLA starts both rings' permutes before
+    the tick's `conditional` (its GEMMs) and finishes them after. Each chunk's last backward
+    reduces its layers' gradients over dp inside its branch, bucket by bucket, under the
+    backward of the chunk's earlier layers.
+    """
     from helpers import last_json_line, run_cli
-
-    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
-                   "--set", "mesh.pp=4", "--set", "mesh.dp=2", "--set", "mesh.tp=1",
-                   "--set", "model.layers=4", "--set", "pipeline.schedule=1f1b",
-                   "--set", "pipeline.microbatches=8", "--set", "train.global_batch=32",
-                   "--set", f"pipeline.transfer_latency={latency}",
-                   "--set", "overlap.xla_preset=gpu_overlap", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return [op for op in last_json_line(proc.stdout)["ops"] if op["kind"] == "collective-permute"]
-
-
-def test_skewed_loop_puts_every_stage_transfer_under_the_ticks_gemms():
     from jax_overlap.analysis import deviceless
 
     if not deviceless.plugin_available():
         pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
-    # transfer_latency=2: each tick sends the previous tick's output, so XLA can start both
-    # rings' permutes before the tick's `conditional` (its GEMMs) and finish them after.
-    permutes = _gpu_permutes(2)
+    overrides = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=16", "model.d_model=256",
+                 "model.heads=4", "model.d_ff=1024", "model.seq_len=128",
+                 "pipeline.schedule=1f1b", "pipeline.microbatches=8", "train.global_batch=32",
+                 "pipeline.transfer_latency=2", "overlap.grad_bucket_mb=1",
+                 "overlap.xla_preset=gpu_overlap"]
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
+                   *[a for o in overrides for a in ("--set", o)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ops = last_json_line(proc.stdout)["ops"]
+    permutes = [op for op in ops if op["kind"] == "collective-permute"]
     assert len(permutes) == 2
-    for op in permutes:
-        assert op["async"], op
-        assert op["gemms_between"], op
+    assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
+    # Bucket reductions inside the loop's branches: weighted by how often the tick table takes
+    # each branch, they add up to one stage's block gradients (fp32) per device and step.
+    in_loop = [op for op in ops if op["kind"] == "all-reduce" and op["executions_per_step"] < 1]
+    cfg = config.load(TINY, overrides)
+    blocks = jax.eval_shape(GPT.from_config(cfg.model).init, jax.random.key(0))["blocks"]
+    stage_bytes = sum(x.size * 4 for x in jax.tree.leaves(blocks)) // 4
+    moved = sum(op["bytes"] * op["executions_per_step"] for op in in_loop)
+    assert moved == pytest.approx(stage_bytes, rel=1e-3)
+    hidden = sum(op["bytes"] * op["executions_per_step"] for op in in_loop
+                 if op["async"] and op["gemms_between"])
+    assert hidden / moved >= 0.5  # the chunk's first layer's buckets have nothing left

@@ -175,7 +175,8 @@ def compile_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
 
 def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any], *,
                 num_hosts: int = 1, compiler_options: Mapping[str, Any] | None = None,
-                link: LinkModel | None = None) -> HloReport:
+                link: LinkModel | None = None,
+                branch_frequencies: Sequence[float] | None = None) -> HloReport:
     """:func:`compile_for` then :func:`hlo.analyze_hlo` with the target's chip.
 
     Args:
@@ -185,11 +186,13 @@ def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
       num_hosts: hosts.
       compiler_options: per-compile XLA options.
       link: link model (default: the chip's NVLink).
+      branch_frequencies: see `hlo.execution_counts`.
 
     Returns:
       The :class:`HloReport`.
     """
     text = compile_for(target, num_devices, build, num_hosts=num_hosts,
                        compiler_options=compiler_options)
-    return analyze_hlo(text, target=get_target(target).key, link=link)
+    return analyze_hlo(text, target=get_target(target).key, link=link,
+                       branch_frequencies=branch_frequencies)
 

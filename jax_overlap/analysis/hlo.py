@@ -79,7 +79,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -541,7 +541,8 @@ def while_trip_count(module: HloModule, comp: Computation, inst: Instruction) ->
     return max(0, math.ceil(span / abs(step)))
 
 
-def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
+def execution_counts(module: HloModule, branch_frequencies: Sequence[float] | None = None
+                     ) -> tuple[dict[str, float], list[str]]:
     """How often each computation runs per execution of the entry computation.
 
     ``while`` bodies run ``trip count`` times per execution of their caller
@@ -551,11 +552,15 @@ def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
 
     Args:
       module: the module.
+      branch_frequencies: for a ``conditional`` with exactly this many branches, the
+        share of its executions that take each branch (a pipeline's tick table knows
+        it: the share of (tick, stage) entries running each action, averaged over
+        stages); branch ``b`` then counts its caller's executions times ``[b]``.
 
     Returns:
       (computation -> executions, warnings about loops whose trip count is unknown).
     """
-    counts: dict[str, int] = {name: 0 for name in module.computations}
+    counts: dict[str, float] = {name: 0 for name in module.computations}
     warnings: list[str] = []
     order: list[tuple[str, int]] = [(module.entry, 1)]
     while order:
@@ -577,6 +582,12 @@ def execution_counts(module: HloModule) -> tuple[dict[str, int], list[str]]:
                     order.append((body, times * trips))
                 for cond in calls.get("condition", []):
                     order.append((cond, times * (trips + 1)))
+                continue
+            branches = calls.get("branch_computations", [])
+            if (inst.opcode == "conditional" and branch_frequencies is not None
+                    and len(branches) == len(branch_frequencies)):
+                for callee, share in zip(branches, branch_frequencies):
+                    order.append((callee, times * share))
                 continue
             for key, names in calls.items():
                 if key == "to_apply" and inst.opcode != "call":
@@ -901,7 +912,7 @@ class CollectiveOp:
     form: str
     is_async: bool
     bytes: int
-    executions_per_step: int
+    executions_per_step: float
     replica_groups: ReplicaGroups
     source_target_pairs: tuple[tuple[int, int], ...] | None = None
     scheduled_between: tuple[str, ...] = ()
@@ -1012,16 +1023,18 @@ def _control_flow_computations(module: HloModule) -> list[str]:
     return seen
 
 
-def find_collectives(module: HloModule) -> tuple[list[CollectiveOp], list[str]]:
+def find_collectives(module: HloModule, branch_frequencies: Sequence[float] | None = None
+                     ) -> tuple[list[CollectiveOp], list[str]]:
     """Every collective of a module with its schedule neighbourhood.
 
     Args:
       module: a parsed module.
+      branch_frequencies: see :func:`execution_counts`.
 
     Returns:
       (collectives in computation/schedule order, warnings).
     """
-    counts, warnings = execution_counts(module)
+    counts, warnings = execution_counts(module, branch_frequencies)
     num_devices = module.num_partitions * module.replica_count
     found: list[CollectiveOp] = []
     for comp_name in _control_flow_computations(module):
@@ -1188,9 +1201,9 @@ class KindSummary:
       async_bytes: bytes per step moved by async collectives.
     """
 
-    count: int
-    bytes: int
-    async_bytes: int = 0
+    count: int | float
+    bytes: int | float
+    async_bytes: int | float = 0
 
 
 @dataclass(frozen=True)
@@ -1309,8 +1322,14 @@ def _note(is_gpu: bool, synchronous_only: bool, has_ops: bool, is_scheduled: boo
     return " ".join(parts)
 
 
+def _tidy(x: float) -> int | float:
+    """An int when `x` is one (every count is, unless `branch_frequencies` averages)."""
+    return int(round(x)) if abs(x - round(x)) < 1e-9 else x
+
+
 def analyze_module(module: HloModule, *, target: str = "cpu", chip: ChipSpec | None = None,
-                   link: LinkModel | None = None, is_gpu: bool | None = None) -> HloReport:
+                   link: LinkModel | None = None, is_gpu: bool | None = None,
+                   branch_frequencies: Sequence[float] | None = None) -> HloReport:
     """Build an :class:`HloReport` from a parsed module.
 
     Args:
@@ -1319,20 +1338,21 @@ def analyze_module(module: HloModule, *, target: str = "cpu", chip: ChipSpec | N
       chip: chip for the time estimates; None leaves them None.
       link: link model; defaults to the chip's NVLink.
       is_gpu: whether the module came from the GPU backend (default: target != cpu).
+      branch_frequencies: see :func:`execution_counts`.
 
     Returns:
       The report.
     """
-    ops, warnings = find_collectives(module)
+    ops, warnings = find_collectives(module, branch_frequencies)
     is_gpu = (target != "cpu") if is_gpu is None else is_gpu
     summary: dict[str, KindSummary] = {}
     for kind in COLLECTIVE_KINDS:
         of_kind = [op for op in ops if op.kind == kind]
         if of_kind:
             summary[kind] = KindSummary(
-                count=sum(op.executions_per_step for op in of_kind),
-                bytes=sum(op.bytes_per_step for op in of_kind),
-                async_bytes=sum(op.bytes_per_step for op in of_kind if op.is_async))
+                count=_tidy(sum(op.executions_per_step for op in of_kind)),
+                bytes=_tidy(sum(op.bytes_per_step for op in of_kind)),
+                async_bytes=_tidy(sum(op.bytes_per_step for op in of_kind if op.is_async)))
     total = sum(op.bytes_per_step for op in ops)
     async_bytes = sum(op.bytes_per_step for op in ops if op.is_async)
     under = sum(op.bytes_per_step for op in ops if op.under_gemm)
@@ -1359,7 +1379,8 @@ def analyze_module(module: HloModule, *, target: str = "cpu", chip: ChipSpec | N
 
 
 def analyze_hlo(text: str, *, target: str | None = None, chip: ChipSpec | None = None,
-                link: LinkModel | None = None) -> HloReport:
+                link: LinkModel | None = None,
+                branch_frequencies: Sequence[float] | None = None) -> HloReport:
     """Parse compiled HLO text and report its collectives.
 
     Args:
@@ -1369,6 +1390,8 @@ def analyze_hlo(text: str, *, target: str | None = None, chip: ChipSpec | None =
       chip: chip for the time estimates; default: the target's chip when the target
         is a GPU name, else None (no estimates).
       link: link model; default: the chip's NVLink, one direction.
+      branch_frequencies: see :func:`execution_counts` (the pipeline executor's
+        `TickProgram.branch_frequencies`).
 
     Returns:
       :class:`HloReport`.
@@ -1378,4 +1401,5 @@ def analyze_hlo(text: str, *, target: str | None = None, chip: ChipSpec | None =
     if chip is None and target not in ("cpu", "gpu"):
         chip = chip_spec(target)
     return analyze_module(parse_module(text), target=target, chip=chip, link=link,
-                          is_gpu=detected == "gpu" or target != "cpu")
+                          is_gpu=detected == "gpu" or target != "cpu",
+                          branch_frequencies=branch_frequencies)

@@ -54,12 +54,19 @@ def analyze(cfg, target: str = "cpu"):
     """HloReport of the configured train step compiled for `target`."""
     from jax_overlap.analysis import hlo
 
+    # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
+    # by how often the tick table takes it, not as if every branch ran every tick.
+    frequencies = None
+    if cfg.mesh.pp > 1:
+        from jax_overlap.pipeline import executor
+
+        frequencies = executor.program_for(cfg).branch_frequencies()
     if target == "cpu":
         from jax_overlap.config import check_device_count
 
         check_device_count(cfg, jax.device_count())
         text = lower_train_step(cfg, jax.devices()).compile().as_text()
-        return hlo.analyze_hlo(text, target="cpu")
+        return hlo.analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
     from jax_overlap.analysis import deviceless
 
     reason = deviceless.unavailable_reason()
@@ -68,7 +75,8 @@ def analyze(cfg, target: str = "cpu"):
 
         raise ConfigError([f"--target {target}: {reason}"])
     return deviceless.analyze_for(target, cfg.num_devices,
-                                  lambda devices: lower_train_step(cfg, devices))
+                                  lambda devices: lower_train_step(cfg, devices),
+                                  branch_frequencies=frequencies)
 
 
 def format_report(cfg, target: str, report) -> str:
@@ -78,7 +86,7 @@ def format_report(cfg, target: str, report) -> str:
              f"{cfg.model.d_model}) on dp={m.dp} pp={m.pp} tp={m.tp}, compiled for {target}",
              f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s}"]
     for kind, s in sorted(data["collectives"].items()):
-        lines.append(f"{kind:20s} {s['count']:10d} {s['bytes'] / 2**20:10.2f}")
+        lines.append(f"{kind:20s} {s['count']:>10.10g} {s['bytes'] / 2**20:10.2f}")
     lines.append(f"async fraction of collective bytes:       {data['async_fraction']:.3f}")
     lines.append(f"collective bytes scheduled under GEMMs:   "
                  f"{data['collective_bytes_under_gemm_fraction']:.3f}")

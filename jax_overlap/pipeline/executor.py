@@ -62,9 +62,11 @@ add up there), then the gradients go through the explicit DP reduction of `bucke
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +74,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.collectives import Parallel, to_varying
-from jax_overlap.mesh import DP, PP
+from jax_overlap.mesh import DP, PP, TP, rules_for, tree_specs
 from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
 
 # ------------------------------------------------------------------------------ program
@@ -87,14 +89,29 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 ROUTES = ("down", "up", "self")
 
 
+class Branch(NamedTuple):
+    """What one `lax.switch` branch runs.
+
+    Attributes:
+      kind: 'F', 'B' or 'W'.
+      role: 'first' (virtual stage 0: embeds), 'last' (head and loss) or 'mid'.
+      sync: the action that completes its chunk's weight gradients on this stage (the last
+        microbatch's B, or W when split) and, with in-loop buckets, reduces them over dp
+        inside its backward, layer by layer.
+    """
+
+    kind: str
+    role: str
+    sync: bool = False
+
+
 @dataclass(frozen=True)
 class TickProgram:
     """A schedule compiled into the int tables the executor indexes.
 
     Attributes:
       schedule: the schedule it was compiled from.
-      branches: `(kind, role)` of branch 1, 2, ...; branch 0 is idle. `role` is `first`
-        (virtual stage 0: embeds), `last` (last virtual stage: head and loss) or `mid`.
+      branches: the `Branch` of branch 1, 2, ...; branch 0 is idle.
       table: int32 `(ticks, stages, len(FIELDS))`; unused slot columns hold `trash`.
       slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
         absorbs writes of arrivals that carry nothing.
@@ -104,7 +121,7 @@ class TickProgram:
     """
 
     schedule: Schedule
-    branches: tuple[tuple[str, str], ...]
+    branches: tuple[Branch, ...]
     table: np.ndarray
     slots: int
     down_pairs: tuple[tuple[int, int], ...]
@@ -127,6 +144,12 @@ class TickProgram:
     def column(self, name: str) -> np.ndarray:
         """One field of the table, `(ticks, stages)`."""
         return self.table[:, :, COL[name]]
+
+    def branch_frequencies(self) -> list[float]:
+        """Per switch branch (idle first), the share of (tick, stage) entries that take it:
+        how often one device runs it per tick, on average over the stages."""
+        counts = np.bincount(self.column("branch").ravel(), minlength=1 + len(self.branches))
+        return (counts / counts.sum()).tolist()
 
     def idle_fraction(self) -> float:
         """Idle stage-ticks / (stages x ticks) of the table the executor runs."""
@@ -208,11 +231,24 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
     return arrivals, lifetimes, pairs
 
 
-def compile_program(schedule: Schedule) -> TickProgram:
+def _sync_actions(s: Schedule, tick_of: dict[Task, int]) -> set[Task]:
+    """Per (stage, chunk), the last action that adds weight gradients (B, or W when split)."""
+    kind = "W" if s.split_backward else "B"
+    last: dict[int, Task] = {}
+    for task, t in tick_of.items():
+        if task.kind == kind and (task.virtual_stage not in last
+                                  or t > tick_of[last[task.virtual_stage]]):
+            last[task.virtual_stage] = task
+    return set(last.values())
+
+
+def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgram:
     """Turns a schedule table into the executor's int tables.
 
     Args:
       schedule: a valid schedule (checked with `validate`).
+      sync_in_loop: give each chunk's last weight-gradient action its own branch
+        (`Branch.sync`), where the executor reduces the chunk's gradients over dp.
 
     Returns:
       The `TickProgram`.
@@ -239,15 +275,19 @@ def compile_program(schedule: Schedule) -> TickProgram:
 
     roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs)
              for d, row in enumerate(s.grid) for a in row if a is not None}
-    used = {(a.kind, role) for (_, a), role in roles.items()}
-    branches = tuple((k, r) for k in KIND_ORDER for r in ROLE_ORDER if (k, r) in used)
+    syncs = _sync_actions(s, tick_of) if sync_in_loop else set()
+    branch_of = {(d, a): Branch(a.kind, role, s.task(d, a) in syncs)
+                 for (d, a), role in roles.items()}
+    used = set(branch_of.values())
+    branches = tuple(b for k in KIND_ORDER for r in ROLE_ORDER for sync in (False, True)
+                     if (b := Branch(k, r, sync)) in used)
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
     table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
     table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"]]] = 0  # idle
     for (d, a), role in roles.items():
         entry = table[tick_of[s.task(d, a)], d]
         vs = s.virtual_stage(d, a.chunk)
-        entry[COL["branch"]] = branch_id[(a.kind, role)]
+        entry[COL["branch"]] = branch_id[branch_of[(d, a)]]
         entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk
         entry[COL["x_slot"]] = slot_of.get((d, ("x", a.microbatch, vs)), trash)
         entry[COL["g_slot"]] = slot_of.get((d, ("g", a.microbatch, vs)), trash)
@@ -257,11 +297,17 @@ def compile_program(schedule: Schedule) -> TickProgram:
                        tuple(sorted(pairs["up"])), bool(pairs["self"]))
 
 
+def syncs_in_loop(overlap) -> bool:
+    """Whether a config reduces block gradients over dp inside the tick loop: with buckets
+    (`grad_bucket_mb > 0`), except under fsdp (reduce-scattered once after the loop)."""
+    return overlap.grad_bucket_mb > 0 and overlap.param_sharding != "fsdp"
+
+
 def program_for(cfg) -> TickProgram:
     """The compiled schedule a config's pipeline runs."""
     schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
                              cfg.pipeline.virtual_stages, cfg.pipeline.transfer_latency)
-    return compile_program(schedule)
+    return compile_program(schedule, syncs_in_loop(cfg.overlap))
 
 
 # ----------------------------------------------------------------------- varying types
@@ -342,8 +388,32 @@ def _scatter_stage_grads(grads, fsdp_layout, comm_dtype: str):
     return jax.tree.unflatten(treedef, out)
 
 
+def chunk_bucket_plan(model, overlap, axis_sizes: dict[str, int], layers_per_chunk: int):
+    """The bucket plan of one chunk's layers (`buckets.BucketPlan`, segment 1 + layer).
+
+    Units are (leaf, layer) of the chunk's stacked 'blocks' leaves with their per-device
+    shapes; TP-replicated leaves are reduced over ('dp', 'tp') (they are marked tp-varying
+    in the sync branch, as on the pp=1 path), the others over 'dp'. Always psum: ZeRO-1's
+    split of the optimizer state happens in the update, as without buckets.
+    """
+    from jax_overlap import buckets
+    from jax_overlap.step import _block_use_order
+
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    specs = tree_specs(model.param_axes(), rules_for(axis_sizes.get(PP, 1)))["blocks"]
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers_per_chunk, *a.shape[1:]),
+                                                        a.dtype), abstract["blocks"])
+    chunk_specs = jax.tree.map(lambda sp: P(None, *tuple(sp)[1:]), specs,
+                               is_leaf=lambda x: isinstance(x, P))
+    order = _block_use_order(model, abstract)
+    rank = {k - min(order): r for k, r in order.items()} if order else None
+    return buckets.plan_for_params({"blocks": chunk}, {"blocks": chunk_specs}, axis_sizes,
+                                   dataclasses.replace(overlap, zero1=False), DP,
+                                   layers_per_chunk, replicated_axes=(TP,), use_rank=rank)
+
+
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
-                fsdp_layout=None):
+                axis_sizes: dict[str, int], fsdp_layout=None):
     """One device's loss and gradients for a whole step; see the module docstring."""
     from jax_overlap import buckets
     from jax_overlap.step import microbatched
@@ -376,6 +446,17 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     grads0 = {"embed": jax.tree.map(jnp.zeros_like, params["embed"]),
               "blocks": jax.tree.map(jnp.zeros_like, blocks_vn),
               "head": jax.tree.map(jnp.zeros_like, params["head"])}
+    sync = any(b.sync for b in program.branches)
+    layers_per_chunk = jax.tree.leaves(blocks_vn)[0].shape[1]
+    if sync:
+        # Block gradients reduced over dp inside the loop land here: typed without dp (a
+        # psum result), so they are kept apart from the per-replica accumulators.
+        grads0["synced"] = jax.tree.map(
+            lambda b: _vary(jnp.zeros(b.shape, jnp.float32), sorted(_varying_axes(b) - {DP})),
+            blocks_vn)
+        plan = chunk_bucket_plan(model, overlap, axis_sizes, layers_per_chunk)
+        tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
+                    for u in plan.units}
     loss0 = _vary(jnp.zeros((), jnp.float32), (DP, PP))
     fns = _stage_functions(model, par, count)
 
@@ -436,11 +517,80 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
 
         return branch
 
+    def make_sync_branch(kind: str, role: str) -> Callable:
+        """The chunk's last weight-gradient action, with its dp reduction inside.
+
+        The chunk's layers run unrolled with a bucket hook per bucket (`buckets.BucketHooks`,
+        as in the pp=1 path's last microbatch): in the backward each bucket's psum is issued
+        as soon as its layers' gradients (this microbatch's plus the accumulated ones) exist,
+        and runs while the chunk's earlier layers backpropagate. The same branch runs at the
+        same tick on every dp replica of the stage, so each collective's replica group (the
+        stage's dp peers) meets.
+        """
+        want_x = kind == "B" and role != "first"
+        marked = (DP, PP, TP)
+
+        def branch(pool, grads, loss, row):
+            mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+            w = weights(role, chunk)
+            x = ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
+            targets_bt = targets_mbt[mb]
+            chunk_leaves, chunk_def = jax.tree.flatten(w["chunk"])
+            # Marked tp-varying too: TP-replicated leaves get partial gradients, which their
+            # buckets sum over ('dp', 'tp') (autodiff would psum them over tp one by one).
+            chunk_leaves = [_vary(leaf, marked) for leaf in chunk_leaves]
+            # The other actions' gradients of TP-replicated leaves are whole on every tp rank
+            # (autodiff summed them); their bucket sums over tp again, so each rank adds 1/tp.
+            acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / tp_share[i]
+                          for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+            others = {k: w[k] for k in ("embed", "head") if k in w}
+
+            def forward(sinks, others_, x_):
+                hooks = buckets.BucketHooks(plan, chunk_leaves, acc_leaves, sinks, axis_sizes,
+                                            marked, overlap.grad_comm_dtype)
+                h = model.embed(others_["embed"], x_, par) if role == "first" else x_
+                for layer in range(layers_per_chunk):
+                    hooks.enter(1 + layer)
+                    h = model.block(jax.tree.unflatten(
+                        chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))]),
+                        h, par)
+                if role == "last":
+                    return model.head_loss(others_["embed"], others_["head"], h, targets_bt,
+                                           par) / count
+                return h
+
+            sinks = buckets.make_sinks(plan, axis_sizes, marked)
+            if want_x:
+                y, vjp = jax.vjp(forward, sinks, others, x)
+            else:
+                y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
+            ct = (_vary(jnp.ones(y.shape, y.dtype), (DP, PP)) if role == "last"
+                  else pool[row[COL["g_slot"]]])
+            # The tp-marked weights make the output's *type* tp-varying while its values are
+            # equal on every tp rank. vjp then reads the cotangent per rank and sums the
+            # ranks' contributions, so each rank takes 1/tp of the (replicated) cotangent.
+            extra = sorted(_varying_axes(y) - _varying_axes(ct))
+            if extra:
+                ct = _vary(ct, extra) / math.prod(axis_sizes[a] for a in extra)
+            cts = vjp(ct)
+            reduced = buckets.assemble(plan, cts[0], axis_sizes)  # leaf -> (layers, ...)
+            synced, synced_def = jax.tree.flatten(grads["synced"])
+            grads = {**grads, "synced": jax.tree.unflatten(synced_def, [
+                acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
+                for i, acc in enumerate(synced)])}
+            for part, g in cts[1].items():
+                grads[part] = jax.tree.map(jnp.add, grads[part], g)
+            out = cts[2] if want_x else zeros_btd
+            return _like((grads, loss, out), (grads0, loss0, zeros_btd))
+
+        return branch
+
     def idle(pool, grads, loss, row):
         del pool, row
         return grads, loss, zeros_btd
 
-    branches = [idle] + [make_branch(k, r) for k, r in program.branches]
+    branches = [idle] + [make_sync_branch(b.kind, b.role) if b.sync else
+                         make_branch(b.kind, b.role) for b in program.branches]
 
     def ring(out_btd, pairs):
         if not pairs:
@@ -500,12 +650,16 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
     grads = {
         # Each stage holds its own layers' gradients: nothing to combine over pp.
-        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), grads["blocks"]),
+        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
+                               grads["synced"] if sync else grads["blocks"]),
         # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
         # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
         "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
         "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
     }
+    if sync:  # block gradients were reduced in the loop; the embedding and head follow
+        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")}, overlap, DP)
+        return loss, {**rest, "blocks": grads["blocks"]}
     if fsdp_layout is None:
         return loss, buckets.reduce_gradients(grads, overlap, DP)
     scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, overlap.grad_comm_dtype)
@@ -547,7 +701,7 @@ def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
     dp = dp_layout(model, cfg.overlap, dict(mesh.shape))
     param_specs = dp.param_specs  # 'blocks' also split over dp under fsdp
     body = partial(_per_device, model=model, program=program, par=par, overlap=cfg.overlap,
-                   fsdp_layout=dp.fsdp)
+                   axis_sizes=dict(mesh.shape), fsdp_layout=dp.fsdp)
     mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
                        out_specs=(P(), param_specs))
 
