@@ -116,9 +116,11 @@ _GPU_OVERLAP: tuple[XlaFlag, ...] = (
     # the pass the transfer overlaps independent matmuls (jax_overlap.analysis.hlo).
     XlaFlag("xla_disable_hlo_passes", "collective-permute-motion",
             "keep pipeline ppermutes where they can overlap independent matmuls"),
-    # A bidirectional collective matmul keeps two ring transfers in flight at once; with the
-    # default limit of one, the scheduler serialises them and only ~39% of TP bytes sit under
-    # GEMMs (75% with two, measured on a deviceless 8 x H100 compile).
+    # A bidirectional collective matmul keeps two ring transfers in flight at once, and so does
+    # the pipeline's tick loop (activations down the +1 ring, gradients up the -1 ring); with
+    # the default limit of one, the scheduler serialises them: only ~39% of TP bytes sit under
+    # GEMMs (75% with two), and of the skewed pipeline loop's two permutes one runs
+    # synchronously (both under the tick's GEMMs with two; deviceless 8 x H100, jaxlib 0.12).
     XlaFlag("xla_gpu_experimental_parallel_collective_overlap_limit", "2",
             "let two async collectives (both ring directions) overlap the same GEMM"),
 )

@@ -58,6 +58,22 @@ virtual stage ends in the head and adds loss / (global loss count); their backwa
 when split) produces the embedding / head gradients on the stage that owns them. Those are
 summed over 'pp' at the end (with tied embeddings the head's use of `wte` and the embedding's
 add up there), then the gradients go through the explicit DP reduction of `buckets`.
+
+DP reduction of the blocks, by `overlap`:
+  grad_bucket_mb 0     after the loop, one collective per leaf.
+  grad_bucket_mb > 0   inside the loop: the action that completes a chunk's weight gradients
+                       on its stage (the chunk's last B, or W when split; `Branch.sync`) runs
+                       the chunk's layers unrolled with a bucket hook per bucket, so each
+                       bucket's psum (this microbatch's gradients plus the accumulated ones)
+                       is issued as its layers finish and runs under the chunk's earlier
+                       layers' backward -- in the cool-down, while other stages still work.
+                       The reduced gradients are kept apart from the per-replica
+                       accumulators (a psum result is typed dp-invariant): one more copy of
+                       the stage's block gradients for the step.
+  param_sharding fsdp  the stage's blocks are all-gathered over dp once per step and their
+                       gradients reduce-scattered once after the loop (every tick uses them;
+                       gathering per tick would move them `ticks` times). `overlap.window`
+                       applies to pp = 1 only.
 """
 
 from __future__ import annotations
