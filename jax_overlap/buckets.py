@@ -94,6 +94,8 @@ class Bucket:
       scatter: psum_scatter (ZeRO-1) instead of psum.
       ready_segment: the forward segment whose backward completes the bucket (the smallest
         segment of its units); its hook sits just before that segment's forward.
+      detached: issued after the bucket before it, but the bucket after it does not wait
+        for it (see `pack_units`' embed_before_first_layer).
     """
 
     index: int
@@ -102,6 +104,7 @@ class Bucket:
     axes: tuple[str, ...]
     scatter: bool
     ready_segment: int
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ class BucketPlan:
                  "units": [name(self.units[i]) for i in b.units]} for b in self.buckets]
 
 
-def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward") -> BucketPlan:
+def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward",
+               embed_before_first_layer: bool = False) -> BucketPlan:
     """Packs units into buckets of about `cap_bytes` (0: one bucket per unit).
 
     Args:
@@ -139,6 +143,15 @@ def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward") -
       cap_bytes: a bucket is closed once it holds at least this many bytes.
       order: 'backward' (the order the backward finishes units: highest segment first) or
         'largest_first' (biggest units first, whatever their layer).
+      embed_before_first_layer: 'backward' order with the embedding's units (segment 0)
+        taken before the first layer's (segment 1). Both complete at the very end of the
+        backward, but only the first layer's need GEMMs (its weight gradients) that do not
+        feed the embedding's cotangent: reduced first, the embedding's buckets can run
+        under those GEMMs instead of after them, when nothing is left to hide under. The
+        embedding's units then never share a bucket with another segment's, and their
+        buckets are `detached` from the issue order: the first layer's buckets do not wait
+        for them, so they stay in flight beside them over all of those GEMMs (in a chain,
+        each GEMM could sit under only one of the collectives left at the end).
 
     Returns:
       The plan; buckets are listed in the order they are closed. Units with different
@@ -149,26 +162,43 @@ def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward") -
     def rank(u):
         return u.leaf if u.rank is None else u.rank
 
-    seq = sorted(range(len(units)), key=lambda i: (-units[i].segment, -rank(units[i])))
+    def segment(u):
+        if embed_before_first_layer and u.segment in (0, 1):
+            return 1 - u.segment
+        return u.segment
+
+    seq = sorted(range(len(units)), key=lambda i: (-segment(units[i]), -rank(units[i])))
     if order == "largest_first":
         seq = sorted(seq, key=lambda i: -units[i].nbytes)
     elif order != "backward":
         raise ValueError(f"overlap.bucket_order: unknown order {order!r}")
     open_: dict[tuple, list[int]] = {}
     closed: list[list[int]] = []
-    for i in seq:
+    pos = {u: p for p, u in enumerate(seq)}
+
+    def flush():
+        # What is open, in the order of each bucket's last unit.
+        closed.extend(sorted(open_.values(), key=lambda m: pos[m[-1]]))
+        open_.clear()
+
+    alone = embed_before_first_layer and order == "backward"
+    for n, i in enumerate(seq):
         u = units[i]
+        if alone and n and (u.segment == 0) != (units[seq[n - 1]].segment == 0):
+            # The embedding's units get buckets of their own: shared with a later layer's
+            # they would hold its reduction back to the end, with the first layer's they
+            # would wait for its weight gradients.
+            flush()
         members = open_.setdefault((u.axes, u.split_dim is not None, u.group), [])
         members.append(i)
         if sum(units[j].nbytes for j in members) >= cap_bytes:
             closed.append(open_.pop((u.axes, u.split_dim is not None, u.group)))
-    # Flush what is left, in the order of each bucket's last unit.
-    pos = {u: p for p, u in enumerate(seq)}
-    closed += sorted(open_.values(), key=lambda m: pos[m[-1]])
+    flush()
     buckets = tuple(
         Bucket(index=k, units=tuple(m), nbytes=sum(units[i].nbytes for i in m),
                axes=units[m[0]].axes, scatter=units[m[0]].split_dim is not None,
-               ready_segment=min(units[i].segment for i in m))
+               ready_segment=min(units[i].segment for i in m),
+               detached=alone and all(units[i].segment == 0 for i in m))
         for k, m in enumerate(closed))
     return BucketPlan(units, buckets, cap_bytes, order)
 
@@ -276,7 +306,8 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
             dim = split_dim(shape, spec, parts) if overlap.zero1 else None
             units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
                               segment, dim, rank=(use_rank or {}).get(leaf)))
-    return pack_units(units, int(overlap.grad_bucket_mb * MIB), overlap.bucket_order)
+    return pack_units(units, int(overlap.grad_bucket_mb * MIB), overlap.bucket_order,
+                      getattr(overlap, "embed_before_first_layer", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,8 +414,10 @@ def _bucket_hook(bucket: Bucket, units: tuple[Unit, ...], parts: int, comm_dtype
         flat = _after(pack(grads, units, parts, bucket.scatter), ct_token)
         reduced = reduce_flat(flat, bucket.axes, bucket.scatter, comm_dtype)
         # The parameters' own cotangent is dropped: the sink carries the result, and the
-        # token's cotangent carries the ordering to the bucket reduced next.
-        return reduced, vary_to(reduced[:1], token_axes), None, None
+        # token's cotangent carries the ordering to the bucket reduced next (a detached
+        # bucket passes on the one it got, so the next bucket does not wait for it).
+        ct_next = ct_token if bucket.detached else vary_to(reduced[:1], token_axes)
+        return reduced, ct_next, None, None
 
     hook.defvjp(fwd, bwd)
     return hook
@@ -412,8 +445,11 @@ class BucketHooks:
     """The last microbatch's parameters, per unit, with bucket hooks applied as the forward
     reaches each bucket's first use. Used while tracing one forward; not a pytree.
 
-    Within a segment, hooks are applied in reverse plan order so that the backward, which
-    meets them last-applied first, reduces the buckets in plan order.
+    Hooks are applied in reverse plan order so that the backward, which meets them
+    last-applied first, reduces the buckets in plan order: a bucket is wrapped before its
+    segment's forward, together with every bucket after it in the plan that is not wrapped
+    yet (with `embed_before_first_layer` the first layer's buckets follow the embedding's in
+    the plan, so they are wrapped at segment 0, before the embedding's).
 
     Args:
       plan: the bucket plan.
@@ -435,12 +471,23 @@ class BucketHooks:
         self._by_leaf_layer = {(u.leaf, u.layer): i for i, u in enumerate(plan.units)}
         self._token_axes = tuple(marked_axes)
         self._token = to_varying(jnp.zeros((1,), jnp.float32), self._token_axes)
+        self._applied: set[int] = set()
 
-    def enter(self, segment: int) -> None:
-        """Wraps every bucket that completes at `segment` (call before its forward)."""
-        for b in reversed(self.plan.buckets):
-            if b.ready_segment != segment:
+    def enter(self, segment: int) -> list[int]:
+        """Wraps every bucket that completes at `segment`, and every later one in the plan
+        not wrapped yet (call before the segment's forward). Returns the indices wrapped, in
+        the order they were."""
+        first = min((b.index for b in self.plan.buckets
+                     if b.ready_segment == segment and b.index not in self._applied),
+                    default=None)
+        if first is None:
+            return []
+        wrapped = []
+        for b in reversed(self.plan.buckets[first:]):
+            if b.index in self._applied:
                 continue
+            self._applied.add(b.index)
+            wrapped.append(b.index)
             members = tuple(self.plan.units[i] for i in b.units)
             hook = _bucket_hook(b, members, bucket_parts(b, self._sizes), self._comm,
                                 self._token_axes)
@@ -449,6 +496,7 @@ class BucketHooks:
                                      [self.values[i] for i in b.units])
             for i, v in zip(b.units, outs):
                 self.values[i] = v
+        return wrapped
 
     def value(self, leaf: int, layer: int | None = None) -> jax.Array:
         return self.values[self._by_leaf_layer[(leaf, layer)]]

@@ -86,8 +86,9 @@ class OverlapConfig:
     grad_bucket_mb: float = 0.0  # 0: one reduction per gradient leaf, after the backward
     bucket_order: Literal["backward", "largest_first"] = "backward"
     # backward order: reduce the embedding's gradients before the first layer's, so the
-    # first layer's weight-gradient GEMMs can hide them (see buckets.pack_units)
-    embed_before_first_layer: bool = True
+    # first layer's weight-gradient GEMMs can hide them (see buckets.pack_units); pays off
+    # when the embedding's bucket is above XLA's combine threshold (configs/gpt_1p3b.yaml)
+    embed_before_first_layer: bool = False
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     param_sharding: Literal["replicated", "fsdp"] = "replicated"
