@@ -163,10 +163,12 @@ def lower_gspmd_step(cfg, devices):
     every collective. Same mesh, shardings and microbatches as ours."""
     import jax
     import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jax_overlap import step as steplib
     from jax_overlap.analysis.report import abstract_inputs
-    from jax_overlap.mesh import make_mesh
+    from jax_overlap.mesh import DP, make_mesh
     from jax_overlap.train import build_model
 
     mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
@@ -175,8 +177,15 @@ def lower_gspmd_step(cfg, devices):
     state, batch = abstract_inputs(cfg, model, mesh, optimizer)
     m = cfg.pipeline.microbatches
 
+    dp_rows = NamedSharding(mesh, P(None, DP))
+
     def step(state, batch):
-        mbs = steplib.microbatched(batch, m)
+        # Microbatch i takes every replica's i-th slice (as ours does per device), so each
+        # microbatch stays split over dp; contiguous rows would put a microbatch on one replica
+        # and GSPMD would gather the batch and compute it everywhere instead.
+        mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x.reshape(cfg.mesh.dp, m, -1, *x.shape[1:]).swapaxes(0, 1)
+             .reshape(m, -1, *x.shape[1:]), dp_rows), batch)
 
         def one(acc, mb):
             loss, grads = jax.value_and_grad(
@@ -197,11 +206,12 @@ def lower_gspmd_step(cfg, devices):
 def goal_one(kind: str, overrides: list[str]) -> dict:
     """One deviceless H100 compile (run in its own process: the preset must precede JAX)."""
     from jax_overlap import config
-    from jax_overlap.analysis import deviceless, report
-    from jax_overlap.cli import prepare_backend
+    from jax_overlap.cli import prepare_deviceless
 
     cfg = config.load(GOAL_CONFIG, overrides)
-    prepare_backend(cfg, 1)
+    prepare_deviceless(cfg)  # before anything imports jax
+    from jax_overlap.analysis import deviceless, report
+
     t0 = time.perf_counter()
     if kind == "ours":
         data = report.analyze(cfg, "h100").to_json()

@@ -120,16 +120,22 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def prepare_deviceless(cfg: Config) -> None:
+    """Before JAX starts, to compile for GPUs without one: the backend stays on CPU (no
+    forced host devices: the mesh is built on the plugin's topology), the preset applies."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if cfg.overlap.xla_preset != "none":
+        from jax_overlap import xla_flags
+
+        xla_flags.apply_preset(cfg.overlap.xla_preset)
+
+
 def cmd_analyze(args) -> int:
     cfg = load_config(args)
     if args.target == "cpu":
         prepare_backend(cfg)
-    else:  # compile for GPUs without one: the backend stays on CPU, the preset still applies
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        if cfg.overlap.xla_preset != "none":
-            from jax_overlap import xla_flags
-
-            xla_flags.apply_preset(cfg.overlap.xla_preset)
+    else:
+        prepare_deviceless(cfg)
     from jax_overlap.analysis import report
 
     print(report.analyze_command(cfg, args.target, as_json=args.json))
