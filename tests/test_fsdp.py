@@ -44,7 +44,9 @@ def _check(reference, overrides, dp=2, tp=4):
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
     # Block gradients come back split like the stored blocks.
-    assert grads["blocks"]["w_in"].sharding.spec == sharded["blocks"]["w_in"].sharding.spec
+    # (as shardings: with tp=1 one spec may name the size-1 'tp' axis and the other not)
+    assert grads["blocks"]["w_in"].sharding.is_equivalent_to(sharded["blocks"]["w_in"].sharding,
+                                                             3)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -61,8 +63,10 @@ def test_fsdp_matches_reference(reference, overrides):
 @pytest.mark.parametrize("dp,tp,tp_comm", [(8, 1, "plain"), (4, 2, "sequence_parallel"),
                                            (2, 4, "collective_matmul")])
 def test_fsdp_sweep(reference, window, dp, tp, tp_comm):
+    # tiny's global batch is 16: at most 16 / dp microbatches of one sequence per replica
     _check(reference, [f"overlap.window={window}", f"overlap.tp_comm={tp_comm}",
-                       "pipeline.microbatches=4", "overlap.grad_comm_dtype=fp32"], dp, tp)
+                       f"pipeline.microbatches={min(4, 16 // dp)}",
+                       "overlap.grad_comm_dtype=fp32"], dp, tp)
 
 
 def test_peak_memory_grows_by_one_block_per_window_step():
