@@ -29,10 +29,12 @@ the loop body, and files what arrives at the end, after the tick's action. Neith
 transfers nor the action read the other's result, so XLA issues the collective-permute
 starts before the tick's `conditional` and the dones after it: the whole tick's GEMMs run
 while the activations travel. The tables are generated for that latency (a consumer on
-another stage runs two ticks after its producer), which lengthens the ramp. XLA's
-`collective-permute-motion` pass would rotate such a loop back (moving the permute of the
-carried value to the end of the previous iteration, after the action that makes it); the
-`gpu_overlap` XLA preset turns that pass off.
+another stage runs two ticks after its producer), which lengthens the ramp. The two rings'
+permutes are in flight at once, which XLA's GPU scheduler allows only when told to (the
+`gpu_overlap` preset's parallel-collective limit of 2; with the default one of them runs
+synchronously). XLA's `collective-permute-motion` pass, which can rotate a loop's permute to
+where the compute waits for it, left this loop alone in jaxlib 0.12 (same schedule with and
+without it; the preset turns it off anyway).
 
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
 *input*; it stays in its slot until the last backward action of that (microbatch, chunk)
@@ -380,27 +382,28 @@ def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
     return {"first": first, "mid": mid, "last": last}
 
 
-def _gather_stage_blocks(blocks, fsdp_layout):
-    """FSDP storage -> this stage's whole (tp-local) block leaves: one all-gather per leaf."""
+def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
+    """FSDP storage -> this stage's whole (tp-local) block leaves: `fsdp.gather_layer` for
+    every layer of the stage at once (one all-gather per gradient group)."""
+    from jax_overlap import fsdp
+
     leaves, treedef = jax.tree.flatten(blocks)
-    full = [x if u.split_dim is None else
-            jax.lax.all_gather(x, DP, axis=u.split_dim + 1, tiled=True)  # over dp
-            for x, u in zip(leaves, fsdp_layout.units)]
+    full = jax.vmap(lambda shards: fsdp.gather_layer(shards, fsdp_layout, DP, dp))(leaves)
     return jax.tree.unflatten(treedef, full)
 
 
-def _scatter_stage_grads(grads, fsdp_layout, comm_dtype: str):
-    """Block gradients -> each rank's FSDP shard, summed over dp; None for leaves stored
-    whole (their psum goes with the embedding's and head's buckets)."""
+def _scatter_stage_grads(grads, fsdp_layout, dp: int, comm_dtype: str):
+    """Block gradients -> each rank's FSDP shard, summed over dp (`fsdp.reduce_scatter_layer`
+    for every layer at once); None for leaves stored whole (their psum goes with the
+    embedding's and head's buckets: a psum here would be typed dp-varying, as a parameter's
+    cotangent, not as the replicated gradient the step returns)."""
+    from jax_overlap import fsdp
+
+    split_only = dataclasses.replace(
+        fsdp_layout, groups=tuple(g for g in fsdp_layout.groups if g[1]))
     leaves, treedef = jax.tree.flatten(grads)
-    out = []
-    for g, u in zip(leaves, fsdp_layout.units):
-        if u.split_dim is None:
-            out.append(None)
-            continue
-        wire = g.astype(jnp.bfloat16) if comm_dtype == "bf16" else g
-        out.append(jax.lax.psum_scatter(wire, DP, scatter_dimension=u.split_dim + 1,
-                                        tiled=True).astype(g.dtype))  # over dp
+    out = jax.vmap(lambda g: fsdp.reduce_scatter_layer(g, split_only, DP, dp, comm_dtype))(
+        leaves)
     return jax.tree.unflatten(treedef, out)
 
 
@@ -446,7 +449,8 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         # gathered once per step (not per tick: that would move them `ticks` times) and the
         # gradients are reduce-scattered once at the end. Storage and optimizer state stay
         # split over dp; the gathered copy lives for the step.
-        params = {**params, "blocks": _gather_stage_blocks(params["blocks"], fsdp_layout)}
+        params = {**params, "blocks": _gather_stage_blocks(params["blocks"], fsdp_layout,
+                                                           axis_sizes[DP])}
     blocks_vn = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]),
                              params["blocks"])
     mbs = microbatched(batch, s.microbatches)
@@ -678,7 +682,8 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         return loss, {**rest, "blocks": grads["blocks"]}
     if fsdp_layout is None:
         return loss, buckets.reduce_gradients(grads, overlap, DP)
-    scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, overlap.grad_comm_dtype)
+    scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, axis_sizes[DP],
+                                     overlap.grad_comm_dtype)
     # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
     grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
                                    scattered, is_leaf=lambda x: x is None)
