@@ -14,6 +14,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 
 
+# A script prefix that restores a checkpoint directory's newest step with plain Orbax (no
+# jax_overlap import) onto one device: `root`, `steps`, `step` and `out` (the "state" and
+# "config" items) are defined for the lines that follow. argv[1] is the directory.
+PLAIN_ORBAX_RESTORE = """
+import json, sys
+import jax, numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+root = epath.Path(sys.argv[1])
+mngr = ocp.CheckpointManager(root)
+steps = list(mngr.all_steps())
+step = max(steps)
+md = ocp.StandardCheckpointer().metadata(root / str(step) / "state")
+tree = getattr(md, "item_metadata", md)
+tree = getattr(tree, "tree", tree)
+dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), tree)
+out = mngr.restore(step, args=ocp.args.Composite(
+    state=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()))
+"""
+
+
 def max_rel_err(tree, ref_tree) -> float:
     """Largest leaf-wise error, relative to each reference leaf's largest magnitude."""
     errs = jax.tree.map(

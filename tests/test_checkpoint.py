@@ -15,6 +15,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from helpers import PLAIN_ORBAX_RESTORE
 from jax_overlap import checkpoint as ckpt
 from jax_overlap.train_state import TrainState, new_state
 
@@ -389,24 +390,8 @@ def test_resave_of_existing_step(tmp_path, mesh):
 # plain Orbax can read it
 
 
-PLAIN_READER = textwrap.dedent(
+PLAIN_READER = PLAIN_ORBAX_RESTORE + textwrap.dedent(
     """
-    import sys, json
-    import jax, numpy as np
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    root = epath.Path(sys.argv[1])
-    mngr = ocp.CheckpointManager(root)
-    steps = list(mngr.all_steps())
-    step = max(steps)
-    md = ocp.StandardCheckpointer().metadata(root / str(step) / "state")
-    tree = getattr(md, "item_metadata", md)
-    tree = getattr(tree, "tree", tree)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), tree)
-    out = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()))
     w = np.asarray(out["state"]["params"]["w"])
     print(json.dumps({"steps": steps, "config": out["config"],
                       "w": w.tolist(), "step": int(out["state"]["step"]),

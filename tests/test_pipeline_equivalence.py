@@ -255,9 +255,8 @@ def _find(jaxpr, primitive, **params):
     return None
 
 
-def test_a_tick_runs_one_action_through_a_switch():
-    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch."""
-    cfg = pipeline_cfg("zb-h1", 4, 2, 1, 4)
+def _traced_tick(cfg):
+    """(step jaxpr, program, tick-loop body jaxpr) of a config's loss-and-grads, traced."""
     model = GPT.from_config(cfg.model)
     mesh = meshlib.mesh_from_config(cfg)
     loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
@@ -266,11 +265,20 @@ def test_a_tick_runs_one_action_through_a_switch():
     closed = jax.make_jaxpr(loss_and_grads)(params, batch)
     program = loss_and_grads.program
     tick = _find(closed.jaxpr, "scan", length=program.ticks).params["jaxpr"].jaxpr
+    return closed.jaxpr, program, tick
+
+
+def _switch_branches(tick):
+    return next(e for e in tick.eqns if e.primitive.name == "cond").params["branches"]
+
+
+def test_a_tick_runs_one_action_through_a_switch():
+    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch."""
+    _, program, tick = _traced_tick(pipeline_cfg("zb-h1", 4, 2, 1, 4))
     outside = [e.primitive.name for e in tick.eqns]
     assert outside.count("cond") == 1 and outside.count("ppermute") == 2
     assert "dot_general" not in outside and "scan" not in outside
-    switch = next(e for e in tick.eqns if e.primitive.name == "cond")
-    branches = switch.params["branches"]
+    branches = _switch_branches(tick)
     assert len(branches) == 1 + len(program.branches)
     assert "dot_general" not in _primitives(branches[executor.IDLE].jaxpr)
     for (kind, role, _), branch in zip(program.branches, branches[1:]):
@@ -278,24 +286,12 @@ def test_a_tick_runs_one_action_through_a_switch():
             assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
 
 
-def _tick_switch(cfg):
-    model = GPT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in np_batch(cfg).items()}
-    closed = jax.make_jaxpr(loss_and_grads)(params, batch)
-    program = loss_and_grads.program
-    tick = _find(closed.jaxpr, "scan", length=program.ticks).params["jaxpr"].jaxpr
-    switch = next(e for e in tick.eqns if e.primitive.name == "cond")
-    return closed.jaxpr, program, switch.params["branches"]
-
-
 def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
     """With buckets, the dp psums sit in the sync branches only (one per stage and chunk),
     and no block gradient is reduced after the loop."""
     cfg = pipeline_cfg("interleaved", 2, 2, 2, 4, extra=["overlap.grad_bucket_mb=0.01"])
-    jaxpr, program, branches = _tick_switch(cfg)
+    jaxpr, program, tick = _traced_tick(cfg)
+    branches = _switch_branches(tick)
     syncs = [b for b in program.branches if b.sync]
     assert {(b.kind, b.role) for b in syncs} == {("B", "first"), ("B", "mid"), ("B", "last")}
     # Each (stage, chunk) runs its sync action exactly once per step.

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY, last_json_line, rel
+from helpers import PLAIN_ORBAX_RESTORE, REPO, TINY, last_json_line, rel
 from jax_overlap import checkpoint as ckptlib
 from jax_overlap import config, train
 
@@ -280,23 +280,8 @@ def test_corrupt_newest_checkpoints_are_reported_and_skipped(chain, tmp_path):
     assert {f"{second}.0", f"{newest}.0"} <= moved  # moved aside, not deleted
 
 
-PLAIN_READER = textwrap.dedent(
+PLAIN_READER = PLAIN_ORBAX_RESTORE + textwrap.dedent(
     """
-    import json, sys
-    import jax, numpy as np
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    root = epath.Path(sys.argv[1])
-    mngr = ocp.CheckpointManager(root)
-    step = max(mngr.all_steps())
-    md = ocp.StandardCheckpointer().metadata(root / str(step) / "state")
-    tree = getattr(md, "item_metadata", md)
-    tree = getattr(tree, "tree", tree)
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), tree)
-    out = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()))
     train = out["state"]["train"]
     np.save(sys.argv[2], np.asarray(train["params"]["embed"]["wte"]))
     print(json.dumps({"step": step, "state_step": int(train["step"]),
