@@ -371,6 +371,14 @@ def _piece_functions(model: Any, par: Any) -> dict[str, tuple[Callable, tuple[bo
         y, pull = jax.vjp(f, w, x)
         return pull(jnp.ones_like(y))
 
+    def vjp_x(f):
+        """`(w, x) -> d/dx` of `f`: the input-gradient half of its backward."""
+        return lambda w, x: vjp_all(lambda _, x_: f(w, x_), None, x)[1:]
+
+    def vjp_w(f):
+        """`(w, x) -> d/dw` of `f`: the weight-gradient half of its backward."""
+        return lambda w, x: vjp_all(lambda w_, _: f(w_, x), w, None)[:1]
+
     def block(w_stack, x):
         # Every layer under one lax.scan, as the train step and the pipeline executor
         # run them: the scan stacks each layer's residuals for the backward, which costs
@@ -389,40 +397,20 @@ def _piece_functions(model: Any, par: Any) -> dict[str, tuple[Callable, tuple[bo
     def head_fb(w, x, targets):
         return vjp_all(lambda w_, x_: head(w_, x_, targets), w, x)
 
-    def embed_fb(w, ids):
-        y, pull = jax.vjp(lambda w_: embed(w_, ids), w)
-        return pull(jnp.ones_like(y))
-
-    def block_fbx(w, x):
-        y, pull = jax.vjp(lambda x_: block(w, x_), x)
-        return pull(jnp.ones_like(y))
-
-    def block_fbw(w, x):
-        y, pull = jax.vjp(lambda w_: block(w_, x), w)
-        return pull(jnp.ones_like(y))
-
     def lone(w, x):
         return model.block(w, x, par)
-
-    def lone_fbx(w, x):
-        y, pull = jax.vjp(lambda x_: lone(w, x_), x)
-        return pull(jnp.ones_like(y))
-
-    def lone_fbw(w, x):
-        y, pull = jax.vjp(lambda w_: lone(w_, x), w)
-        return pull(jnp.ones_like(y))
 
     return {
         "block_f": (block, (False, True)),
         "block_fb": (lambda w, x: vjp_all(block, w, x), (False, True)),
-        "block_fbx": (block_fbx, (False, True)),
-        "block_fbw": (block_fbw, (False, True)),
+        "block_fbx": (vjp_x(block), (False, True)),
+        "block_fbw": (vjp_w(block), (False, True)),
         "block1_f": (lone, (False, True)),
         "block1_fb": (lambda w, x: vjp_all(lone, w, x), (False, True)),
-        "block1_fbx": (lone_fbx, (False, True)),
-        "block1_fbw": (lone_fbw, (False, True)),
+        "block1_fbx": (vjp_x(lone), (False, True)),
+        "block1_fbw": (vjp_w(lone), (False, True)),
         "embed_f": (embed, (False, True)),
-        "embed_fb": (embed_fb, (False, True)),
+        "embed_fb": (vjp_w(embed), (False, True)),
         "head_f": (head, (False, True, True)),
         "head_fb": (head_fb, (False, True, True)),
     }
