@@ -22,6 +22,14 @@ import sys
 LAYERS = 16  # 4 per stage: a chunk has layers left to hide its buckets' reductions under
 
 
+def bytes_of(ops: list[dict], kind: str) -> tuple[int, float, float]:
+    """(ops, bytes per step, bytes per step with a GEMM between start and done) of a kind."""
+    of_kind = [op for op in ops if op["kind"] == kind]
+    moved = [op["bytes"] * op["executions_per_step"] for op in of_kind]
+    hidden = [b for op, b in zip(of_kind, moved) if op["async"] and op["gemms_between"]]
+    return len(of_kind), sum(moved), sum(hidden)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="gpu_overlap")
@@ -35,7 +43,6 @@ def main() -> int:
         xla_flags.apply_preset(args.preset)
     from jax_overlap import config
     from jax_overlap.analysis import report
-
     from jax_overlap.pipeline import executor
 
     rows = []
@@ -49,20 +56,14 @@ def main() -> int:
                 f"overlap.grad_bucket_mb={bucket_mb}"])
             program = executor.program_for(cfg)
             data = report.analyze(cfg, args.target).to_json()
-            permutes = [op for op in data["ops"] if op["kind"] == "collective-permute"]
-            total = sum(op["bytes"] * op["executions_per_step"] for op in permutes)
-            under = sum(op["bytes"] * op["executions_per_step"] for op in permutes
-                        if op["async"] and op["gemms_between"])
-            dp_ops = [op for op in data["ops"] if op["kind"] == "all-reduce"]
-            dp_total = sum(op["bytes"] * op["executions_per_step"] for op in dp_ops)
-            dp_under = sum(op["bytes"] * op["executions_per_step"] for op in dp_ops
-                           if op["async"] and op["gemms_between"])
+            permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
+            _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
             rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,
                          "grad_bucket_mb": bucket_mb,
                          "dp_bytes_per_step": dp_total,
                          "dp_bytes_under_gemm_fraction": dp_under / dp_total if dp_total else 0.0,
                          "ticks": program.ticks, "bubble": program.idle_fraction(),
-                         "stash_slots": program.slots, "permute_ops": len(permutes),
+                         "stash_slots": program.slots, "permute_ops": permute_ops,
                          "permute_bytes_per_step": total,
                          "permute_bytes_under_gemm_fraction": under / total if total else 0.0,
                          "all_bytes_under_gemm_fraction":

@@ -307,7 +307,7 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
             units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
                               segment, dim, rank=(use_rank or {}).get(leaf)))
     return pack_units(units, int(overlap.grad_bucket_mb * MIB), overlap.bucket_order,
-                      getattr(overlap, "embed_before_first_layer", False))
+                      overlap.embed_before_first_layer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -320,10 +320,11 @@ def validate(cfg: Config) -> None:
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
     group = m.pp * pl.transfer_latency
     if pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
-        lower = pl.microbatches // group * group
-        fix = f"{lower} or {lower + group}" if lower else f"{group}"
+        from jax_overlap.pipeline.schedules import multiples_near  # pure Python, no jax
+
         p.append(f"pipeline.microbatches: interleaved needs a multiple of mesh.pp x "
-                 f"pipeline.transfer_latency = {group}, got {pl.microbatches}; use {fix}")
+                 f"pipeline.transfer_latency = {group}, got {pl.microbatches}; use "
+                 f"{multiples_near(pl.microbatches, group)}")
     if pl.schedule == "interleaved" and m.pp > 1 and pl.virtual_stages < 2:
         p.append("pipeline.virtual_stages: interleaved needs >= 2; set pipeline.virtual_stages=2")
     if pl.schedule == "zb-v" and m.pp > 1 and pl.virtual_stages != 2:

@@ -737,6 +737,13 @@ def weighted_bubble_fraction(
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
+def multiples_near(value: int, multiple: int) -> str:
+    """The multiples of ``multiple`` around ``value`` to suggest in an error: ``"8 or 16"``
+    for 12 and 8, just ``"8"`` below the first."""
+    lower = value // multiple * multiple
+    return f"{lower} or {lower + multiple}" if lower else f"{multiple}"
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -795,8 +802,7 @@ def make_schedule(
             f"{virtual_stages!r}; set pipeline.virtual_stages to 2 or more (or use 1f1b)",
         )
         group = stages * lat
-        lower = microbatches // group * group
-        fix = f"{lower} or {lower + group}" if lower else f"{group}"
+        fix = multiples_near(microbatches, group)
         what = (f"pipeline.stages={stages}" if lat == 1 else
                 f"2 x pipeline.stages={group} with pipeline.transfer_latency=2")
         _require(
