@@ -41,6 +41,7 @@ def test_dp8_buckets_hide_under_backward_gemms_shallow():
     assert data["collective_bytes_under_gemm_fraction"] >= 0.88
 
 
+@pytest.mark.slow  # default suite: test_collective_matmul's every-ring-step-in-a-loop check
 def test_dp2_tp4_ring_steps_hide_under_gemms_shallow():
     data = _under_gemm(SHALLOW + DP2_TP4)
     # Measured 0.904 (0.759 with the reduce-scatter ring's last transfer outside its loop);
