@@ -34,9 +34,12 @@ def overrides_for(name: str) -> list[str]:
 def time_size(name: str, steps: int) -> dict:
     import jax
 
-    from jax_overlap import config, data, step as steplib
-    from jax_overlap.mesh import mesh_from_config
-    from jax_overlap.train import build_model, peak_flops
+    from jax_overlap import config
+    from jax_overlap.model_api import build_model
+    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.training import data
+    from jax_overlap.training import step as steplib
+    from jax_overlap.training.loop import peak_flops
 
     cfg = config.load("configs/tiny.yaml", overrides_for(name))
     device = jax.devices()[0]

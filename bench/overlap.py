@@ -97,12 +97,14 @@ def measure(overrides: list[str], steps: int) -> dict:
     """Compile and time the train step of the default config with these overrides."""
     import jax
 
-    from jax_overlap import config, data, step as steplib, train
-    from jax_overlap.mesh import mesh_from_config
+    from jax_overlap import config, model_api
+    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.training import data
+    from jax_overlap.training import step as steplib
 
     cfg = config.load("configs/default.yaml", overrides)
     mesh = mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
-    model = train.build_model(cfg)
+    model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
     state = steplib.init_state(model, cfg, mesh, optimizer)
     batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
@@ -166,10 +168,10 @@ def lower_gspmd_step(cfg, devices):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_overlap import step as steplib
     from jax_overlap.analysis.report import abstract_inputs
-    from jax_overlap.mesh import DP, make_mesh
-    from jax_overlap.train import build_model
+    from jax_overlap.model_api import build_model
+    from jax_overlap.parallel.mesh import DP, make_mesh
+    from jax_overlap.training import step as steplib
 
     mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
     model = build_model(cfg)
@@ -276,7 +278,7 @@ def main() -> None:
         return
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jax_overlap.mesh import force_host_devices
+    from jax_overlap.parallel.mesh import force_host_devices
 
     force_host_devices(8)
     rows, by_name = [], {}

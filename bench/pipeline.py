@@ -120,20 +120,23 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, REPO)
-    from jax_overlap.mesh import force_host_devices
+    from jax_overlap.parallel.mesh import force_host_devices
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     force_host_devices(DEVICES)
     import jax
 
-    from jax_overlap import config, data, mesh as meshlib, step as steplib, train
+    from jax_overlap import config, model_api
+    from jax_overlap.parallel import mesh as meshlib
     from jax_overlap.pipeline import executor, layout
+    from jax_overlap.training import data
+    from jax_overlap.training import step as steplib
 
     base = MODEL + list(args.overrides)
 
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
-        model = train.build_model(cfg)
+        model = model_api.build_model(cfg)
         mesh = meshlib.mesh_from_config(cfg, jax.devices()[:DEVICES])
         params = layout.to_staged(model.init(jax.random.key(0)), layout.layer_permutation(cfg))
         params = jax.device_put(params, steplib.param_shardings(model, mesh))

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 
-
 LAYERS = 16  # 4 per stage: a chunk has layers left to hide its buckets' reductions under
 
 
@@ -38,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.preset != "none":
-        from jax_overlap import xla_flags
+        from jax_overlap.overlap import xla_flags
 
         xla_flags.apply_preset(args.preset)
     from jax_overlap import config

@@ -94,14 +94,14 @@ def main() -> int:
     args = ap.parse_args()
 
     from jax_overlap import config
-    from jax_overlap.mesh import force_host_devices
+    from jax_overlap.parallel.mesh import force_host_devices
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     force_host_devices(8)
     import jax
 
-    from jax_overlap import tune
     from jax_overlap.analysis import calibrate as cal_lib
+    from jax_overlap.analysis import tune
     from jax_overlap.analysis.hardware import load_profile
     from jax_overlap.analysis.profile import build_step
 

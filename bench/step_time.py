@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/step_time.json")
     args = ap.parse_args()
 
-    from jax_overlap import config
+    from jax_overlap import config, model_api
     from jax_overlap.cli import prepare_backend
 
     cfg = config.load(args.config, args.overrides)
@@ -33,11 +33,12 @@ def main() -> None:
     import jax
     import optax
 
-    from jax_overlap import data, step as steplib, train
-    from jax_overlap.mesh import mesh_from_config
+    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.training import data
+    from jax_overlap.training import step as steplib
 
     mesh = mesh_from_config(cfg)
-    model = train.build_model(cfg)
+    model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
     stream = data.stream_from_config(cfg)
     batches = [steplib.put_batch(stream.batch(i), mesh) for i in range(args.steps + 1)]

@@ -85,14 +85,14 @@ def load_config(args) -> Config:
 
 def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
     """Everything that must precede JAX's backend start-up, in order."""
-    from jax_overlap.mesh import force_host_devices
+    from jax_overlap.parallel.mesh import force_host_devices
 
     if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
         os.environ["JAX_PLATFORMS"] = "cpu"  # no GPU here: don't probe CUDA plugins
     needed = devices_needed or cfg.num_devices
     force_host_devices(max(1, needed // max(1, cfg.distributed.num_processes)))
     if cfg.overlap.xla_preset != "none":
-        from jax_overlap import xla_flags
+        from jax_overlap.overlap import xla_flags
 
         xla_flags.apply_preset(cfg.overlap.xla_preset)
 
@@ -100,7 +100,8 @@ def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
 def cmd_train(args) -> int:
     cfg = load_config(args)
     prepare_backend(cfg)
-    from jax_overlap import mesh, train
+    from jax_overlap.parallel import mesh
+    from jax_overlap.training import loop as train
 
     d = cfg.distributed
     mesh.init_distributed(d.coordinator, d.num_processes, d.process_id, d.timeout_s)
@@ -125,7 +126,7 @@ def prepare_deviceless(cfg: Config) -> None:
     forced host devices: the mesh is built on the plugin's topology), the preset applies."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if cfg.overlap.xla_preset != "none":
-        from jax_overlap import xla_flags
+        from jax_overlap.overlap import xla_flags
 
         xla_flags.apply_preset(cfg.overlap.xla_preset)
 
@@ -154,7 +155,7 @@ def cmd_profile(args) -> int:
 def cmd_tune(args) -> int:
     cfg = load_config(args)
     prepare_backend(cfg, devices_needed=max(cfg.num_devices, args.devices))
-    from jax_overlap import tune
+    from jax_overlap.analysis import tune
 
     print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
                             out=args.out, as_json=args.json))

@@ -2,21 +2,22 @@
 
 A model is three pure per-device functions plus its parameter layout. The library owns the
 mesh, the pipeline schedule, the overlap options, checkpoints and metrics; the model only says
-how one device computes its part, calling `jax_overlap.collectives` for TP communication.
+how one device computes its part, calling `jax_overlap.parallel.collectives` for TP communication.
 
 Parameters live in the logical (global, un-staged) layout:
     {'embed': ..., 'blocks': <every leaf stacked with a leading layer axis>, 'head': ...}
 and `param_axes()` names the logical axis of every dimension ('layers' first for blocks), which
-`jax_overlap.mesh.LOGICAL_RULES` binds to mesh axes.
+`jax_overlap.parallel.mesh.LOGICAL_RULES` binds to mesh axes.
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any, Protocol
 
 import jax
 
-from jax_overlap.collectives import Parallel
+from jax_overlap.parallel.collectives import Parallel
 
 Batch = dict[str, jax.Array]  # {'inputs': (B, ...), 'targets': (B, ...)}; leading dim = batch
 
@@ -45,3 +46,29 @@ class StagedModel(Protocol):
 
     def flops_per_example(self) -> float:
         """Training FLOPs (forward + backward) for one example, for MFU."""
+
+
+# Models register themselves under this entry-point group (pyproject.toml), so the library finds
+# `model.kind` without importing any model package: `kind = "module:builder"`, where
+# `builder(cfg) -> StagedModel` takes the whole config.
+ENTRY_POINT_GROUP = "jax_overlap.models"
+
+
+def registered_models() -> dict[str, metadata.EntryPoint]:
+    """`model.kind` -> its entry point, for every installed model."""
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def build_model(cfg) -> StagedModel:
+    """The StagedModel that `cfg.model.kind` names, from the registered builders.
+
+    Raises:
+      ValueError: a kind no installed package registers (the message names the fix).
+    """
+    kind = cfg.model.kind
+    known = registered_models()
+    if kind not in known:
+        names = ", ".join(sorted(known)) or "none (reinstall the package: pip install -e .)"
+        raise ValueError(f"model.kind: no installed model is registered as {kind!r}; "
+                         f"registered: {names}")
+    return known[kind].load()(cfg)

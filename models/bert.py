@@ -27,7 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap.collectives import Parallel, sequence_shard, vocab_cross_entropy, vocab_embed
+from jax_overlap.parallel.collectives import (
+    Parallel,
+    sequence_shard,
+    vocab_cross_entropy,
+    vocab_embed,
+)
 from models.gpt import GPT, Block, LayerNorm
 
 MASK_ID = -1  # input id of the [MASK] token (not a vocabulary row)
@@ -145,7 +150,7 @@ class BERT(GPT):
     # Data -------------------------------------------------------------------------------------
     def data_stream(self, cfg) -> "MLMStream":
         """The config's token stream, masked for MLM."""
-        from jax_overlap import data as datalib
+        from jax_overlap.training import data as datalib
 
         return MLMStream(datalib.stream_from_config(cfg), self.vocab, self.masked_per_sequence())
 
@@ -184,3 +189,8 @@ class MLMStream:
 
 
 __all__ = ["BERT", "MLMStream", "BertEmbed", "MLMHead", "MASK_ID", "IGNORE"]
+
+
+def build(cfg):
+    """The model `model.kind: bert` names (registered in pyproject.toml)."""
+    return BERT.from_config(cfg.model)

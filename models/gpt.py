@@ -19,8 +19,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_overlap.collectives import (Parallel, column_parallel, row_parallel, sequence_shard,
-                                     vocab_cross_entropy, vocab_embed)
+from jax_overlap.parallel.collectives import (
+    Parallel,
+    column_parallel,
+    row_parallel,
+    sequence_shard,
+    vocab_cross_entropy,
+    vocab_embed,
+)
 
 
 def _normal(std: float):
@@ -212,3 +218,8 @@ class GPT:
         t = self.seq_len
         n = self.num_params() - t * self.d_model
         return 6.0 * n * t + 12.0 * self.num_layers * t * t * self.d_model
+
+
+def build(cfg):
+    """The model `model.kind: gpt` names (registered in pyproject.toml)."""
+    return GPT.from_config(cfg.model)

@@ -11,7 +11,7 @@ global microbatch (B / M examples), as in any gradient-accumulating BN training.
 
 Staged layout. The StagedModel protocol stacks blocks with a leading layer axis, but ResNet's
 residual blocks change shape from stage to stage. Here one stacked "layer" is a *unit*: a
-contiguous group of residual blocks, the groups chosen by `jax_overlap.partition` so that
+contiguous group of residual blocks, the groups chosen by `jax_overlap.parallel.partition` so that
 units have (near) equal estimated FLOPs. Each unit's parameters are packed into one flat
 vector, padded to the largest unit's size, so `params['blocks']['packed']` is (units, P).
 Activations between units travel as (B, 1 + N): column 0 is the index of the next unit to run
@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_overlap.collectives import Parallel
-from jax_overlap.mesh import DP
-from jax_overlap.partition import Partition, describe_partition, partition
+from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.mesh import DP
+from jax_overlap.parallel.partition import Partition, describe_partition, partition
 
 # depth -> (block kind, residual blocks per stage); the standard ResNet family plus ResNet-10.
 PRESETS: dict[int, tuple[str, tuple[int, ...]]] = {
@@ -380,7 +380,7 @@ class ResNetModel:
         return partition(self.block_costs(), stages, virtual_stages, self.block_names())
 
     def describe_partition(self, stages: int | None = None, virtual_stages: int = 1) -> str:
-        """`jax_overlap.partition.describe_partition` of `plan(...)`, for the CLI."""
+        """`jax_overlap.parallel.partition.describe_partition` of `plan(...)`, for the CLI."""
         return describe_partition(self.plan(stages, virtual_stages))
 
     @cached_property
@@ -584,3 +584,8 @@ def units_padding(model: ResNetModel) -> float:
 
 __all__ = ["PRESETS", "ResNetConfig", "BlockSpec", "block_specs", "ResNetModel",
            "BatchNorm", "ResidualBlock", "units_padding"]
+
+
+def build(cfg):
+    """The model `model.kind: resnet` names (registered in pyproject.toml)."""
+    return ResNetModel.from_config(cfg)

@@ -64,7 +64,7 @@ def rel(a: float, b: float) -> float:
 
 
 def np_batch(cfg, index=0):
-    from jax_overlap import data
+    from jax_overlap.training import data
 
     return data.stream_from_config(cfg).batch(index)
 
@@ -74,7 +74,8 @@ __all__ = ["np", "REPO", "TINY", "max_rel_err", "run_cli", "last_json_line", "re
 
 def gpt_reference(overrides=()):
     """(model, params, batch, loss, grads) of the tiny GPT on one device: the ground truth."""
-    from jax_overlap import config, step as steplib
+    from jax_overlap import config
+    from jax_overlap.training import step as steplib
     from models.gpt import GPT
 
     cfg = config.load(TINY, list(overrides))

@@ -6,11 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import REPO, max_rel_err, rel
-from jax_overlap import config, mesh as meshlib, step as steplib
-from jax_overlap.collectives import Parallel
+
+from jax_overlap import config
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.pipeline import layout
+from jax_overlap.training import step as steplib
 from models.bert import BERT, IGNORE, MASK_ID
 
 TINY_YAML = os.path.join(REPO, "configs", "bert_tiny.yaml")

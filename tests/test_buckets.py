@@ -5,12 +5,14 @@ import re
 import jax
 import numpy as np
 import pytest
-
 from helpers import TINY, gpt_reference, max_rel_err, rel
-from jax_overlap import buckets, config, mesh as meshlib, step as steplib
-from jax_overlap.analysis import hlo
-from models.gpt import GPT
 
+from jax_overlap import config
+from jax_overlap.analysis import hlo
+from jax_overlap.overlap import buckets
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.training import step as steplib
+from models.gpt import GPT
 
 # ---------------------------------------------------------------------------------------------
 # The plan (pure data)
@@ -322,7 +324,8 @@ def gpu_report(overrides: list[str], config_path: str = "configs/default.yaml",
     """HLO report of loss-and-grads compiled deviceless for 8 H100s (skips without the
     CUDA plugin): the GPU latency-hiding schedule the CPU backend cannot show."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jax_overlap.analysis import deviceless
 

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from helpers import PLAIN_ORBAX_RESTORE
-from jax_overlap import checkpoint as ckpt
-from jax_overlap.train_state import TrainState, new_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap.resilience import checkpoint as ckpt
+from jax_overlap.training.state import TrainState, new_state
 
 # Orbax leaves un-awaited read coroutines behind when a corrupt file fails a restore.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

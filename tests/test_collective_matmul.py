@@ -4,11 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY, gpt_reference, max_rel_err, rel
 from jax.sharding import PartitionSpec as P
 
-from helpers import TINY, gpt_reference, max_rel_err, rel
-from jax_overlap import collective_matmul as cm
-from jax_overlap import config, mesh as meshlib, step as steplib
+from jax_overlap import config
+from jax_overlap.parallel import collective_matmul as cm
+from jax_overlap.parallel import compat
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.training import step as steplib
 
 
 def _tp_mesh(tp):
@@ -36,7 +39,7 @@ def _plain_and_ring(tp, direction):
         return cm.matmul_reduce_scatter(h, w, "tp", tp, direction)
 
     def with_grads(f, in_specs, out_spec):
-        g = steplib.shard_map(f, mesh, in_specs=in_specs, out_specs=out_spec)
+        g = compat.shard_map(f, mesh, in_specs=in_specs, out_specs=out_spec)
 
         def value_and_grads(a, b, ct):
             out, vjp = jax.vjp(g, a, b)
@@ -87,7 +90,7 @@ def test_ring_is_ppermutes_not_gathers():
 
 def test_odd_local_chunk_is_rejected_for_bi():
     mesh = _tp_mesh(2)
-    f = steplib.shard_map(lambda x, w: cm.all_gather_matmul(x, w, "tp", 2, "bi"), mesh,
+    f = compat.shard_map(lambda x, w: cm.all_gather_matmul(x, w, "tp", 2, "bi"), mesh,
                           in_specs=(P(None, "tp", None), P(None, "tp")),
                           out_specs=P(None, None, "tp"))
     with pytest.raises(ValueError, match="seq_len / tp is odd"):

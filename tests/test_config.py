@@ -1,8 +1,8 @@
 """Config loading and validation: one clear line per problem, exit code 2, no traceback."""
 
 import pytest
-
 from helpers import TINY, last_json_line, rel, run_cli
+
 from jax_overlap import config
 from jax_overlap.config import ConfigError
 

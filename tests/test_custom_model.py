@@ -13,12 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import TINY, max_rel_err, np_batch, rel
-from jax_overlap import config, mesh as meshlib, step as steplib
-from jax_overlap.collectives import (Parallel, column_parallel, row_parallel,
-                                     vocab_cross_entropy, vocab_embed)
+
+from jax_overlap import config
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.parallel.collectives import (
+    Parallel,
+    column_parallel,
+    row_parallel,
+    vocab_cross_entropy,
+    vocab_embed,
+)
 from jax_overlap.pipeline import layout
+from jax_overlap.training import step as steplib
 
 
 class ShiftBlock(nn.Module):

@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import REPO, TINY, last_json_line
-from jax_overlap.resilience import EXIT_FAILED, EXIT_PEER_FAILED
 from test_resume import DRIVER, cli_env, read_metrics, step_records
+
+from jax_overlap.resilience.recovery import EXIT_FAILED, EXIT_PEER_FAILED
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]

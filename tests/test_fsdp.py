@@ -4,10 +4,13 @@ and a train step with fsdp + ZeRO-1 that follows the baseline's curve."""
 import jax
 import numpy as np
 import pytest
+from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 from jax.sharding import PartitionSpec as P
 
-from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
-from jax_overlap import config, mesh as meshlib, step as steplib, train
+from jax_overlap import config
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.training import loop as train
+from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 

@@ -8,7 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from jax_overlap.guard import GuardState, RollbackPolicy, guard_init, guard_update, select_tree
+from jax_overlap.resilience.guard import (
+    GuardState,
+    RollbackPolicy,
+    guard_init,
+    guard_update,
+    select_tree,
+)
 
 
 def feed(state, losses, **kw):

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, TINY, last_json_line, rel, run_cli
 
 pytestmark = pytest.mark.multiprocess

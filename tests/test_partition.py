@@ -5,8 +5,12 @@ import itertools
 import numpy as np
 import pytest
 
-from jax_overlap.partition import (Partition, describe_model_partition, describe_partition,
-                                   partition)
+from jax_overlap.parallel.partition import (
+    Partition,
+    describe_model_partition,
+    describe_partition,
+    partition,
+)
 from models.resnet import ResNetConfig, ResNetModel
 
 

@@ -9,10 +9,13 @@ schedule x mesh x microbatch count, sequence-parallel TP, and curves for every s
 import jax
 import numpy as np
 import pytest
-
 from helpers import TINY, max_rel_err, np_batch, rel
-from jax_overlap import config, mesh as meshlib, step as steplib, train
+
+from jax_overlap import config
+from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import executor, layout, schedules
+from jax_overlap.training import loop as train
+from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}

@@ -10,9 +10,11 @@ import re
 
 import jax
 import pytest
-
 from helpers import TINY, np_batch
-from jax_overlap import config, mesh as meshlib, step as steplib
+
+from jax_overlap import config
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 PP, DP, MICROBATCHES = 4, 2, 4
@@ -115,6 +117,7 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     backward of the chunk's earlier layers.
     """
     from helpers import last_json_line, run_cli
+
     from jax_overlap.analysis import deviceless
 
     if not deviceless.plugin_available():

@@ -6,7 +6,11 @@ import time
 
 import pytest
 
-from jax_overlap.preemption import PreemptionWatcher, agree_to_stop, any_process
+from jax_overlap.resilience.preemption import (
+    PreemptionWatcher,
+    agree_to_stop,
+    any_process,
+)
 
 
 class FakeSignals:

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from helpers import TINY, run_cli
+
 from jax_overlap import config
 from jax_overlap.analysis.profile import format_summary, profile_config
 

@@ -7,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import TINY
-from jax_overlap import config, resilience, step as steplib, train
+
+from jax_overlap import config, model_api
 from jax_overlap.config import ConfigError
-from jax_overlap.mesh import mesh_from_config
-from jax_overlap.resilience import Fault, MemoryBoard, Watchdog
-from jax_overlap.train_state import TrainState
+from jax_overlap.parallel.mesh import mesh_from_config
+from jax_overlap.resilience import recovery as resilience
+from jax_overlap.resilience.recovery import Fault, MemoryBoard, Watchdog
+from jax_overlap.training import loop as train
+from jax_overlap.training import step as steplib
+from jax_overlap.training.state import TrainState
 
 # Orbax leaves un-awaited read coroutines behind when a restore fails.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -231,7 +234,7 @@ def test_watchdog_thread_exits_on_a_peer_failure_and_single_process_starts_none(
 def tiny_mesh_setup():
     cfg = config.load(TINY, ["fault.nan_at_step=1", "guard.window=4"])
     mesh = mesh_from_config(cfg)
-    model = train.build_model(cfg)
+    model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
     return cfg, mesh, model, optimizer
 

@@ -6,12 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REPO, max_rel_err, rel
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, max_rel_err, rel
-from jax_overlap import config, mesh as meshlib, step as steplib
-from jax_overlap.collectives import Parallel
-from jax_overlap.mesh import DP, TP
+from jax_overlap import config
+from jax_overlap.parallel import compat
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.mesh import DP, TP
+from jax_overlap.training import step as steplib
 from models.data_images import ArrayImages, SyntheticImages, load_images
 from models.resnet import BatchNorm, ResNetConfig, ResNetModel, units_padding
 
@@ -111,7 +114,7 @@ def test_synced_statistics_are_the_full_batch_statistics():
     par = Parallel(tp_axis=TP, tp=1)
 
     def under_dp(sync):
-        fn = steplib.shard_map(lambda p, x: BatchNorm(sync=sync).apply(p, x, par), mesh,
+        fn = compat.shard_map(lambda p, x: BatchNorm(sync=sync).apply(p, x, par), mesh,
                                in_specs=(P(), P(DP)), out_specs=P(DP))
         return jax.jit(fn)(params, x_bhwc)
 

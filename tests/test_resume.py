@@ -22,10 +22,11 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import PLAIN_ORBAX_RESTORE, REPO, TINY, last_json_line, rel
-from jax_overlap import checkpoint as ckptlib
-from jax_overlap import config, train
+
+from jax_overlap import config
+from jax_overlap.resilience import checkpoint as ckptlib
+from jax_overlap.training import loop as train
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 DRIVER = textwrap.dedent(
     """
     import os, signal, sys, threading, time
-    from jax_overlap import train
+    from jax_overlap.training import loop as train
 
     def env(name):
         return int(os.environ.get(name, "-1"))

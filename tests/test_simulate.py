@@ -27,7 +27,12 @@ from jax_overlap.analysis.simulate import (
     simulate,
 )
 from jax_overlap.analysis.trace import parse_trace
-from jax_overlap.pipeline.schedules import Action, Schedule, bubble_formula, make_schedule
+from jax_overlap.pipeline.schedules import (
+    Action,
+    Schedule,
+    bubble_formula,
+    make_schedule,
+)
 
 PROFILES = ("a100_8x_nvlink", "h100_8x_nvlink", "h100_4x8_infiniband", "pcie_8x", "cpu_here")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jax_overlap import xla_flags
-from jax_overlap.xla_flags import XlaFlag
+from jax_overlap.overlap import xla_flags
+from jax_overlap.overlap.xla_flags import XlaFlag
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTED = "xla_jax_overlap_invented_flag"

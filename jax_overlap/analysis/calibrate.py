@@ -294,7 +294,7 @@ def _median_time(fn: Callable[..., Any], args: Sequence[Any], repeats: int,
 
 def _local_shape(shape: tuple[int, ...], axes: tuple, tp: int) -> tuple[int, ...]:
     """One TP rank's shape: every dimension bound to the TP mesh axis divided by ``tp``."""
-    from jax_overlap.mesh import LOGICAL_RULES, TP
+    from jax_overlap.parallel.mesh import LOGICAL_RULES, TP
 
     return tuple(
         n // tp if a is not None and LOGICAL_RULES.get(a) == TP else n
@@ -336,8 +336,7 @@ def _on_all(fn: Callable, devices: Sequence[Any], args: tuple, batch_args: tuple
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_overlap.collectives import to_varying
-    from jax_overlap.step import shard_map
+    from jax_overlap.parallel.compat import shard_map, to_varying
 
     mesh = Mesh(np.array(devices, dtype=object), ("calib",))
     n = len(devices)
@@ -478,12 +477,12 @@ class Calibrator:
     _params: dict = field(default_factory=dict, repr=False)
 
     def _model(self):
-        from jax_overlap.train import build_model
+        from jax_overlap.model_api import build_model
 
         return build_model(self.cfg)
 
     def _dtype(self):
-        from jax_overlap.step import compute_dtype
+        from jax_overlap.training.step import compute_dtype
 
         return compute_dtype(self.cfg.train.precision)
 
@@ -501,7 +500,7 @@ class Calibrator:
 
     def time_piece(self, quantity: str, micro_batch: int, tp: int) -> Sample:
         """Time ``quantity`` at ``(micro_batch, tp)`` (compiled on first use)."""
-        from jax_overlap.collectives import Parallel
+        from jax_overlap.parallel.collectives import Parallel
 
         key = (quantity, micro_batch, tp)
         if key not in self._compiled:
@@ -537,7 +536,7 @@ class Calibrator:
         """One optimizer update of a TP rank's parameters (``micro_batch`` = elements)."""
         import jax
 
-        from jax_overlap.step import make_optimizer
+        from jax_overlap.training.step import make_optimizer
 
         key = ("optimizer", tp)
         params = self._params_at(tp)
@@ -571,8 +570,7 @@ class Calibrator:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from jax_overlap.collectives import to_varying
-        from jax_overlap.step import shard_map
+        from jax_overlap.parallel.compat import shard_map, to_varying
 
         n = len(self.devices)
         mesh = Mesh(np.array(self.devices, dtype=object).reshape(n // group, group),
@@ -606,7 +604,7 @@ class Calibrator:
         """
         import jax
 
-        from jax_overlap.collectives import Parallel
+        from jax_overlap.parallel.collectives import Parallel
 
         n = len(self.devices)
         if n <= 1:
@@ -854,7 +852,7 @@ def _param_counts(model_fields: tuple, tp: int) -> ParamCounts:
     import jax
 
     from jax_overlap.config import ModelConfig
-    from jax_overlap.train import build_model
+    from jax_overlap.model_api import build_model
 
     cfg = Config(model=ModelConfig(*model_fields))
     shapes = local_param_shapes(build_model(cfg), tp)

@@ -17,7 +17,7 @@ that works is ``jax-cuda12-pjrt`` alone (the compiler lives in its
 0.12.0.1: the API and behaviour are the same in both.
 
 The plugin's XLA parses ``XLA_FLAGS`` when it compiles, so a flag it does not know
-aborts the process there (see :mod:`jax_overlap.xla_flags`). Per-compile options can
+aborts the process there (see :mod:`jax_overlap.overlap.xla_flags`). Per-compile options can
 be passed as ``compiler_options`` (XLA ``DebugOptions`` field names), e.g.
 ``{"xla_disable_hlo_passes": "collective-permute-motion"}``.
 

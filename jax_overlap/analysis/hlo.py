@@ -66,7 +66,7 @@ Findings on XLA's GPU pipeline (deviceless H100/H200, jaxlib 0.11.2 and 0.12.0.1
     and 0.12.0.1) on the pipeline loop with the pass enabled, on a plain ring
     ``ppermute`` in a ``fori_loop`` whatever the pass, and together with double
     buffering (``p2p_schedule_preparation.cc``), so no preset in
-    :mod:`jax_overlap.xla_flags` sets it.
+    :mod:`jax_overlap.overlap.xla_flags` sets it.
   - ``xla_gpu_enable_pipelined_p2p`` alone and
     ``xla_gpu_experimental_pipeline_parallelism_opt_level`` did not change the
     schedule of that (cyclic) ring permute.

@@ -64,10 +64,10 @@ def build_step(cfg: Config, devices: list | None = None) -> tuple[Any, tuple[Any
       ``(step, (state, batch))``; ``step(state, batch) -> (state, metrics)`` donates the
       state, so callers must feed each output state into the next call.
     """
-    from jax_overlap import data as datalib
-    from jax_overlap import step as steplib
-    from jax_overlap.mesh import mesh_from_config
-    from jax_overlap.train import build_model
+    from jax_overlap.model_api import build_model
+    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.training import data as datalib
+    from jax_overlap.training import step as steplib
 
     mesh = mesh_from_config(cfg, devices)
     model = build_model(cfg)

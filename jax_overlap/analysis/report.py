@@ -16,9 +16,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import step as steplib
-from jax_overlap.mesh import DP, make_mesh
-from jax_overlap.train_state import new_state
+from jax_overlap.parallel.mesh import DP, make_mesh
+from jax_overlap.training import step as steplib
+from jax_overlap.training.state import new_state
 
 
 def abstract_inputs(cfg, model, mesh, optimizer) -> tuple[Any, Any]:
@@ -41,7 +41,7 @@ def abstract_inputs(cfg, model, mesh, optimizer) -> tuple[Any, Any]:
 
 def lower_train_step(cfg, devices: list) -> Any:
     """`jax.jit(step).lower(...)` of the configured train step on `devices`."""
-    from jax_overlap.train import build_model
+    from jax_overlap.model_api import build_model
 
     mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
     model = build_model(cfg)

@@ -91,8 +91,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.collectives import Parallel, to_varying
-from jax_overlap.mesh import DP, PP, TP, rules_for, tree_specs
+from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.compat import shard_map, to_varying
+from jax_overlap.parallel.mesh import DP, PP, TP, rules_for, tree_specs
 from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
 
 # ------------------------------------------------------------------------------ program
@@ -385,7 +386,7 @@ def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
 def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
     """FSDP storage -> this stage's whole (tp-local) block leaves: `fsdp.gather_layer` for
     every layer of the stage at once (one all-gather per gradient group)."""
-    from jax_overlap import fsdp
+    from jax_overlap.overlap import fsdp
 
     leaves, treedef = jax.tree.flatten(blocks)
     full = jax.vmap(lambda shards: fsdp.gather_layer(shards, fsdp_layout, DP, dp))(leaves)
@@ -397,7 +398,7 @@ def _scatter_stage_grads(grads, fsdp_layout, dp: int, comm_dtype: str):
     for every layer at once); None for leaves stored whole (their psum goes with the
     embedding's and head's buckets: a psum here would be typed dp-varying, as a parameter's
     cotangent, not as the replicated gradient the step returns)."""
-    from jax_overlap import fsdp
+    from jax_overlap.overlap import fsdp
 
     split_only = dataclasses.replace(
         fsdp_layout, groups=tuple(g for g in fsdp_layout.groups if g[1]))
@@ -415,8 +416,8 @@ def chunk_bucket_plan(model, overlap, axis_sizes: dict[str, int], layers_per_chu
     in the sync branch, as on the pp=1 path), the others over 'dp'. Always psum: ZeRO-1's
     split of the optimizer state happens in the update, as without buckets.
     """
-    from jax_overlap import buckets
-    from jax_overlap.step import _block_use_order
+    from jax_overlap.overlap import buckets
+    from jax_overlap.training.step import _block_use_order
 
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     specs = tree_specs(model.param_axes(), rules_for(axis_sizes.get(PP, 1)))["blocks"]
@@ -434,8 +435,8 @@ def chunk_bucket_plan(model, overlap, axis_sizes: dict[str, int], layers_per_chu
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None):
     """One device's loss and gradients for a whole step; see the module docstring."""
-    from jax_overlap import buckets
-    from jax_overlap.step import microbatched
+    from jax_overlap.overlap import buckets
+    from jax_overlap.training.step import microbatched
 
     s = program.schedule
     v, split = s.virtual_stages, s.split_backward
@@ -711,13 +712,12 @@ def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
       `step.param_shardings`, batch split over dp; returns the replicated mean loss and the
       gradients laid out as the params. Its `program` attribute is the `TickProgram` run.
     """
-    from jax_overlap.step import shard_map
 
     program = program_for(cfg) if program is None else program
     if program.schedule.stages != mesh.shape[PP]:
         raise ValueError(f"mesh.pp: the mesh has {mesh.shape[PP]} stages, the schedule "
                          f"{program.schedule.stages}")
-    from jax_overlap.step import dp_layout
+    from jax_overlap.training.step import dp_layout
 
     dp = dp_layout(model, cfg.overlap, dict(mesh.shape))
     param_specs = dp.param_specs  # 'blocks' also split over dp under fsdp

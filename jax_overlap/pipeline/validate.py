@@ -7,8 +7,15 @@ loaded tables can be trusted before they drive a training step.
 
 from __future__ import annotations
 
-from jax_overlap.pipeline.schedules import (KINDS, Action, Schedule, Task, dependencies,
-                                            dependency_gap, format_entry)
+from jax_overlap.pipeline.schedules import (
+    KINDS,
+    Action,
+    Schedule,
+    Task,
+    dependencies,
+    dependency_gap,
+    format_entry,
+)
 
 
 class ScheduleError(ValueError):

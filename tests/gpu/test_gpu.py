@@ -15,7 +15,6 @@ import sys
 
 import jax
 import pytest
-
 from helpers import REPO, TINY, max_rel_err, np_batch, rel
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +34,9 @@ def _mesh_overrides(n: int) -> list[str]:
 @needs_gpu
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
 def test_loss_and_grads_match_reference_on_gpu(precision, tol):
-    from jax_overlap import config, mesh as meshlib, step as steplib
+    from jax_overlap import config
+    from jax_overlap.parallel import mesh as meshlib
+    from jax_overlap.training import step as steplib
     from models.gpt import GPT
 
     cfg = config.load(TINY, _mesh_overrides(len(GPUS)) + [f"train.precision={precision}"])

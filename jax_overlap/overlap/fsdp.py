@@ -37,8 +37,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_overlap import buckets
-from jax_overlap.collectives import to_varying
+from jax_overlap.overlap import buckets
+from jax_overlap.parallel.compat import to_varying
 
 
 @dataclass(frozen=True)

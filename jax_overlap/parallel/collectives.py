@@ -17,6 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_overlap.parallel import collective_matmul as cm
+from jax_overlap.parallel.compat import to_varying, vary_like, varying_axes  # noqa: F401 - re-exported for models
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -51,35 +54,6 @@ def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.
     return jax.lax.dynamic_slice_in_dim(a, tp_index(par) * t_local, t_local, axis=axis)
 
 
-def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
-    """Marks values as device-varying over `axes` (so autodiff leaves their reductions to us).
-
-    jax >= 0.12 spells it `pcast(..., to='varying')`; 0.11 has `pvary`.
-    """
-    if not axes:
-        return tree
-    if hasattr(jax.lax, "pcast"):
-        return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
-    return jax.tree.map(lambda x: jax.lax.pvary(x, axes), tree)
-
-
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """Mesh axes a value inside shard_map varies over (`aval.mat.varying` on jax 0.12,
-    `aval.vma` before)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None and hasattr(mat, "varying"):
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
-    """`x` marked varying over every axis any of `refs` varies over (a loop carry created
-    from constants must have the type the loop body gives it)."""
-    want = frozenset().union(*(varying_axes(r) for r in refs))
-    return to_varying(x, tuple(sorted(want - varying_axes(x))))
-
-
 def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
     return jax.lax.psum(x, par.tp_axis) if par.active else x
 
@@ -91,8 +65,6 @@ def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Arr
     first (or, with collective matmul, gathered chunk by chunk under the partial matmuls).
     """
     if par.sequence_sharded:
-        from jax_overlap import collective_matmul as cm
-
         if par.tp_comm == "collective_matmul":
             return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction)
         # (B, T/tp, D) -> (B, T, D) over tp
@@ -107,8 +79,6 @@ def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
     keeps (B, T/tp, D) of the finished sum.
     """
     if par.sequence_sharded:
-        from jax_overlap import collective_matmul as cm
-
         if par.tp_comm == "collective_matmul":
             return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction)
         partial_btd = jnp.einsum("btn,nd->btd", h_btn, w_nd)

@@ -1,7 +1,7 @@
 """The training loop: config in, metrics.jsonl and a one-line JSON summary out.
 
-`run(cfg, run_dir)` is what the CLI and the notebooks call. The step lives in `jax_overlap.step`,
-its guards, fault injection and rollback arithmetic in `jax_overlap.resilience`; this module owns
+`run(cfg, run_dir)` is what the CLI and the notebooks call. The step lives in `jax_overlap.training.step`,
+its guards, fault injection and rollback arithmetic in `jax_overlap.resilience.recovery`; this module owns
 the loop around them: data, checkpoints, rollbacks, pre-emption, progress, metrics and summary.
 
 Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir>/checkpoints):
@@ -38,32 +38,15 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jax_overlap import checkpoint as ckptlib
-from jax_overlap import data as datalib
-from jax_overlap import resilience
-from jax_overlap import step as steplib
+from jax_overlap import model_api
 from jax_overlap.config import Config, ConfigError
-from jax_overlap.guard import RollbackPolicy
-from jax_overlap.mesh import mesh_from_config
-from jax_overlap.preemption import PreemptionWatcher, agree_to_stop
-
-def build_model(cfg: Config):
-    """The StagedModel a config names."""
-    kind = cfg.model.kind
-    if kind == "gpt":
-        from models.gpt import GPT
-
-        return GPT.from_config(cfg.model)
-    if kind == "bert":
-        from models.bert import BERT
-
-        return BERT.from_config(cfg.model)
-    if kind == "resnet":
-        from models.resnet import ResNetModel
-
-        return ResNetModel.from_config(cfg)
-    raise ValueError(f"model.kind: unknown model {kind!r}")
-
+from jax_overlap.parallel.mesh import mesh_from_config
+from jax_overlap.resilience import checkpoint as ckptlib
+from jax_overlap.resilience import recovery as resilience
+from jax_overlap.resilience.guard import RollbackPolicy
+from jax_overlap.resilience.preemption import PreemptionWatcher, agree_to_stop
+from jax_overlap.training import data as datalib
+from jax_overlap.training import step as steplib
 
 # Peak dense bf16 FLOP/s by device kind, for MFU on accelerators (published spec sheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "H800": 989e12, "B200": 2250e12}
@@ -168,7 +151,7 @@ class _Trainer:
         self.run_dir = run_dir
         self.is_main = jax.process_index() == 0
         self.mesh = mesh_from_config(cfg, devices)
-        self.model = build_model(cfg) if model is None else model
+        self.model = model_api.build_model(cfg) if model is None else model
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         # The LR scale changes the schedule, never the optimizer state's structure.

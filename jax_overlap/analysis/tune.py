@@ -624,7 +624,7 @@ def measure_step_time(cfg: Config, devices: Sequence[Any], steps: int = 6) -> tu
     """
     import statistics
 
-    from jax_overlap import train
+    from jax_overlap.training import loop as train
 
     run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     with tempfile.TemporaryDirectory(prefix="jax_overlap_tune_") as run_dir:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_overlap.collectives import vary_like
+from jax_overlap.parallel.compat import vary_like
 
 
 def _ring(tp: int, shift: int) -> list[tuple[int, int]]:

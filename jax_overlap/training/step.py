@@ -19,18 +19,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.collectives import Parallel, to_varying
-from jax_overlap.mesh import DP, PP, TP, rules_for, tree_specs
-from jax_overlap.train_state import TrainState
-
-
-def shard_map(f, mesh, in_specs, out_specs):
-    """`jax.shard_map` (0.12) or its experimental home (0.11)."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    from jax.experimental.shard_map import shard_map as legacy
-
-    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.compat import shard_map, to_varying
+from jax_overlap.parallel.mesh import DP, PP, TP, rules_for, tree_specs
+from jax_overlap.training.state import TrainState
 
 
 def compute_dtype(precision: str):
@@ -104,7 +96,7 @@ def reference_loss(model, params, batch) -> jax.Array:
 
 def reduce_grads_dp(grads, cfg, split_dims: Any = None) -> Any:
     """Sums per-replica gradients over dp after the backward (ZeRO-1: `split_dims` scatter)."""
-    from jax_overlap import buckets
+    from jax_overlap.overlap import buckets
 
     return buckets.reduce_gradients(grads, cfg.overlap, DP, split_dims)
 
@@ -131,7 +123,7 @@ class DpLayout(NamedTuple):
 
 def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
     """The `DpLayout` of a model for an `OverlapConfig` on a mesh with these axis sizes."""
-    from jax_overlap import buckets, fsdp
+    from jax_overlap.overlap import buckets, fsdp
 
     pp = axis_sizes.get(PP, 1)
     specs = tree_specs(model.param_axes(), rules_for(pp))
@@ -221,7 +213,7 @@ def _mark_varying(tree: Any, specs: Any, axes: tuple[str, ...], dp_only=frozense
 
 
 def _spec_axes(spec) -> set[str]:
-    from jax_overlap.buckets import spec_axes
+    from jax_overlap.overlap.buckets import spec_axes
 
     return set(spec_axes(tuple(spec)))
 
@@ -247,7 +239,7 @@ def make_loss_and_grads(model, cfg, mesh) -> Callable:
 
         return executor.make_pipeline_loss_and_grads(model, cfg, mesh, par)
 
-    from jax_overlap import fsdp
+    from jax_overlap.overlap import fsdp
 
     ov = cfg.overlap
     axis_sizes = dict(mesh.shape)
@@ -314,7 +306,7 @@ def _bucketed_last_microbatch(model, par, layout: DpLayout, layers, params, acc,
     buffers) and, under fsdp, the stored block shards (their gradients are reduce-scattered
     inside `fsdp.windowed_blocks`).
     """
-    from jax_overlap import buckets
+    from jax_overlap.overlap import buckets
 
     plan = layout.plan
     leaves, treedef = jax.tree.flatten(params)
@@ -428,7 +420,7 @@ def state_shardings(model, mesh, optimizer, abstract_params, overlap=None) -> Tr
 
 def init_state(model, cfg, mesh, optimizer) -> TrainState:
     """Initial state, created directly in its sharded layout (never whole on one device)."""
-    from jax_overlap.train_state import new_state
+    from jax_overlap.training.state import new_state
 
     key = jax.random.key(cfg.train.seed)
     abstract_params = jax.eval_shape(model.init, key)

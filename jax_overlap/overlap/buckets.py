@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap.collectives import to_varying, varying_axes
+from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
 
 MIB = 1 << 20
 
@@ -522,13 +522,6 @@ def assemble(plan: BucketPlan, reduced: Sequence[jax.Array], axis_sizes: dict[st
 # After the backward (pp > 1 executor, and the bucket-less baseline)
 
 
-def _axis_size(axis: str) -> int:
-    """Static size of a mesh axis inside shard_map (`axis_size` is missing on old JAX)."""
-    if hasattr(jax.lax, "axis_size"):
-        return jax.lax.axis_size(axis)
-    return jax.lax.psum(1, axis)
-
-
 def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None) -> Any:
     """Sums per-replica gradients over `axis` after the backward, bucketed by size.
 
@@ -550,7 +543,7 @@ def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None)
     leaves, treedef = jax.tree.flatten(grads)
     dims = ([None] * len(leaves) if split_dims is None
             else treedef.flatten_up_to(split_dims))
-    dp = _axis_size(axis)
+    dp = axis_size(axis)
     units = [Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
                   group=tuple(sorted(varying_axes(g) - {axis})))
              for i, (g, d) in enumerate(zip(leaves, dims))]

@@ -1,6 +1,6 @@
 """Fault tolerance around the train step: guarded steps, injected faults, rollbacks, a watchdog.
 
-The training loop (`jax_overlap.train`) composes these; each piece is usable and testable alone.
+The training loop (`jax_overlap.training.loop`) composes these; each piece is usable and testable alone.
 
 **What the loop carries.** `LoopState` = the `TrainState`, the step guard's `GuardState` and the
 number of rollbacks in the run's history. It is also what a checkpoint holds, so a resumed run
@@ -67,9 +67,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap import step as steplib
-from jax_overlap.guard import GuardState, guard_init, guard_update, select_tree
-from jax_overlap.train_state import TrainState, batch_index
+from jax_overlap.resilience.guard import (
+    GuardState,
+    guard_init,
+    guard_update,
+    select_tree,
+)
+from jax_overlap.training import step as steplib
+from jax_overlap.training.state import TrainState, batch_index
 
 # --------------------------------------------------------------------------------------------
 # What the loop carries and checkpoints
@@ -231,7 +236,7 @@ def checkpoint_mismatch(markers: Iterable[tuple[int, dict]], abstract: Any) -> O
 
 def read_markers(ckpt_dir: str, steps: Iterable[int]) -> list[tuple[int, dict]]:
     """(step, marker) for every given step whose COMMITTED marker parses, newest first."""
-    from jax_overlap.checkpoint import MARKER_NAME
+    from jax_overlap.resilience.checkpoint import MARKER_NAME
 
     out = []
     for step in sorted(steps, reverse=True):

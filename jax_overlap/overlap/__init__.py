@@ -1,0 +1,1 @@
+"""What hides communication: gradient buckets, the FSDP window, XLA flag presets."""

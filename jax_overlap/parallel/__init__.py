@@ -1,0 +1,1 @@
+"""Mesh, explicit collectives, collective matmul, partition rules and jax-version shims."""

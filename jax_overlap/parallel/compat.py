@@ -1,0 +1,56 @@
+"""The JAX APIs whose spelling changed between 0.11 and 0.12, in one place.
+
+Everything else in the package calls these instead of probing `jax` itself, so supporting a new
+JAX release means editing this module only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    """`jax.shard_map` (0.12) or its experimental home (0.11)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map as legacy
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Marks values as device-varying over `axes` (so autodiff leaves their reductions to us).
+
+    jax >= 0.12 spells it `pcast(..., to='varying')`; 0.11 has `pvary`.
+    """
+    if not axes:
+        return tree
+    if hasattr(jax.lax, "pcast"):
+        return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+    return jax.tree.map(lambda x: jax.lax.pvary(x, axes), tree)
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Mesh axes a value inside shard_map varies over (`aval.mat.varying` on jax 0.12,
+    `aval.vma` before)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """`x` marked varying over every axis any of `refs` varies over (a loop carry created
+    from constants must have the type the loop body gives it)."""
+    want = frozenset().union(*(varying_axes(r) for r in refs))
+    return to_varying(x, tuple(sorted(want - varying_axes(x))))
+
+
+def axis_size(axis: str) -> int:
+    """Static size of a mesh axis inside shard_map (`axis_size` is missing on old JAX)."""
+    if hasattr(jax.lax, "axis_size"):
+        return jax.lax.axis_size(axis)
+    return jax.lax.psum(1, axis)

@@ -1,0 +1,1 @@
+"""Checkpoints, step guards, rollback, fault injection, preemption and the watchdog."""
