@@ -74,7 +74,8 @@ def single_action_program(kind: str, microbatches: int, split: bool):
     """
     import numpy as np
 
-    from jax_overlap.pipeline import executor, schedules
+    from jax_overlap.pipeline import program as tick_program
+    from jax_overlap.pipeline import schedules
 
     branches = () if kind == "idle" else (("F", "mid"), ("B", "mid"), ("W", "mid"))
     if not split:
@@ -83,14 +84,14 @@ def single_action_program(kind: str, microbatches: int, split: bool):
                        for t in range(TICKS)) for _ in range(STAGES))
     schedule = schedules.Schedule(f"only-{kind}", STAGES, microbatches, 1, split,
                                   schedules.linear_placement(STAGES), grid)
-    table = np.zeros((TICKS, STAGES, len(executor.FIELDS)), np.int32)
-    col = executor.COL
+    table = np.zeros((TICKS, STAGES, len(tick_program.FIELDS)), np.int32)
+    col = tick_program.COL
     table[:, :, col["branch"]] = (0 if kind == "idle"
                                   else 1 + [k for k, _ in branches].index(kind))
     table[:, :, col["microbatch"]] = np.arange(TICKS)[:, None] % microbatches
     table[:, :, [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
     down = tuple((s, s + 1) for s in range(STAGES - 1))
-    return executor.TickProgram(schedule, branches, table, 1, down,
+    return tick_program.TickProgram(schedule, branches, table, 1, down,
                                 tuple((b, a) for a, b in down), False)
 
 

@@ -13,7 +13,8 @@ from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
 from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.pipeline import executor, layout, schedules
+from jax_overlap.pipeline import layout, schedules
+from jax_overlap.pipeline import program as tick_program
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -200,31 +201,31 @@ def test_init_state_has_the_same_values_on_every_mesh():
 def test_executed_bubble_equals_theory(name):
     for p in (2, 4):
         for m in (p, 2 * p):
-            program = executor.compile_program(
+            program = tick_program.compile_program(
                 schedules.make_schedule(name, p, m, CHUNKS[name]))
-            idle = int(np.sum(program.column("branch") == executor.IDLE))
+            idle = int(np.sum(program.column("branch") == tick_program.IDLE))
             assert idle / (p * program.ticks) == pytest.approx(
                 schedules.bubble_formula(name, p, m, CHUNKS[name]), abs=1e-12)
 
 
 def test_stash_slots_follow_lifetimes_not_microbatch_count():
     for m in (4, 16):
-        program = executor.compile_program(schedules.make_schedule("1f1b", 4, m))
+        program = tick_program.compile_program(schedules.make_schedule("1f1b", 4, m))
         # 1F1B stage 1 holds at most 3 inputs plus one output gradient waiting for its B.
         assert program.slots == 5
-    gpipe = executor.compile_program(schedules.make_schedule("gpipe", 4, 16))
+    gpipe = tick_program.compile_program(schedules.make_schedule("gpipe", 4, 16))
     assert gpipe.slots == 17  # every input is held through the turn-around
 
 
 def test_program_routes_follow_the_placement():
-    interleaved = executor.compile_program(schedules.make_schedule("interleaved", 4, 4, 2))
+    interleaved = tick_program.compile_program(schedules.make_schedule("interleaved", 4, 4, 2))
     assert (3, 0) in interleaved.down_pairs  # last stage's chunk 0 feeds stage 0's chunk 1
     assert (0, 3) in interleaved.up_pairs
     assert not interleaved.local_handoff
-    zbv = executor.compile_program(schedules.make_schedule("zb-v", 4, 4))
+    zbv = tick_program.compile_program(schedules.make_schedule("zb-v", 4, 4))
     assert zbv.local_handoff  # the V's turn at the bottom stays on stage 3
     assert (3, 0) not in zbv.down_pairs and (0, 3) not in zbv.up_pairs
-    one_f = executor.compile_program(schedules.make_schedule("1f1b", 4, 4))
+    one_f = tick_program.compile_program(schedules.make_schedule("1f1b", 4, 4))
     assert one_f.down_pairs == ((0, 1), (1, 2), (2, 3))
     assert one_f.up_pairs == ((1, 0), (2, 1), (3, 2))
 
@@ -285,7 +286,7 @@ def test_a_tick_runs_one_action_through_a_switch():
     assert "dot_general" not in outside and "scan" not in outside
     branches = _switch_branches(tick)
     assert len(branches) == 1 + len(program.branches)
-    assert "dot_general" not in _primitives(branches[executor.IDLE].jaxpr)
+    assert "dot_general" not in _primitives(branches[tick_program.IDLE].jaxpr)
     for (kind, role, _), branch in zip(program.branches, branches[1:]):
         if (kind, role) != ("B", "first"):  # split B of virtual stage 0: nothing to do
             assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
@@ -305,7 +306,7 @@ def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
     assert int(np.isin(column, sync_ids).sum()) == 2 * 2  # stages x chunks
     freqs = program.branch_frequencies()
     assert sum(freqs) == pytest.approx(1.0)
-    assert freqs[executor.IDLE] == pytest.approx(program.idle_fraction())
+    assert freqs[tick_program.IDLE] == pytest.approx(program.idle_fraction())
     for b, branch in zip(program.branches, branches[1:]):
         n_dp = len(_dp_sums(branch.jaxpr))
         assert (n_dp >= 2) if b.sync else (n_dp == 0), (b, n_dp)  # sync: one per bucket

@@ -147,7 +147,8 @@ def test_local_bn_under_dp_differs(reference):
 def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages):
     """dp=2 x pp=2, one unit per virtual stage, 2 microbatches. BN statistics are per global
     microbatch, so the reference runs each global microbatch (its rows on every replica)."""
-    from jax_overlap.pipeline import executor, layout
+    from jax_overlap.pipeline import layout
+    from jax_overlap.pipeline import program as tick_program
 
     dp, pp, m, local = 2, 2, 2, BATCH // 2
     # The model is built directly; the config only describes the mesh and schedule, and its
@@ -171,7 +172,7 @@ def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages)
         ref_grads = grads_i if ref_grads is None else jax.tree.map(jnp.add, ref_grads, grads_i)
     # The units' storage order follows the schedule's placement; the activations' tags make
     # each stage run the unit it holds whatever that order is.
-    perm = layout.staged_permutation(model.num_layers, executor.program_for(cfg).schedule)
+    perm = layout.staged_permutation(model.num_layers, tick_program.program_for(cfg).schedule)
     mesh = meshlib.make_mesh(dp, pp, 1, jax.devices()[: dp * pp])
     fn = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
     loss, grads = fn(jax.device_put(layout.to_staged(params, perm),

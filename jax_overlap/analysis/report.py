@@ -58,9 +58,8 @@ def analyze(cfg, target: str = "cpu"):
     # by how often the tick table takes it, not as if every branch ran every tick.
     frequencies = None
     if cfg.mesh.pp > 1:
-        from jax_overlap.pipeline import executor
-
-        frequencies = executor.program_for(cfg).branch_frequencies()
+        from jax_overlap.pipeline import program as tick_program
+        frequencies = tick_program.program_for(cfg).branch_frequencies()
     if target == "cpu":
         from jax_overlap.config import check_device_count
 

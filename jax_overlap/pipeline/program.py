@@ -1,0 +1,247 @@
+"""A pipeline schedule compiled into the int tables the executor indexes.
+
+`compile_program` turns a schedule table (`jax_overlap.pipeline.schedules`) into small int
+tables -- per tick, per stage: which branch (idle, or F/B/W of the first / a middle / the last
+virtual stage), microbatch, chunk, which stash slots the action reads, and which slots this
+tick's arrivals are filed into. Slots are assigned statically from the table's lifetimes
+(greedy interval colouring), so a stage holds `peak live (microbatch, chunk) tensors` slots,
+not `microbatches x chunks`. Pure numpy: no JAX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
+from jax_overlap.pipeline.validate import validate
+
+IDLE = 0  # branch 0 of every program
+KIND_ORDER = ("F", "B", "W")
+ROLE_ORDER = ("first", "mid", "last")
+# Columns of the per-(tick, stage) table.
+FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
+          "file_self")
+COL = {name: i for i, name in enumerate(FIELDS)}
+ROUTES = ("down", "up", "self")
+
+
+class Branch(NamedTuple):
+    """What one `lax.switch` branch runs.
+
+    Attributes:
+      kind: 'F', 'B' or 'W'.
+      role: 'first' (virtual stage 0: embeds), 'last' (head and loss) or 'mid'.
+      sync: the action that completes its chunk's weight gradients on this stage (the last
+        microbatch's B, or W when split) and, with in-loop buckets, reduces them over dp
+        inside its backward, layer by layer.
+    """
+
+    kind: str
+    role: str
+    sync: bool = False
+
+
+@dataclass(frozen=True)
+class TickProgram:
+    """A schedule compiled into the int tables the executor indexes.
+
+    Attributes:
+      schedule: the schedule it was compiled from.
+      branches: the `Branch` of branch 1, 2, ...; branch 0 is idle.
+      table: int32 `(ticks, stages, len(FIELDS))`; unused slot columns hold `trash`.
+      slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
+        absorbs writes of arrivals that carry nothing.
+      down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.
+      up_pairs: same for the -1 ring.
+      local_handoff: whether an output is consumed on the stage that produced it (ZB-V).
+    """
+
+    schedule: Schedule
+    branches: tuple[Branch, ...]
+    table: np.ndarray
+    slots: int
+    down_pairs: tuple[tuple[int, int], ...]
+    up_pairs: tuple[tuple[int, int], ...]
+    local_handoff: bool
+
+    @property
+    def ticks(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def trash(self) -> int:
+        return self.slots
+
+    @property
+    def skewed(self) -> bool:
+        """Whether each tick sends the previous tick's output (`transfer_latency` 2)."""
+        return self.schedule.transfer_latency == 2
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of the table, `(ticks, stages)`."""
+        return self.table[:, :, COL[name]]
+
+    def branch_frequencies(self) -> list[float]:
+        """Per switch branch (idle first), the share of (tick, stage) entries that take it:
+        how often one device runs it per tick, on average over the stages."""
+        counts = np.bincount(self.column("branch").ravel(), minlength=1 + len(self.branches))
+        return (counts / counts.sum()).tolist()
+
+    def idle_fraction(self) -> float:
+        """Idle stage-ticks / (stages x ticks) of the table the executor runs."""
+        return float(np.mean(self.column("branch") == IDLE))
+
+
+def _role(virtual_stage: int, num_virtual_stages: int) -> str:
+    if virtual_stage == 0:
+        return "first"
+    return "last" if virtual_stage == num_virtual_stages - 1 else "mid"
+
+
+def _route(src: int, dst: int, stages: int) -> str:
+    """Which ring a message from stage `src` to `dst` travels on."""
+    delta = (dst - src) % stages
+    if delta == 0:
+        return "self"
+    if delta == 1:  # checked first: with 2 stages +1 and -1 are the same neighbour
+        return "down"
+    if delta == stages - 1:
+        return "up"
+    raise ValueError(f"schedule placement sends from stage {src} to stage {dst}, which is not a "
+                     f"neighbour on the pp ring; the executor only moves data by +-1 stage")
+
+
+def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Greedy interval colouring: a slot is reused once its last reader's tick has passed.
+
+    Args:
+      intervals: `(first tick, last tick, key)`, inclusive; a value filed at the start of
+        tick t may reuse a slot whose last read was at tick t-1 or earlier.
+
+    Returns:
+      (key -> slot, number of slots).
+    """
+    slot_of: dict[Any, int] = {}
+    busy_until: list[int] = []
+    for start, end, key in sorted(intervals, key=lambda iv: (iv[0], iv[1], repr(iv[2]))):
+        free = [i for i, until in enumerate(busy_until) if until < start]
+        slot = free[0] if free else len(busy_until)
+        if slot == len(busy_until):
+            busy_until.append(end)
+        else:
+            busy_until[slot] = end
+        slot_of[key] = slot
+    return slot_of, len(busy_until)
+
+
+def _messages(s: Schedule, tick_of: dict[Task, int]):
+    """Every transfer of a step: when and where it arrives, its ring, how long it is kept.
+
+    ('x', mb, vs) is the input of virtual stage vs, sent by F(mb, vs-1); ('g', mb, vs) is the
+    gradient of vs's output, sent by B(mb, vs+1). Each becomes readable `transfer_latency`
+    ticks after it was sent (the next tick on the same stage) and stays in a slot of its
+    receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
+
+    Returns:
+      (arrivals: (tick, stage, route) -> key, per-stage lifetimes [(first, last, key)],
+       route -> set of (src, dst) stage pairs used).
+    """
+    p, n_vs = s.stages, s.stages * s.virtual_stages
+    last_kind = "W" if s.split_backward else "B"
+    arrivals: dict[tuple[int, int, str], tuple] = {}
+    lifetimes: list[list] = [[] for _ in range(p)]
+    pairs: dict[str, set] = {route: set() for route in ROUTES}
+    for (kind, mb, vs), t in tick_of.items():
+        if kind == "F" and vs < n_vs - 1:
+            key, target = ("x", mb, vs + 1), vs + 1
+        elif kind == "B" and vs > 0:
+            key, target = ("g", mb, vs - 1), vs - 1
+        else:
+            continue
+        src, dst = s.placement[vs][0], s.placement[target][0]
+        route = _route(src, dst, p)
+        pairs[route].add((src, dst))
+        readable = t + dependency_gap(src, dst, s.transfer_latency)
+        arrivals[(readable, dst, route)] = key
+        lifetimes[dst].append((readable, tick_of[Task(last_kind, mb, target)], key))
+    return arrivals, lifetimes, pairs
+
+
+def _sync_actions(s: Schedule, tick_of: dict[Task, int]) -> set[Task]:
+    """Per (stage, chunk), the last action that adds weight gradients (B, or W when split)."""
+    kind = "W" if s.split_backward else "B"
+    last: dict[int, Task] = {}
+    for task, t in tick_of.items():
+        if task.kind == kind and (task.virtual_stage not in last
+                                  or t > tick_of[last[task.virtual_stage]]):
+            last[task.virtual_stage] = task
+    return set(last.values())
+
+
+def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgram:
+    """Turns a schedule table into the executor's int tables.
+
+    Args:
+      schedule: a valid schedule (checked with `validate`).
+      sync_in_loop: give each chunk's last weight-gradient action its own branch
+        (`Branch.sync`), where the executor reduces the chunk's gradients over dp.
+
+    Returns:
+      The `TickProgram`.
+
+    Raises:
+      ScheduleError: if the table is not valid; ValueError if the placement needs a
+        transfer between non-neighbouring stages.
+    """
+    validate(schedule)
+    s = schedule
+    p, n_vs = s.stages, s.stages * s.virtual_stages
+    tick_of = {s.task(d, a): t for d, row in enumerate(s.grid) for t, a in enumerate(row)
+               if a is not None}
+    arrivals, lifetimes, pairs = _messages(s, tick_of)
+    slot_of: dict[tuple[int, tuple], int] = {}
+    slots = 0
+    for d in range(p):
+        assigned, used = _allocate(lifetimes[d])
+        slot_of.update({(d, key): slot for key, slot in assigned.items()})
+        slots = max(slots, used)
+    trash = slots
+
+    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs)
+             for d, row in enumerate(s.grid) for a in row if a is not None}
+    syncs = _sync_actions(s, tick_of) if sync_in_loop else set()
+    branch_of = {(d, a): Branch(a.kind, role, s.task(d, a) in syncs)
+                 for (d, a), role in roles.items()}
+    used = set(branch_of.values())
+    branches = tuple(b for k in KIND_ORDER for r in ROLE_ORDER for sync in (False, True)
+                     if (b := Branch(k, r, sync)) in used)
+    branch_id = {b: i + 1 for i, b in enumerate(branches)}
+    table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
+    table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"]]] = 0  # idle
+    for (d, a), role in roles.items():
+        entry = table[tick_of[s.task(d, a)], d]
+        vs = s.virtual_stage(d, a.chunk)
+        entry[COL["branch"]] = branch_id[branch_of[(d, a)]]
+        entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk
+        entry[COL["x_slot"]] = slot_of.get((d, ("x", a.microbatch, vs)), trash)
+        entry[COL["g_slot"]] = slot_of.get((d, ("g", a.microbatch, vs)), trash)
+    for (t, d, route), key in arrivals.items():
+        table[t, d, COL["file_" + route]] = slot_of[(d, key)]
+    return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
+                       tuple(sorted(pairs["up"])), bool(pairs["self"]))
+
+
+def syncs_in_loop(overlap) -> bool:
+    """Whether a config reduces block gradients over dp inside the tick loop: with buckets
+    (`grad_bucket_mb > 0`), except under fsdp (reduce-scattered once after the loop)."""
+    return overlap.grad_bucket_mb > 0 and overlap.param_sharding != "fsdp"
+
+
+def program_for(cfg) -> TickProgram:
+    """The compiled schedule a config's pipeline runs."""
+    schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
+                             cfg.pipeline.virtual_stages, cfg.pipeline.transfer_latency)
+    return compile_program(schedule, syncs_in_loop(cfg.overlap))
