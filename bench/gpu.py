@@ -35,19 +35,20 @@ def time_size(name: str, steps: int) -> dict:
     import jax
 
     from jax_overlap import config
+    from jax_overlap import plan as plan_lib
     from jax_overlap.model_api import build_model
-    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.plan import ParallelPlan
     from jax_overlap.training import data
     from jax_overlap.training import step as steplib
     from jax_overlap.training.loop import peak_flops
 
     cfg = config.load("configs/tiny.yaml", overrides_for(name))
     device = jax.devices()[0]
-    mesh = mesh_from_config(cfg, [device])
+    mesh = plan_lib.mesh_from_config(cfg, [device])
     model = build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
-    step = steplib.make_train_step(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
     stream = data.stream_from_config(cfg)
     batches = [steplib.put_batch(stream.batch(i), mesh) for i in range(2)]
     state, m = step(state, batches[0])

@@ -98,18 +98,20 @@ def measure(overrides: list[str], steps: int) -> dict:
     import jax
 
     from jax_overlap import config, model_api
-    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap import plan as plan_lib
+    from jax_overlap.overlap import dp_layout
+    from jax_overlap.plan import ParallelPlan
     from jax_overlap.training import data
     from jax_overlap.training import step as steplib
 
     cfg = config.load("configs/default.yaml", overrides)
-    mesh = mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
+    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
     model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
     batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
     t0 = time.perf_counter()
-    compiled = steplib.make_train_step(model, cfg, mesh, optimizer).lower(state, batch).compile()
+    compiled = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train)).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     times = []
     for i in range(steps + 1):
@@ -125,7 +127,7 @@ def measure(overrides: list[str], steps: int) -> dict:
            "loss": float(metrics["loss"]), "temp_mb": mem.temp_size_in_bytes / 2**20,
            "peak_mb": peak / 2**20}
     row.update(collective_summary(compiled.as_text(), mesh))
-    layout = steplib.dp_layout(model, cfg.overlap, dict(mesh.shape))
+    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape))
     row["buckets"] = len(layout.plan.buckets) if layout.plan else 0
     # The CPU backend upcasts a bf16 all-reduce to f32 after the rounding; on a GPU the
     # bucket buffers travel as bf16, half their f32 bytes.
@@ -171,6 +173,7 @@ def lower_gspmd_step(cfg, devices):
     from jax_overlap.analysis.report import abstract_inputs
     from jax_overlap.model_api import build_model
     from jax_overlap.parallel.mesh import DP, make_mesh
+    from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
 
     mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
@@ -191,7 +194,7 @@ def lower_gspmd_step(cfg, devices):
 
         def one(acc, mb):
             loss, grads = jax.value_and_grad(
-                lambda p: steplib.reference_loss(model, p, mb) / m)(state.params)
+                lambda p: gradslib.reference_loss(model, p, mb) / m)(state.params)
             return (acc[0] + loss, steplib.tree_add(acc[1], grads)), None
 
         zero = (0.0, steplib.tree_zeros_like(state.params))

@@ -128,8 +128,9 @@ def main() -> None:
     import jax
 
     from jax_overlap import config, model_api
-    from jax_overlap.parallel import mesh as meshlib
+    from jax_overlap import plan as plan_lib
     from jax_overlap.pipeline import executor, layout
+    from jax_overlap.plan import ParallelPlan
     from jax_overlap.training import data
     from jax_overlap.training import step as steplib
 
@@ -138,8 +139,8 @@ def main() -> None:
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
         model = model_api.build_model(cfg)
-        mesh = meshlib.mesh_from_config(cfg, jax.devices()[:DEVICES])
-        params = layout.to_staged(model.init(jax.random.key(0)), layout.layer_permutation(cfg))
+        mesh = plan_lib.mesh_from_config(cfg, jax.devices()[:DEVICES])
+        params = layout.to_staged(model.init(jax.random.key(0)), ParallelPlan.build(cfg).layer_perm)
         params = jax.device_put(params, steplib.param_shardings(model, mesh))
         batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
         return cfg, model, mesh, params, batch
@@ -149,7 +150,7 @@ def main() -> None:
                            ("dp2xtp4", ["mesh.dp=2", "mesh.tp=4"])):
         cfg, model, mesh, params, batch = setup(mesh_set + ["mesh.pp=1",
                                                             "pipeline.microbatches=1"])
-        compile_s, step_s, compiled = timed(steplib.make_loss_and_grads(model, cfg, mesh),
+        compile_s, step_s, compiled = timed(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh),
                                             (params, batch), args.reps)
         baselines[name] = {"step_s": step_s, "compile_s": compile_s}
         again[name] = (compiled, (params, batch))
@@ -166,12 +167,12 @@ def main() -> None:
     # One tick of each action kind, every stage busy with it (TICK_M-sized microbatches).
     cfg, model, mesh, params, batch = setup(pipe + ["pipeline.schedule=zb-h1",
                                                     f"pipeline.microbatches={TICK_M}"])
-    par = steplib.parallel_context(cfg)
+    plan = ParallelPlan.build(cfg, model)
     ticks = {}
     for kind, split in (("idle", True), ("F", True), ("B", True), ("W", True),
                         ("B", False)):
         program = single_action_program(kind, TICK_M, split)
-        fn = executor.make_pipeline_loss_and_grads(model, cfg, mesh, par, program)
+        fn = executor.make_pipeline_loss_and_grads(model, plan.with_program(program), mesh)
         _, step_s, _ = timed(fn, (params, batch), args.reps)
         ticks[kind if split or kind != "B" else "B+W (non-split B)"] = step_s
     idle_s = ticks["idle"]
@@ -186,7 +187,7 @@ def main() -> None:
             cfg, model, mesh, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
                 f"pipeline.virtual_stages={chunks}"])
-            fn = steplib.make_loss_and_grads(model, cfg, mesh)
+            fn = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
             compile_s, step_s, _ = timed(fn, (params, batch), args.reps)
             program = fn.program
             rows.append({"schedule": name, "stages": STAGES, "microbatches": m,

@@ -42,7 +42,7 @@ def main() -> int:
         xla_flags.apply_preset(args.preset)
     from jax_overlap import config
     from jax_overlap.analysis import report
-    from jax_overlap.pipeline import program as tick_program
+    from jax_overlap.plan import ParallelPlan
 
     rows = []
     for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]:
@@ -53,7 +53,7 @@ def main() -> int:
                 "train.global_batch=32", f"pipeline.schedule={name}", "pipeline.microbatches=8",
                 f"pipeline.virtual_stages={v}", f"pipeline.transfer_latency={latency}",
                 f"overlap.grad_bucket_mb={bucket_mb}"])
-            program = tick_program.program_for(cfg)
+            program = ParallelPlan.build(cfg).program
             data = report.analyze(cfg, args.target).to_json()
             permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
             _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")

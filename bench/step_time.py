@@ -33,22 +33,24 @@ def main() -> None:
     import jax
     import optax
 
-    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap import plan as plan_lib
+    from jax_overlap.plan import ParallelPlan
     from jax_overlap.training import data
+    from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
 
-    mesh = mesh_from_config(cfg)
+    mesh = plan_lib.mesh_from_config(cfg)
     model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
     stream = data.stream_from_config(cfg)
     batches = [steplib.put_batch(stream.batch(i), mesh) for i in range(args.steps + 1)]
 
-    ours = steplib.make_train_step(model, cfg, mesh, optimizer)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
+    ours = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
 
     def gspmd_step(state, batch):
         loss, grads = jax.value_and_grad(
-            lambda p: steplib.reference_loss(model, p, batch))(state.params)
+            lambda p: gradslib.reference_loss(model, p, batch))(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return state._replace(params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state, step=state.step + 1), {"loss": loss}
@@ -57,7 +59,7 @@ def main() -> None:
                                         jax.eval_shape(model.init, jax.random.key(0)))
     gspmd = jax.jit(gspmd_step, in_shardings=(shardings, None), out_shardings=(shardings, None),
                     donate_argnums=(0,))
-    state_g = steplib.init_state(model, cfg, mesh, optimizer)
+    state_g = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
 
     def timed(fn, st):
         st, m = fn(st, batches[0])  # compile + warm-up

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
@@ -73,7 +74,9 @@ class TrainConfig:
 @dataclass
 class PipelineConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
-    microbatches: int = 1  # per data-parallel replica per step; also gradient accumulation when pp=1
+    # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
+    # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
+    microbatches: int | Literal["auto"] = "auto"
     virtual_stages: int = 1  # chunks per pipeline stage (interleaved / zb-v)
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
@@ -93,8 +96,9 @@ class OverlapConfig:
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     param_sharding: Literal["replicated", "fsdp"] = "replicated"
     window: int = 2  # fsdp: all-gather block l+window while block l computes
-    tp_comm: Literal["plain", "sequence_parallel", "collective_matmul"] = "plain"
-    collective_matmul_direction: Literal["uni", "bi"] = "uni"
+    # auto: the plan picks (collective_matmul with tp > 1 on a GPU, plain elsewhere)
+    tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"
+    collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
     xla_preset: str = "none"
 
 
@@ -170,6 +174,16 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     """Checks one leaf value against its declared type; ints are accepted for floats."""
+    if isinstance(tp, types.UnionType) or get_origin(tp) is typing.Union:
+        # e.g. int | Literal["auto"]: the first arm that fits
+        for arm in get_args(tp):
+            trial: list[str] = []
+            out = _coerce(value, arm, where, trial)
+            if not trial:
+                return out
+        names = " or ".join(_type_name(a) for a in get_args(tp))
+        problems.append(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+        return None
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         if value in choices:
@@ -301,7 +315,7 @@ def validate(cfg: Config) -> None:
         if cfg.data.source in ("stdlib", "file") and mo.vocab < 256:
             p.append(f"model.vocab: {mo.vocab} < 256 but data.source={cfg.data.source} is "
                      f"byte-level; set model.vocab >= 256")
-        if ov.tp_comm != "plain" and mo.seq_len % m.tp:
+        if ov.tp_comm not in ("plain", "auto") and mo.seq_len % m.tp:
             p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
     chunks = m.pp * pl.virtual_stages
@@ -309,17 +323,21 @@ def validate(cfg: Config) -> None:
     if mo.kind != "resnet" and mo.layers % chunks:
         p.append(f"model.layers: {mo.layers} is not divisible by mesh.pp x pipeline.virtual_stages "
                  f"= {chunks}; use a multiple of {chunks}")
-    if pl.microbatches < 1:
+    explicit_mb = pl.microbatches != "auto"
+    if explicit_mb and pl.microbatches < 1:
         p.append(f"pipeline.microbatches: must be >= 1, got {pl.microbatches}")
-    elif t.global_batch % (m.dp * pl.microbatches):
+    elif not explicit_mb and t.global_batch % m.dp:
+        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dp = {m.dp}; "
+                 f"use a multiple of {m.dp}")
+    elif explicit_mb and t.global_batch % (m.dp * pl.microbatches):
         p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dp x "
                  f"pipeline.microbatches = {m.dp * pl.microbatches}; use a multiple of "
                  f"{m.dp * pl.microbatches}")
-    if m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
+    if explicit_mb and m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
         p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
     group = m.pp * pl.transfer_latency
-    if pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
+    if explicit_mb and pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
         from jax_overlap.pipeline.schedules import multiples_near  # pure Python, no jax
 
         p.append(f"pipeline.microbatches: interleaved needs a multiple of mesh.pp x "

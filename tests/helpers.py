@@ -75,12 +75,12 @@ __all__ = ["np", "REPO", "TINY", "max_rel_err", "run_cli", "last_json_line", "re
 def gpt_reference(overrides=()):
     """(model, params, batch, loss, grads) of the tiny GPT on one device: the ground truth."""
     from jax_overlap import config
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training import grads as gradslib
     from models.gpt import GPT
 
     cfg = config.load(TINY, list(overrides))
     model = GPT.from_config(cfg.model)
     params = model.init(jax.random.key(cfg.train.seed))
     batch = np_batch(cfg)
-    loss, grads = jax.value_and_grad(lambda p: steplib.reference_loss(model, p, batch))(params)
+    loss, grads = jax.value_and_grad(lambda p: gradslib.reference_loss(model, p, batch))(params)
     return model, params, batch, float(loss), grads

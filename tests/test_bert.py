@@ -9,9 +9,12 @@ import pytest
 from helpers import REPO, max_rel_err, rel
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.pipeline import layout
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 from models.bert import BERT, IGNORE, MASK_ID
 
@@ -27,7 +30,7 @@ def reference():
     params = model.init(jax.random.key(cfg.train.seed))
     batch = model.data_stream(cfg).batch(0)
     loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: steplib.reference_loss(model, p, batch)))(params)
+        lambda p: gradslib.reference_loss(model, p, batch)))(params)
     return model, params, batch, float(loss), grads
 
 
@@ -77,7 +80,7 @@ def test_attention_is_bidirectional(reference):
     # Only position 0 is scored; changing a token after it must change that loss.
     targets = np.full_like(batch["targets"], IGNORE)
     targets[:, 0] = 65
-    loss = jax.jit(lambda ids: steplib.reference_loss(model, params,
+    loss = jax.jit(lambda ids: gradslib.reference_loss(model, params,
                                                       {"inputs": ids, "targets": targets}))
     later = batch["inputs"].copy()
     later[:, 7] = (later[:, 7] + 1) % 256
@@ -91,8 +94,8 @@ def _mesh_run(model, params, batch, overrides):
     cfg = config.load(TINY_YAML, EQUIV + overrides)
     mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp,
                              jax.devices()[: cfg.num_devices])
-    perm = layout.layer_permutation(cfg)
-    fn = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
+    perm = ParallelPlan.build(cfg).layer_perm
+    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
     loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
                                     steplib.param_shardings(model, mesh)),
                      steplib.put_batch(batch, mesh))
@@ -139,10 +142,10 @@ def test_bert_tiny_learns():
     steps is at least 1.5 nats below the first step's (~ln 256 = 5.5)."""
     cfg = config.load(TINY_YAML)
     model = BERT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
+    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
-    train_step = steplib.make_train_step(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
     stream = model.data_stream(cfg)
     losses = []
     for i in range(cfg.train.steps):

@@ -9,8 +9,9 @@ from helpers import TINY, gpt_reference, max_rel_err, rel
 
 from jax_overlap import config
 from jax_overlap.analysis import hlo
-from jax_overlap.overlap import buckets
+from jax_overlap.overlap import buckets, dp_layout
 from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
@@ -89,7 +90,7 @@ def test_split_dim_prefers_free_large_dims():
 def test_plan_covers_every_layer_of_the_gpt_once():
     cfg = config.load(TINY, ["overlap.grad_bucket_mb=0.01", "overlap.zero1=true"])
     model = GPT.from_config(cfg.model)
-    layout = steplib.dp_layout(model, cfg.overlap, {"dp": 2, "pp": 1, "tp": 4})
+    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
     plan = layout.plan
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     leaves = jax.tree.leaves(abstract)
@@ -136,13 +137,13 @@ def _compile_uncached(reference, overrides, dp, tp, pp):
     model, params, batch, _, _ = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *overrides])
     mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    staged = staging.to_staged(params, staging.layer_permutation(cfg))
-    args = (jax.device_put(staged, steplib.param_shardings(model, mesh, cfg.overlap)),
+    staged = staging.to_staged(params, ParallelPlan.build(cfg).layer_perm)
+    args = (jax.device_put(staged, steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)),
             steplib.put_batch(batch, mesh))
-    lowered = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh)).lower(*args)
+    lowered = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(*args)
     compiled = lowered.compile()
     compiled.lowered_text = lowered.as_text()
-    layout = steplib.dp_layout(model, cfg.overlap, dict(mesh.shape))
+    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape))
     return compiled, args, layout, mesh
 
 
@@ -277,7 +278,7 @@ def test_buckets_and_bf16_with_the_pipeline(reference):
                             2 * 2.0 ** -8)):
         compiled, args, _, _ = _compile(reference, options, dp=2, tp=2, pp=2)
         loss, grads = compiled(*args)
-        perm = staging.layer_permutation(config.load(TINY, ["mesh.pp=2"]))
+        perm = ParallelPlan.build(config.load(TINY, ["mesh.pp=2"])).layer_perm
         assert rel(float(loss), ref_loss) <= 1e-5
         assert max_rel_err(staging.to_logical(grads, perm), ref_grads) <= bound
 
@@ -338,10 +339,10 @@ def gpu_report(overrides: list[str], config_path: str = "configs/default.yaml",
         mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               jax.eval_shape(model.init, jax.random.key(0)),
-                              steplib.param_shardings(model, mesh, cfg.overlap))
+                              steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout))
         tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P("dp")))
-        return jax.jit(steplib.make_loss_and_grads(model, cfg, mesh)).lower(
+        return jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(
             params, {"inputs": tokens, "targets": tokens})
 
     text = deviceless.compile_for("h100", cfg.num_devices, build,

@@ -11,6 +11,7 @@ from jax_overlap import config
 from jax_overlap.parallel import collective_matmul as cm
 from jax_overlap.parallel import compat
 from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import step as steplib
 
 
@@ -106,7 +107,7 @@ def _model_matches(reference, overrides, dp=2, tp=4):
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", *overrides])
     mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))(
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
         jax.device_put(params, steplib.param_shardings(model, mesh)),
         steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5

@@ -16,6 +16,7 @@ import pytest
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import (
     Parallel,
@@ -25,6 +26,8 @@ from jax_overlap.parallel.collectives import (
     vocab_embed,
 )
 from jax_overlap.pipeline import layout
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 
 
@@ -96,7 +99,7 @@ def reference():
     params = model.init(jax.random.key(0))
     batch = np_batch(cfg)
     loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: steplib.reference_loss(model, p, batch)))(params)
+        lambda p: gradslib.reference_loss(model, p, batch)))(params)
     return model, params, batch, float(loss), grads
 
 
@@ -109,8 +112,8 @@ def test_custom_model_matches_single_device(reference, overrides):
     cfg = config.load(TINY, ["model.layers=4", *overrides])
     mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp,
                              jax.devices()[: cfg.num_devices])
-    perm = layout.layer_permutation(cfg)
-    fn = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
+    perm = ParallelPlan.build(cfg).layer_perm
+    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
     loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
                                     steplib.param_shardings(model, mesh)),
                      steplib.put_batch(batch, mesh))
@@ -125,10 +128,10 @@ def test_custom_model_trains_with_the_library_step():
     model = ShiftMLP()
     cfg = config.load(TINY, ["model.layers=4", "mesh.dp=2", "mesh.tp=2", "train.steps=12",
                              "train.lr=0.01"])
-    mesh = meshlib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
+    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
-    train_step = steplib.make_train_step(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
     losses = []
     for i in range(cfg.train.steps):
         state, metrics = train_step(state, steplib.put_batch(np_batch(cfg, i), mesh))

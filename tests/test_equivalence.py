@@ -6,7 +6,10 @@ import pytest
 from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -24,7 +27,7 @@ def test_loss_and_grads_match_single_device(reference, dp, tp):
     cfg, model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}"])
     mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    loss_and_grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
+    loss_and_grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
     sharded = jax.device_put(params, steplib.param_shardings(model, mesh))
     loss, grads = loss_and_grads(sharded, steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5
@@ -62,9 +65,9 @@ def test_untied_embeddings_match(reference):
     assert "w_out" in params["head"]
     batch = np_batch(cfg)
     ref_loss, ref_grads = jax.value_and_grad(
-        lambda p: steplib.reference_loss(model, p, batch))(params)
+        lambda p: gradslib.reference_loss(model, p, batch))(params)
     mesh = meshlib.make_mesh(2, 1, 4)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))(
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
         jax.device_put(params, steplib.param_shardings(model, mesh)),
         steplib.put_batch(batch, mesh))
     assert rel(float(loss), float(ref_loss)) <= 1e-5
@@ -79,9 +82,9 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path):
     # bf16 has ~3 significant digits; the curves agree to that.
     assert max(rel(a, b) for a, b in zip(result.losses, fp32)) < 2e-2
     model = GPT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg)
+    mesh = plan_lib.mesh_from_config(cfg)
     opt = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, opt)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, opt, cfg.train.seed)
     assert state.params["blocks"]["w_in"].dtype == np.float32
 
 

@@ -8,7 +8,10 @@ from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
+from jax_overlap.overlap import dp_layout
 from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -17,7 +20,7 @@ from models.gpt import GPT
 def test_block_layout_splits_every_block_leaf_over_dp():
     cfg = config.load(TINY, ["overlap.param_sharding=fsdp"])
     model = GPT.from_config(cfg.model)
-    layout = steplib.dp_layout(model, cfg.overlap, {"dp": 2, "pp": 1, "tp": 4})
+    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
     specs = layout.param_specs
     assert specs["blocks"]["w_in"] == P(None, "dp", "tp")  # (layers, embed/dp, mlp/tp)
     assert specs["blocks"]["b_in"] == P(None, ("tp", "dp"))  # no free dim: under tp
@@ -40,9 +43,9 @@ def _check(reference, overrides, dp=2, tp=4):
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", "overlap.param_sharding=fsdp",
                              *overrides])
     mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    sharded = jax.device_put(params, steplib.param_shardings(model, mesh, cfg.overlap))
+    sharded = jax.device_put(params, steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout))
     assert sharded["blocks"]["w_in"].addressable_shards[0].data.shape == (2, 32 // dp, 64 // tp)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))(
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
         sharded, steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
@@ -85,10 +88,10 @@ def test_peak_memory_grows_by_one_block_per_window_step():
         mesh = meshlib.make_mesh(8, 1, 1)
         abstract = jax.eval_shape(model.init, jax.random.key(0))
         batch = steplib.put_batch(np_batch(cfg), mesh)
-        compiled = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh)).lower(
+        compiled = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(
             abstract, batch).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
-        block = steplib.dp_layout(model, cfg.overlap, dict(mesh.shape)).fsdp.gathered_bytes
+        block = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape)).fsdp.gathered_bytes
     steps = np.diff(temps) / block
     assert np.all((steps > 0.7) & (steps < 1.4)), (temps, block, steps)
     # (k + 1) blocks in flight plus about three blocks of per-layer work (the one block's
@@ -111,8 +114,8 @@ def test_train_step_fsdp_zero1_follows_baseline(tmp_path):
     assert max(rel(a, b) for a, b in zip(got, want)) <= 1e-4, (got, want)
 
     model = GPT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg)
-    state = steplib.init_state(model, cfg, mesh, steplib.make_optimizer(cfg.train))
+    mesh = plan_lib.mesh_from_config(cfg)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, steplib.make_optimizer(cfg.train), cfg.train.seed)
     adam = state.opt_state[1][0]
     assert state.params["blocks"]["w_in"].sharding.spec == P(None, "dp", "tp")
     assert adam.mu["blocks"]["w_in"].sharding.spec == P(None, "dp", "tp")

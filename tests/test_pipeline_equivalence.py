@@ -12,9 +12,12 @@ import pytest
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules
 from jax_overlap.pipeline import program as tick_program
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -56,7 +59,7 @@ def references():
             params = model.init(jax.random.key(cfg.train.seed))
             batch = np_batch(cfg)
             loss, grads = jax.jit(jax.value_and_grad(
-                lambda p: steplib.reference_loss(model, p, batch)))(params)
+                lambda p: gradslib.reference_loss(model, p, batch)))(params)
             cache[tied] = (model, params, batch, float(loss), grads)
         return cache[tied]
 
@@ -67,9 +70,9 @@ def check_equivalence(references, name, pp, dp, tp, m, tied, extra=()):
     cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
     model, params, batch, ref_loss, ref_grads = references(tied)
     mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    perm = layout.layer_permutation(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
-    shardings = steplib.param_shardings(model, mesh, cfg.overlap)
+    perm = ParallelPlan.build(cfg).layer_perm
+    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
+    shardings = steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)
     staged = jax.device_put(layout.to_staged(params, perm), shardings)
     loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
@@ -126,7 +129,7 @@ def test_pipeline_with_overlap_options_matches_single_device(references, name, p
         cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
         model = GPT.from_config(cfg.model)
         mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-        spec = steplib.param_shardings(model, mesh, cfg.overlap)["blocks"]["w_in"].spec
+        spec = steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)["blocks"]["w_in"].spec
         assert meshlib.DP in jax.tree.leaves(tuple(spec)), spec
 
 
@@ -161,14 +164,14 @@ def test_staged_permutation_puts_each_stage_layers_contiguously():
         list(range(8))
     with pytest.raises(ValueError, match="model.layers"):
         layout.staged_permutation(6, interleaved)
-    assert layout.layer_permutation(pipeline_cfg("1f1b", 4, 2, 1, 4)) is None
-    assert layout.layer_permutation(pipeline_cfg("zb-v", 2, 4, 1, 2)).tolist() == \
+    assert ParallelPlan.build(pipeline_cfg("1f1b", 4, 2, 1, 4)).layer_perm is None
+    assert ParallelPlan.build(pipeline_cfg("zb-v", 2, 4, 1, 2)).layer_perm.tolist() == \
         [0, 1, 6, 7, 2, 3, 4, 5]
 
 
 def test_to_staged_and_to_logical_are_inverse_on_a_whole_state():
     cfg = pipeline_cfg("interleaved", 4, 2, 1, 4)
-    perm = layout.layer_permutation(cfg)
+    perm = ParallelPlan.build(cfg).layer_perm
     blocks = {"w": np.arange(8 * 3).reshape(8, 3)}
     state = {"params": {"blocks": blocks, "embed": {"wte": np.ones((2, 2))}},
              "opt": ({"mu": {"blocks": blocks}}, np.int32(3))}
@@ -184,10 +187,10 @@ def test_init_state_has_the_same_values_on_every_mesh():
     opt = steplib.make_optimizer(pipeline_cfg("1f1b", 2, 4, 1, 2).train)
     flat_cfg = config.load(TINY, ["mesh.dp=8", "mesh.tp=1", f"model.layers={LAYERS}"])
     model = GPT.from_config(flat_cfg.model)
-    flat = steplib.init_state(model, flat_cfg, meshlib.mesh_from_config(flat_cfg), opt)
+    flat = steplib.init_state(model, ParallelPlan.build(flat_cfg, model), plan_lib.mesh_from_config(flat_cfg), opt, flat_cfg.train.seed)
     cfg = pipeline_cfg("zb-v", 4, 1, 2, 4)
-    staged = steplib.init_state(model, cfg, meshlib.mesh_from_config(cfg), opt)
-    perm = layout.layer_permutation(cfg)
+    staged = steplib.init_state(model, ParallelPlan.build(cfg, model), plan_lib.mesh_from_config(cfg), opt, cfg.train.seed)
+    perm = ParallelPlan.build(cfg).layer_perm
     assert perm is not None
     jax.tree.map(np.testing.assert_array_equal,
                  layout.to_logical(staged.params, perm), flat.params)
@@ -264,8 +267,8 @@ def _find(jaxpr, primitive, **params):
 def _traced_tick(cfg):
     """(step jaxpr, program, tick-loop body jaxpr) of a config's loss-and-grads, traced."""
     model = GPT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    mesh = plan_lib.mesh_from_config(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
     params = jax.eval_shape(model.init, jax.random.key(0))
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in np_batch(cfg).items()}
     closed = jax.make_jaxpr(loss_and_grads)(params, batch)

@@ -13,7 +13,8 @@ import pytest
 from helpers import TINY, np_batch
 
 from jax_overlap import config
-from jax_overlap.parallel import mesh as meshlib
+from jax_overlap import plan as plan_lib
+from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
@@ -25,8 +26,8 @@ def compiled():
     cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
                              "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}"])
     model = GPT.from_config(cfg.model)
-    mesh = meshlib.mesh_from_config(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, cfg, mesh)
+    mesh = plan_lib.mesh_from_config(cfg)
+    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
     # 1F1B places one chunk per stage: the staged layer order is the logical one.
     params = jax.device_put(model.init(jax.random.key(0)), steplib.param_shardings(model, mesh))
     batch = steplib.put_batch(np_batch(cfg), mesh)

@@ -10,8 +10,9 @@ import pytest
 from helpers import TINY
 
 from jax_overlap import config, model_api
+from jax_overlap import plan as plan_lib
 from jax_overlap.config import ConfigError
-from jax_overlap.parallel.mesh import mesh_from_config
+from jax_overlap.plan import ParallelPlan
 from jax_overlap.resilience import recovery as resilience
 from jax_overlap.resilience.recovery import Fault, MemoryBoard, Watchdog
 from jax_overlap.training import loop as train
@@ -233,7 +234,7 @@ def test_watchdog_thread_exits_on_a_peer_failure_and_single_process_starts_none(
 @pytest.fixture(scope="module")
 def tiny_mesh_setup():
     cfg = config.load(TINY, ["fault.nan_at_step=1", "guard.window=4"])
-    mesh = mesh_from_config(cfg)
+    mesh = plan_lib.mesh_from_config(cfg)
     model = model_api.build_model(cfg)
     optimizer = steplib.make_optimizer(cfg.train)
     return cfg, mesh, model, optimizer
@@ -243,11 +244,11 @@ def test_guarded_step_accepts_like_the_plain_step_and_skips_a_nan(tiny_mesh_setu
     cfg, mesh, model, optimizer = tiny_mesh_setup
     from helpers import np_batch
 
-    guarded = resilience.make_guarded_step(model, cfg, mesh, optimizer)
-    plain = steplib.make_train_step(model, cfg, mesh, optimizer)
-    loop = resilience.init_loop_state(model, cfg, mesh, optimizer)
+    guarded = resilience.make_guarded_step(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer)
+    plain = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    loop = resilience.init_loop_state(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer)
     assert jax.tree.structure(loop) == jax.tree.structure(
-        resilience.abstract_loop_state(model, cfg, mesh, optimizer))
+        resilience.abstract_loop_state(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer))
     b0, b1 = (steplib.put_batch(np_batch(cfg, i), mesh) for i in (0, 1))
 
     ref, _ = plain(jax.tree.map(jnp.copy, loop.train), b0)  # a copy: the step donates it

@@ -10,10 +10,13 @@ from helpers import REPO, max_rel_err, rel
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import config
+from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import compat
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.mesh import DP, TP
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 from models.data_images import ArrayImages, SyntheticImages, load_images
 from models.resnet import BatchNorm, ResNetConfig, ResNetModel, units_padding
@@ -34,7 +37,7 @@ def _cfg(dp=1, pp=1, microbatches=1):
 def _mesh_loss_and_grads(model, params, batch, dp, pp=1, microbatches=1):
     cfg = _cfg(dp, pp, microbatches)
     mesh = meshlib.make_mesh(dp, pp, 1, jax.devices()[: dp * pp])
-    fn = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
+    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
     return fn(jax.device_put(params, steplib.param_shardings(model, mesh)),
               steplib.put_batch(batch, mesh))
 
@@ -45,7 +48,7 @@ def reference():
     params = model.init(jax.random.key(0))
     batch = SyntheticImages(16, 10, BATCH, seed=0).batch(0)
     loss, grads = jax.jit(jax.value_and_grad(
-        lambda p: steplib.reference_loss(model, p, batch)))(params)
+        lambda p: gradslib.reference_loss(model, p, batch)))(params)
     return model, params, batch, float(loss), grads
 
 
@@ -82,8 +85,8 @@ def test_units_regroup_the_same_network():
     assert jax.tree.all(jax.tree.map(np.array_equal, two.convert_params(p1, one), p2))
     assert jax.tree.all(jax.tree.map(np.array_equal, one.convert_params(p2, two), p1))
     batch = SyntheticImages(16, 10, 8, seed=1).batch(0)
-    l1 = jax.jit(lambda p: steplib.reference_loss(one, p, batch))(p1)
-    l2 = jax.jit(lambda p: steplib.reference_loss(two, p, batch))(p2)  # tag-driven switch
+    l1 = jax.jit(lambda p: gradslib.reference_loss(one, p, batch))(p1)
+    l2 = jax.jit(lambda p: gradslib.reference_loss(two, p, batch))(p2)  # tag-driven switch
     assert rel(float(l2), float(l1)) <= 1e-6
 
 
@@ -148,7 +151,6 @@ def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages)
     """dp=2 x pp=2, one unit per virtual stage, 2 microbatches. BN statistics are per global
     microbatch, so the reference runs each global microbatch (its rows on every replica)."""
     from jax_overlap.pipeline import layout
-    from jax_overlap.pipeline import program as tick_program
 
     dp, pp, m, local = 2, 2, 2, BATCH // 2
     # The model is built directly; the config only describes the mesh and schedule, and its
@@ -161,7 +163,7 @@ def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages)
     params = model.init(jax.random.key(0))
     batch = SyntheticImages(16, 10, BATCH, seed=0).batch(0)
     grad_fn = jax.jit(jax.value_and_grad(
-        lambda p, mb: steplib.reference_loss(model, p, mb) * len(mb["targets"])))
+        lambda p, mb: gradslib.reference_loss(model, p, mb) * len(mb["targets"])))
     ref_loss, ref_grads = 0.0, None
     for i in range(m):
         rows = np.concatenate([np.arange(d * local + i * local // m,
@@ -172,9 +174,9 @@ def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages)
         ref_grads = grads_i if ref_grads is None else jax.tree.map(jnp.add, ref_grads, grads_i)
     # The units' storage order follows the schedule's placement; the activations' tags make
     # each stage run the unit it holds whatever that order is.
-    perm = layout.staged_permutation(model.num_layers, tick_program.program_for(cfg).schedule)
+    perm = layout.staged_permutation(model.num_layers, ParallelPlan.build(cfg).program.schedule)
     mesh = meshlib.make_mesh(dp, pp, 1, jax.devices()[: dp * pp])
-    fn = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))
+    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
     loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
                                     steplib.param_shardings(model, mesh)),
                      steplib.put_batch(batch, mesh))
@@ -251,10 +253,10 @@ def test_resnet_tiny_learns_the_synthetic_task():
     the mean loss of the last 5 steps is at least 0.7 nats below the first step's (~ln 4)."""
     cfg = config.load(TINY_YAML)
     model = ResNetModel.from_config(cfg)
-    mesh = meshlib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
+    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
-    train_step = steplib.make_train_step(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
     stream = model.data_stream(cfg)
     losses = []
     for i in range(cfg.train.steps):

@@ -65,15 +65,16 @@ def build_step(cfg: Config, devices: list | None = None) -> tuple[Any, tuple[Any
       state, so callers must feed each output state into the next call.
     """
     from jax_overlap.model_api import build_model
-    from jax_overlap.parallel.mesh import mesh_from_config
+    from jax_overlap.plan import ParallelPlan, Target, mesh_from_config
     from jax_overlap.training import data as datalib
     from jax_overlap.training import step as steplib
 
     mesh = mesh_from_config(cfg, devices)
     model = build_model(cfg)
+    plan = ParallelPlan.build(cfg, model, Target.of_devices(list(mesh.devices.flat)))
     optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, cfg, mesh, optimizer)
-    step = steplib.make_train_step(model, cfg, mesh, optimizer)
+    state = steplib.init_state(model, plan, mesh, optimizer, cfg.train.seed)
+    step = steplib.make_train_step(model, plan, mesh, optimizer, steplib.lr_schedule(cfg.train))
     batch = steplib.put_batch(datalib.stream_from_config(cfg).batch(0), mesh)
     return step, (state, batch)
 
@@ -110,6 +111,7 @@ def profile_config(
     logdir = logdir or DEFAULT_LOGDIR
     os.makedirs(logdir, exist_ok=True)
     step, args = build_step(cfg, devices)
+    mesh_sizes = dict(args[1]["inputs"].sharding.mesh.shape)
     metrics = profile_steps(
         step, args, steps, logdir, warmup=max(1, warmup), update_args=_next_args
     )
@@ -117,7 +119,7 @@ def profile_config(
     return ProfileResult(
         metrics=metrics,
         logdir=os.path.abspath(logdir),
-        mesh={"dp": cfg.mesh.dp, "pp": cfg.mesh.pp, "tp": cfg.mesh.tp},
+        mesh={k: mesh_sizes[k] for k in ("dp", "pp", "tp")},
         platform=used[0].platform,
         tokens_per_step=cfg.train.global_batch * cfg.model.seq_len,
     )

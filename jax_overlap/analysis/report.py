@@ -21,11 +21,24 @@ from jax_overlap.training import step as steplib
 from jax_overlap.training.state import new_state
 
 
-def abstract_inputs(cfg, model, mesh, optimizer) -> tuple[Any, Any]:
+def target_of(name: str):
+    """The plan's `Target` for an `analyze --target` name: the forced CPU devices, or a GPU
+    part with its memory."""
+    from jax_overlap.plan import Target
+
+    if name == "cpu":
+        return Target()
+    from jax_overlap.analysis.targets import get_target
+
+    chip = get_target(name)
+    return Target(chip.key, True, float(chip.chip.hbm_bytes))
+
+
+def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
     """ShapeDtypeStructs (with shardings) of the train state and a batch: nothing allocated."""
     key = jax.random.key(cfg.train.seed)
     abstract_params = jax.eval_shape(model.init, key)
-    shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, cfg.overlap)
+    shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
     shapes = jax.eval_shape(
         lambda: new_state(model.init(key), optimizer.init(model.init(key)), cfg.train.seed))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -39,32 +52,39 @@ def abstract_inputs(cfg, model, mesh, optimizer) -> tuple[Any, Any]:
     return state, batch
 
 
-def lower_train_step(cfg, devices: list) -> Any:
-    """`jax.jit(step).lower(...)` of the configured train step on `devices`."""
+def build_plan(cfg, target: str = "cpu"):
+    """The model and the `ParallelPlan` of `cfg` for an `analyze --target` name."""
     from jax_overlap.model_api import build_model
+    from jax_overlap.plan import ParallelPlan
 
-    mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
     model = build_model(cfg)
+    return model, ParallelPlan.build(cfg, model, target_of(target))
+
+
+def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any:
+    """`jax.jit(step).lower(...)` of the configured train step on `devices`, with the plan
+    made for `target` (`built`: a `(model, plan)` from `build_plan`, to reuse)."""
+    model, plan = built or build_plan(cfg, target)
+    mesh = make_mesh(plan.dp, plan.pp, plan.tp, devices)
     optimizer = steplib.make_optimizer(cfg.train)
-    state, batch = abstract_inputs(cfg, model, mesh, optimizer)
-    return steplib.make_train_step(model, cfg, mesh, optimizer).lower(state, batch)
+    state, batch = abstract_inputs(cfg, plan, model, mesh, optimizer)
+    return steplib.make_train_step(model, plan, mesh, optimizer,
+                                   steplib.lr_schedule(cfg.train)).lower(state, batch)
 
 
-def analyze(cfg, target: str = "cpu"):
+def analyze(cfg, target: str = "cpu", built=None):
     """HloReport of the configured train step compiled for `target`."""
     from jax_overlap.analysis import hlo
 
+    model, plan = built = built or build_plan(cfg, target)
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
-    frequencies = None
-    if cfg.mesh.pp > 1:
-        from jax_overlap.pipeline import program as tick_program
-        frequencies = tick_program.program_for(cfg).branch_frequencies()
+    frequencies = plan.program.branch_frequencies() if plan.program is not None else None
     if target == "cpu":
         from jax_overlap.config import check_device_count
 
         check_device_count(cfg, jax.device_count())
-        text = lower_train_step(cfg, jax.devices()).compile().as_text()
+        text = lower_train_step(cfg, jax.devices(), target, built).compile().as_text()
         return hlo.analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
     from jax_overlap.analysis import deviceless
 
@@ -73,17 +93,62 @@ def analyze(cfg, target: str = "cpu"):
         from jax_overlap.config import ConfigError
 
         raise ConfigError([f"--target {target}: {reason}"])
-    return deviceless.analyze_for(target, cfg.num_devices,
-                                  lambda devices: lower_train_step(cfg, devices),
+    return deviceless.analyze_for(target, plan.num_devices,
+                                  lambda devices: lower_train_step(cfg, devices, target, built),
                                   branch_frequencies=frequencies)
 
 
-def format_report(cfg, target: str, report) -> str:
+# Below this share of collective bytes under GEMMs, `analyze` names the knobs that would help.
+LOW_OVERLAP = 0.5
+
+
+def overlap_hints(cfg, plan, fraction: float) -> list[str]:
+    """What to change when little communication hides under GEMMs: one line per knob, naming
+    the config key and the value to try. Empty on a CPU target (nothing overlaps there) or
+    when the fraction is already high."""
+    if not plan.target.accelerator or fraction >= LOW_OVERLAP:
+        return []
+    from jax_overlap.analysis.memory import step_bytes
+
+    hints: list[str] = []
+    ov = plan.overlap
+    if plan.tp > 1 and ov.tp_comm != "collective_matmul":
+        hints.append("overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
+                     "ring steps under the block's matmuls")
+    if plan.dp > 1 and ov.grad_bucket_bytes == 0 and not ov.fsdp:
+        hints.append("overlap.grad_bucket_mb=64: DP gradients reduced in buckets during the "
+                     "last microbatch's backward instead of after it")
+    if ov.xla_preset == "none":
+        hints.append("overlap.xla_preset=gpu_overlap: XLA's latency-hiding scheduler flags")
+    from jax_overlap.plan import MEMORY_BUDGET, MICROBATCH_TOKENS
+
+    def need(micro_batch):
+        return step_bytes(cfg.model, micro_batch, plan.tp, plan.pp, plan.dp,
+                          cfg.train.precision, zero1=ov.zero1, fsdp=ov.fsdp)
+
+    budget = MEMORY_BUDGET * (plan.target.memory_bytes or float("inf"))
+    seq = cfg.model.seq_len
+    if need(plan.micro_batch) > budget or plan.micro_batch * seq > MICROBATCH_TOKENS:
+        per_replica = plan.micro_batch * plan.microbatches
+        fits = [n for n in range(plan.microbatches + 1, per_replica + 1)
+                if per_replica % n == 0 and need(per_replica // n) <= budget
+                and per_replica // n * seq <= MICROBATCH_TOKENS]
+        if fits:
+            hints.append(
+                f"pipeline.microbatches={fits[0]} (what auto picks): {plan.micro_batch} x {seq} "
+                f"tokens per microbatch, ~{need(plan.micro_batch) / 1e9:.0f} GB per device "
+                f"estimated; a step short of memory makes XLA serialise its collectives")
+    return hints
+
+
+def format_report(cfg, plan, target: str, report) -> str:
     data = report.to_json()
-    m = cfg.mesh
     lines = [f"train step of {cfg.model.kind} ({cfg.model.layers} layers, d_model "
-             f"{cfg.model.d_model}) on dp={m.dp} pp={m.pp} tp={m.tp}, compiled for {target}",
-             f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s}"]
+             f"{cfg.model.d_model}) on dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
+             f"{plan.microbatches} microbatches, compiled for {target}"]
+    for key, choice in plan.choices.items():
+        lines.append(f"auto {key} = {choice.value}: {choice.why}")
+    lines.append(f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s}")
     for kind, s in sorted(data["collectives"].items()):
         lines.append(f"{kind:20s} {s['count']:>10.10g} {s['bytes'] / 2**20:10.2f}")
     lines.append(f"async fraction of collective bytes:       {data['async_fraction']:.3f}")
@@ -94,13 +159,19 @@ def format_report(cfg, target: str, report) -> str:
         lines.append(f"exposed communication estimate:           {est * 1e3:.3f} ms/step")
     if data.get("note"):
         lines.append(f"note: {data['note']}")
+    for hint in overlap_hints(cfg, plan, data["collective_bytes_under_gemm_fraction"]):
+        lines.append(f"to hide more: --set {hint}")
     return "\n".join(lines)
 
 
 def analyze_command(cfg, target: str = "cpu", as_json: bool = False) -> str:
-    report = analyze(cfg, target)
+    built = build_plan(cfg, target)
+    report = analyze(cfg, target, built)
+    plan = built[1]
     if as_json:
         out = report.to_json()
-        out["mesh"] = {"dp": cfg.mesh.dp, "pp": cfg.mesh.pp, "tp": cfg.mesh.tp}
+        out["mesh"] = plan.axis_sizes
+        out["plan"] = plan.describe()
+        out["hints"] = overlap_hints(cfg, plan, out["collective_bytes_under_gemm_fraction"])
         return json.dumps(out, default=float)
-    return format_report(cfg, target, report)
+    return format_report(cfg, plan, target, report)

@@ -270,7 +270,8 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
       abstract_params: global parameter shapes (e.g. `jax.eval_shape(model.init, key)`).
       specs: PartitionSpec per leaf (same tree).
       axis_sizes: mesh axis name -> size.
-      overlap: `OverlapConfig` (grad_bucket_mb, bucket_order, zero1).
+      overlap: the plan's `OverlapPlan` (grad_bucket_bytes, bucket_order, zero1,
+        embed_before_first_layer).
       dp_axis: the data-parallel axis name.
       num_layers: L, the leading dim of every 'blocks' leaf.
       skip_leaves: leaves reduced elsewhere (FSDP blocks reduce-scatter in their backward).
@@ -306,7 +307,7 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
             dim = split_dim(shape, spec, parts) if overlap.zero1 else None
             units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
                               segment, dim, rank=(use_rank or {}).get(leaf)))
-    return pack_units(units, int(overlap.grad_bucket_mb * MIB), overlap.bucket_order,
+    return pack_units(units, overlap.grad_bucket_bytes, overlap.bucket_order,
                       overlap.embed_before_first_layer)
 
 
@@ -522,7 +523,8 @@ def assemble(plan: BucketPlan, reduced: Sequence[jax.Array], axis_sizes: dict[st
 # After the backward (pp > 1 executor, and the bucket-less baseline)
 
 
-def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None) -> Any:
+def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
+                     split_dims: Any = None) -> Any:
     """Sums per-replica gradients over `axis` after the backward, bucketed by size.
 
     `grad_bucket_mb: 0` is one collective per leaf. Otherwise whole leaves are packed into
@@ -532,7 +534,8 @@ def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None)
 
     Args:
       grads: per-device gradient tree (values varying over `axis`).
-      overlap_cfg: `OverlapConfig`.
+      bucket_bytes: bucket size; 0 = one collective per leaf.
+      comm_dtype: 'fp32' or 'bf16', the dtype the gradients travel in.
       axis: the data-parallel mesh axis name.
       split_dims: optional tree (same structure, int or None leaves) of dims to
         reduce-scatter over `axis` (ZeRO-1); None everywhere reduces with psum.
@@ -547,13 +550,13 @@ def reduce_gradients(grads: Any, overlap_cfg, axis: str, split_dims: Any = None)
     units = [Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
                   group=tuple(sorted(varying_axes(g) - {axis})))
              for i, (g, d) in enumerate(zip(leaves, dims))]
-    plan = pack_units(units, int(overlap_cfg.grad_bucket_mb * MIB), "backward")
+    plan = pack_units(units, bucket_bytes, "backward")
     out: list[Any] = [None] * len(leaves)
     for b in plan.buckets:
         members = [units[i] for i in b.units]
         values = [leaves[u.leaf].astype(jnp.float32) for u in members]
         flat = reduce_flat(pack(values, members, dp, b.scatter), axis, b.scatter,
-                           overlap_cfg.grad_comm_dtype)
+                           comm_dtype)
         for u, v in zip(members, unpack(flat, members, dp, b.scatter)):
             out[u.leaf] = v.astype(leaves[u.leaf].dtype)
     return jax.tree.unflatten(treedef, out)

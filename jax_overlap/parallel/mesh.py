@@ -93,17 +93,6 @@ def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None):
     return Mesh(grid, AXES)
 
 
-def mesh_from_config(cfg, devices: list | None = None) -> Any:
-    """The config's mesh over `devices` (default: all devices of the job, which must match)."""
-    import jax
-
-    from jax_overlap.config import check_device_count
-
-    devices = jax.devices() if devices is None else devices
-    check_device_count(cfg, len(devices))
-    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
-
-
 def logical_to_spec(logical_axes: tuple[str | None, ...], rules: dict | None = None):
     """PartitionSpec for an array whose dimensions carry these logical axis names."""
     from jax.sharding import PartitionSpec as P

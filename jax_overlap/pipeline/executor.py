@@ -90,10 +90,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap.overlap import buckets, fsdp
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
-from jax_overlap.parallel.mesh import DP, PP, TP, rules_for, tree_specs
-from jax_overlap.pipeline.program import COL, TickProgram, program_for
+from jax_overlap.parallel.mesh import DP, PP, TP
+from jax_overlap.pipeline.program import COL, TickProgram
+from jax_overlap.training.grads import microbatched
 
 # ----------------------------------------------------------------------- varying types
 
@@ -152,8 +154,6 @@ def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
 def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
     """FSDP storage -> this stage's whole (tp-local) block leaves: `fsdp.gather_layer` for
     every layer of the stage at once (one all-gather per gradient group)."""
-    from jax_overlap.overlap import fsdp
-
     leaves, treedef = jax.tree.flatten(blocks)
     full = jax.vmap(lambda shards: fsdp.gather_layer(shards, fsdp_layout, DP, dp))(leaves)
     return jax.tree.unflatten(treedef, full)
@@ -164,8 +164,6 @@ def _scatter_stage_grads(grads, fsdp_layout, dp: int, comm_dtype: str):
     for every layer at once); None for leaves stored whole (their psum goes with the
     embedding's and head's buckets: a psum here would be typed dp-varying, as a parameter's
     cotangent, not as the replicated gradient the step returns)."""
-    from jax_overlap.overlap import fsdp
-
     split_only = dataclasses.replace(
         fsdp_layout, groups=tuple(g for g in fsdp_layout.groups if g[1]))
     leaves, treedef = jax.tree.flatten(grads)
@@ -174,36 +172,9 @@ def _scatter_stage_grads(grads, fsdp_layout, dp: int, comm_dtype: str):
     return jax.tree.unflatten(treedef, out)
 
 
-def chunk_bucket_plan(model, overlap, axis_sizes: dict[str, int], layers_per_chunk: int):
-    """The bucket plan of one chunk's layers (`buckets.BucketPlan`, segment 1 + layer).
-
-    Units are (leaf, layer) of the chunk's stacked 'blocks' leaves with their per-device
-    shapes; TP-replicated leaves are reduced over ('dp', 'tp') (they are marked tp-varying
-    in the sync branch, as on the pp=1 path), the others over 'dp'. Always psum: ZeRO-1's
-    split of the optimizer state happens in the update, as without buckets.
-    """
-    from jax_overlap.overlap import buckets
-    from jax_overlap.training.step import _block_use_order
-
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    specs = tree_specs(model.param_axes(), rules_for(axis_sizes.get(PP, 1)))["blocks"]
-    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers_per_chunk, *a.shape[1:]),
-                                                        a.dtype), abstract["blocks"])
-    chunk_specs = jax.tree.map(lambda sp: P(None, *tuple(sp)[1:]), specs,
-                               is_leaf=lambda x: isinstance(x, P))
-    order = _block_use_order(model, abstract)
-    rank = {k - min(order): r for k, r in order.items()} if order else None
-    return buckets.plan_for_params({"blocks": chunk}, {"blocks": chunk_specs}, axis_sizes,
-                                   dataclasses.replace(overlap, zero1=False), DP,
-                                   layers_per_chunk, replicated_axes=(TP,), use_rank=rank)
-
-
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
-                axis_sizes: dict[str, int], fsdp_layout=None):
+                axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None):
     """One device's loss and gradients for a whole step; see the module docstring."""
-    from jax_overlap.overlap import buckets
-    from jax_overlap.training.step import microbatched
-
     s = program.schedule
     v, split = s.virtual_stages, s.split_backward
     stage = jax.lax.axis_index(PP)
@@ -241,7 +212,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         grads0["synced"] = jax.tree.map(
             lambda b: _vary(jnp.zeros(b.shape, jnp.float32), sorted(_varying_axes(b) - {DP})),
             blocks_vn)
-        plan = chunk_bucket_plan(model, overlap, axis_sizes, layers_per_chunk)
+        plan = chunk_buckets
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in plan.units}
     loss0 = _vary(jnp.zeros((), jnp.float32), (DP, PP))
@@ -445,50 +416,49 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
     }
     if sync:  # block gradients were reduced in the loop; the embedding and head follow
-        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")}, overlap, DP)
+        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")},
+                                      overlap.grad_bucket_bytes, overlap.grad_comm_dtype, DP)
         return loss, {**rest, "blocks": grads["blocks"]}
     if fsdp_layout is None:
-        return loss, buckets.reduce_gradients(grads, overlap, DP)
+        return loss, buckets.reduce_gradients(grads, overlap.grad_bucket_bytes,
+                                              overlap.grad_comm_dtype, DP)
     scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, axis_sizes[DP],
                                      overlap.grad_comm_dtype)
     # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
     grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
                                    scattered, is_leaf=lambda x: x is None)
-    reduced = buckets.reduce_gradients(grads, overlap, DP)
+    reduced = buckets.reduce_gradients(grads, overlap.grad_bucket_bytes, overlap.grad_comm_dtype,
+                                       DP)
     reduced["blocks"] = jax.tree.map(lambda r, sc: r if sc is None else sc, reduced["blocks"],
                                      scattered, is_leaf=lambda x: x is None)
     return loss, reduced
 
 
-def make_pipeline_loss_and_grads(model, cfg, mesh, par: Parallel,
-                                 program: TickProgram | None = None) -> Callable:
+def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
     """(params, batch) -> (mean loss, grads) for pp > 1, as one `shard_map` over the mesh.
 
     Args:
       model: a `StagedModel`.
-      cfg: the config (mesh, pipeline schedule / microbatches / virtual stages, overlap).
+      plan: the run's `ParallelPlan` (built with `model`): its tick program, DP layout, chunk
+        bucket plan, overlap choices and TP context. Benchmarks run hand-made tables through
+        `plan.with_program(...)`; only a program compiled from a valid schedule computes
+        gradients.
       mesh: the (dp, pp, tp) mesh.
-      par: the TP context (`step.parallel_context(cfg)`).
-      program: run this program instead of `program_for(cfg)` (benchmarks time hand-made
-        tables with it; only a program compiled from a valid schedule computes gradients).
 
     Returns:
-      A function with the same contract as the pp=1 path of `step.make_loss_and_grads`:
-      params in the staged layout (`jax_overlap.pipeline.layout`) sharded as
-      `step.param_shardings`, batch split over dp; returns the replicated mean loss and the
-      gradients laid out as the params. Its `program` attribute is the `TickProgram` run.
+      A function with the same contract as `grads.make_loss_and_grads`: params in the staged
+      layout (`jax_overlap.pipeline.layout`) sharded as `step.param_shardings(..., plan.layout)`,
+      batch split over dp; returns the replicated mean loss and the gradients laid out as the
+      params. Its `program` attribute is the `TickProgram` run.
     """
-
-    program = program_for(cfg) if program is None else program
+    program = plan.program
     if program.schedule.stages != mesh.shape[PP]:
         raise ValueError(f"mesh.pp: the mesh has {mesh.shape[PP]} stages, the schedule "
                          f"{program.schedule.stages}")
-    from jax_overlap.training.step import dp_layout
-
-    dp = dp_layout(model, cfg.overlap, dict(mesh.shape))
-    param_specs = dp.param_specs  # 'blocks' also split over dp under fsdp
-    body = partial(_per_device, model=model, program=program, par=par, overlap=cfg.overlap,
-                   axis_sizes=dict(mesh.shape), fsdp_layout=dp.fsdp)
+    param_specs = plan.layout.param_specs  # 'blocks' also split over dp under fsdp
+    body = partial(_per_device, model=model, program=program, par=plan.parallel(),
+                   overlap=plan.overlap, axis_sizes=dict(mesh.shape),
+                   fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets)
     mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
                        out_specs=(P(), param_specs))
 

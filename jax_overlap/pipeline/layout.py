@@ -53,32 +53,6 @@ def _permutation(num_layers: int, placement, virtual_stages: int) -> np.ndarray:
     return perm
 
 
-def layer_permutation(cfg, num_layers: int | None = None) -> np.ndarray | None:
-    """The staged permutation a config's train state uses, or None when it is the identity.
-
-    Only the placement matters, which depends on the schedule name, `mesh.pp` and
-    `pipeline.virtual_stages` (not on the number of microbatches).
-
-    Args:
-      cfg: a `jax_overlap.config.Config`.
-      num_layers: stacked layers of the model (`model.num_layers`); default `cfg.model.layers`
-        (they differ for models that group blocks into units, e.g. ResNet).
-
-    Returns:
-      `staged_permutation(...)` for pp > 1 with a non-contiguous placement, else None.
-    """
-    if cfg.mesh.pp <= 1:
-        return None
-    from jax_overlap.pipeline.schedules import default_placement
-
-    p, v = cfg.mesh.pp, cfg.pipeline.virtual_stages
-    if cfg.pipeline.schedule == "zb-v":
-        v = 2  # zb-v always places two chunks per stage (see schedules.make_schedule)
-    n = cfg.model.layers if num_layers is None else num_layers
-    perm = _permutation(n, default_placement(cfg.pipeline.schedule, p, v), v)
-    return None if np.array_equal(perm, np.arange(n)) else perm
-
-
 def _permute_blocks(tree: Any, index: np.ndarray | None) -> Any:
     """Reorders axis 0 of every leaf under a 'blocks' key (params, grads, optimizer moments)."""
     if index is None:
@@ -107,7 +81,7 @@ def to_staged(tree: Any, perm: np.ndarray | None) -> Any:
 
     Args:
       tree: pytree in logical order.
-      perm: from `staged_permutation` / `layer_permutation`; None is the identity.
+      perm: from `staged_permutation` (the plan's `layer_perm`); None is the identity.
 
     Returns:
       The same tree with blocks in staged order.

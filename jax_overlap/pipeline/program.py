@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap, make_schedule
+from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap
 from jax_overlap.pipeline.validate import validate
 
 IDLE = 0  # branch 0 of every program
@@ -232,16 +232,3 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         table[t, d, COL["file_" + route]] = slot_of[(d, key)]
     return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
                        tuple(sorted(pairs["up"])), bool(pairs["self"]))
-
-
-def syncs_in_loop(overlap) -> bool:
-    """Whether a config reduces block gradients over dp inside the tick loop: with buckets
-    (`grad_bucket_mb > 0`), except under fsdp (reduce-scattered once after the loop)."""
-    return overlap.grad_bucket_mb > 0 and overlap.param_sharding != "fsdp"
-
-
-def program_for(cfg) -> TickProgram:
-    """The compiled schedule a config's pipeline runs."""
-    schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                             cfg.pipeline.virtual_stages, cfg.pipeline.transfer_latency)
-    return compile_program(schedule, syncs_in_loop(cfg.overlap))

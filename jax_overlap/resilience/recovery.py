@@ -103,55 +103,56 @@ def _replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def loop_shardings(model, cfg, mesh, optimizer) -> LoopState:
+def loop_shardings(model, cfg, plan, mesh, optimizer) -> LoopState:
     """NamedSharding of every leaf of the `LoopState` on `mesh` (extras are replicated).
 
     Args:
-      model, cfg, mesh, optimizer: as for `step.init_state`.
+      model, plan, mesh, optimizer: as for `step.init_state`; cfg: the run's config.
 
     Returns:
       A LoopState of shardings.
     """
     abstract_params = jax.eval_shape(model.init, jax.random.key(cfg.train.seed))
-    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, cfg.overlap)
+    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
     rep = _replicated(mesh)
     guard = GuardState(losses=rep, count=rep, consecutive_bad=rep)
     return LoopState(train=train, guard=guard, rollbacks=rep)
 
 
-def abstract_loop_state(model, cfg, mesh, optimizer) -> LoopState:
+def abstract_loop_state(model, cfg, plan, mesh, optimizer) -> LoopState:
     """ShapeDtypeStructs with the current mesh's shardings: the target a checkpoint restores to.
 
     Shapes come from tracing `init_state` (so they follow whatever layout it builds) and
     shardings from `loop_shardings`; nothing is allocated.
     """
-    train = jax.eval_shape(lambda: steplib.init_state(model, cfg, mesh, optimizer))
+    train = jax.eval_shape(lambda: steplib.init_state(model, plan, mesh, optimizer,
+                                                      cfg.train.seed))
     shapes = LoopState(train=train, guard=jax.eval_shape(lambda: guard_init(cfg.guard.window)),
                        rollbacks=jax.ShapeDtypeStruct((), jnp.int32))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, loop_shardings(model, cfg, mesh, optimizer))
+                        shapes, loop_shardings(model, cfg, plan, mesh, optimizer))
 
 
 def shardings_of(abstract: Any) -> Any:
     return jax.tree.map(lambda a: a.sharding, abstract)
 
 
-def make_initializer(model, cfg, mesh, optimizer) -> Callable[[], LoopState]:
+def make_initializer(model, cfg, plan, mesh, optimizer) -> Callable[[], LoopState]:
     """`() -> LoopState`: the run's initial state, compiled once however often it is called.
 
     `init_state` plus an empty guard and no rollbacks, built directly in its sharded layout.
     A rollback with no checkpoint to go back to calls it again, hence the single compile.
     """
     def build():
-        train = steplib.init_state(model, cfg, mesh, optimizer)
+        train = steplib.init_state(model, plan, mesh, optimizer, cfg.train.seed)
         return LoopState(train, guard_init(cfg.guard.window), jnp.zeros((), jnp.int32))
 
-    return jax.jit(build, out_shardings=loop_shardings(model, cfg, mesh, optimizer))
+    return jax.jit(build, out_shardings=loop_shardings(model, cfg, plan, mesh, optimizer))
 
 
-def init_loop_state(model, cfg, mesh, optimizer) -> LoopState:
+def init_loop_state(model, cfg, plan, mesh, optimizer) -> LoopState:
     """The run's initial state (see `make_initializer`)."""
-    return make_initializer(model, cfg, mesh, optimizer)()
+    return make_initializer(model, cfg, plan, mesh, optimizer)()
 
 
 def lr_scale(guard_cfg, rollbacks: int) -> float:
@@ -161,13 +162,6 @@ def lr_scale(guard_cfg, rollbacks: int) -> float:
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint layout: params are stored in the logical layer order, whatever the pipeline does
-
-
-def layer_permutation(cfg, num_layers: Optional[int] = None) -> Optional[np.ndarray]:
-    """The staged layer order of this config's train state (None: logical order already)."""
-    from jax_overlap.pipeline import layout
-
-    return layout.layer_permutation(cfg, num_layers)
 
 
 def to_checkpoint(loop: LoopState, perm: Optional[np.ndarray], shardings: LoopState) -> LoopState:
@@ -306,7 +300,7 @@ def make_fault_hook(faults: tuple[Fault, ...], rollbacks: jax.Array) -> Optional
 # The guarded step
 
 
-def make_guarded_step(model, cfg, mesh, optimizer) -> Callable:
+def make_guarded_step(model, cfg, plan, mesh, optimizer) -> Callable:
     """`step(loop, batch) -> (loop, metrics)`: the train step with guards and fault injection.
 
     See the module docstring for what accepted and rejected steps do. Metrics are the train
@@ -314,7 +308,8 @@ def make_guarded_step(model, cfg, mesh, optimizer) -> Callable:
     (= `batch_index`) and `version`, so the host needs no other transfer.
 
     Args:
-      model, cfg, mesh: as for `make_train_step`.
+      model, plan, mesh: as for `make_train_step`; cfg: the run's config (guard, faults,
+        learning-rate schedule).
       optimizer: the optimizer to step with (rebuilt with another LR scale after rollbacks).
 
     Returns:
@@ -326,7 +321,9 @@ def make_guarded_step(model, cfg, mesh, optimizer) -> Callable:
     def guarded(loop: LoopState, batch):
         # The hook closes over this trace's rollback count, so it is built per trace.
         hook = make_fault_hook(faults, loop.rollbacks)
-        inner = steplib.make_train_step(model, cfg, mesh, optimizer, fault_hook=hook, jit=False)
+        inner = steplib.make_train_step(model, plan, mesh, optimizer,
+                                        lr=steplib.lr_schedule(cfg.train), fault_hook=hook,
+                                        jit=False)
         updated, metrics = inner(loop.train, batch)
         if g.enabled:
             ok, guard = guard_update(loop.guard, metrics["loss"], metrics["grad_norm"],

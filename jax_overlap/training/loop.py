@@ -39,8 +39,8 @@ import jax
 import numpy as np
 
 from jax_overlap import model_api
+from jax_overlap import plan as plan_lib
 from jax_overlap.config import Config, ConfigError
-from jax_overlap.parallel.mesh import mesh_from_config
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience import recovery as resilience
 from jax_overlap.resilience.guard import RollbackPolicy
@@ -150,18 +150,21 @@ class _Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.is_main = jax.process_index() == 0
-        self.mesh = mesh_from_config(cfg, devices)
+        self.mesh = plan_lib.mesh_from_config(cfg, devices)
         self.model = model_api.build_model(cfg) if model is None else model
+        self.plan = plan_lib.ParallelPlan.build(cfg, self.model,
+                                                plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         # The LR scale changes the schedule, never the optimizer state's structure.
         self.abstract = resilience.abstract_loop_state(
-            self.model, cfg, self.mesh, steplib.make_optimizer(cfg.train))
+            self.model, cfg, self.plan, self.mesh, steplib.make_optimizer(cfg.train))
         self.shardings = resilience.shardings_of(self.abstract)
-        self.perm = resilience.layer_permutation(cfg, self.model.num_layers)
+        self.perm = self.plan.layer_perm
         self.policy = RollbackPolicy(cfg.guard.max_skips, cfg.guard.skip_batches,
                                      cfg.guard.lr_scale_on_rollback)
-        self.config_dict = cfg.to_dict()
+        # What the run trains with: the config with every `auto` knob resolved by the plan.
+        self.config_dict = self.plan.resolved_config(cfg).to_dict()
         ck = cfg.checkpoint
         self.ckpt_dir = ck.dir or os.path.join(run_dir, "checkpoints")
         self.ckpt = None
@@ -184,7 +187,7 @@ class _Trainer:
         self._streak = resilience.RollbackStreak()
         self._step_fns: dict[float, Any] = {}
         # The LR scale does not enter the initial state; compiled on first use.
-        self._initial = resilience.make_initializer(self.model, cfg, self.mesh,
+        self._initial = resilience.make_initializer(self.model, cfg, self.plan, self.mesh,
                                                     steplib.make_optimizer(cfg.train))
 
     # ---- entry point --------------------------------------------------------------------
@@ -269,7 +272,7 @@ class _Trainer:
         fresh = scale not in self._step_fns
         if fresh:
             self._step_fns = {scale: resilience.make_guarded_step(
-                self.model, self.cfg, self.mesh, self._optimizer(rollbacks))}
+                self.model, self.cfg, self.plan, self.mesh, self._optimizer(rollbacks))}
         return self._step_fns[scale], fresh
 
     def _train(self, loop):
@@ -398,7 +401,7 @@ class _Trainer:
         tokens_per_s = (self.tokens_per_step * len(self.times) / sum(self.times)
                         if self.times else 0.0)
         committed = self.ckpt.committed_steps() if self.ckpt is not None else []
-        extra = {"mesh": {"dp": self.cfg.mesh.dp, "pp": self.cfg.mesh.pp, "tp": self.cfg.mesh.tp},
+        extra = {"mesh": self.plan.axis_sizes,
                  "median_step_time_s": median if self.times else None,
                  "final_step": host.step, "resumed_from": self.resumed_from,
                  "skipped_checkpoints": self.skipped_checkpoints,

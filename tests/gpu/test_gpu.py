@@ -36,6 +36,8 @@ def _mesh_overrides(n: int) -> list[str]:
 def test_loss_and_grads_match_reference_on_gpu(precision, tol):
     from jax_overlap import config
     from jax_overlap.parallel import mesh as meshlib
+    from jax_overlap.plan import ParallelPlan
+    from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
     from models.gpt import GPT
 
@@ -45,9 +47,9 @@ def test_loss_and_grads_match_reference_on_gpu(precision, tol):
     with jax.default_matmul_precision("highest"):
         params = model.init(jax.random.key(0))
         ref_loss, ref_grads = jax.value_and_grad(
-            lambda p: steplib.reference_loss(model, p, batch))(params)
+            lambda p: gradslib.reference_loss(model, p, batch))(params)
         mesh = meshlib.make_mesh(cfg.mesh.dp, 1, cfg.mesh.tp, GPUS)
-        loss, grads = jax.jit(steplib.make_loss_and_grads(model, cfg, mesh))(
+        loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
             jax.device_put(params, steplib.param_shardings(model, mesh)),
             steplib.put_batch(batch, mesh))
     assert rel(float(loss), float(ref_loss)) <= tol

@@ -1,0 +1,76 @@
+"""Per-device memory of a transformer train step, estimated from shapes alone (no tracing).
+
+Used where a decision has to be made before anything is compiled: the plan's automatic
+microbatching, `analyze`'s hints and the calibrated cost model's stash sizes. The estimate
+counts what a step keeps alive at its peak:
+
+* state: fp32 parameters, gradients and Adam's two moments per parameter stored on the
+  device (TP splits blocks, the vocabulary and the MLP; PP splits the layers; ZeRO-1 splits
+  the moments over dp; FSDP splits the blocks' parameters, gradients and moments over dp),
+  plus a bf16 copy of the parameters under bf16 precision;
+* activations of one microbatch: every layer's residuals for its backward at pp = 1
+  (`layer_residual_bytes`), and at pp > 1 the stage's stashed chunk inputs (one per
+  microbatch in flight, at most `pp`) plus one chunk's residuals while it backpropagates;
+* the fp32 logits and their gradient on the last stage.
+
+It is an estimate, not XLA's number: XLA's buffer assignment adds temporaries and, when it
+overlaps collectives, keeps some buffers alive longer; callers keep headroom for that.
+"""
+
+from __future__ import annotations
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes per activation element: 2 under bf16 compute, else 4."""
+    return 2 if precision == "bf16" else 4
+
+
+def layer_residual_bytes(model, micro_batch: int, tp: int, precision: str) -> float:
+    """Residual bytes one transformer layer keeps for its backward, for one microbatch on one
+    TP rank: per token the norm and matmul inputs (4 d, not TP-split), q, k, v, the attention
+    output and both MLP hidden tensors (4 d + 2 d_ff, split) and the attention probabilities
+    (heads x T, split)."""
+    tokens = micro_batch * model.seq_len
+    width = 4 * model.d_model + (4 * model.d_model + 2 * model.d_ff
+                                 + model.heads * model.seq_len) / tp
+    return tokens * dtype_bytes(precision) * width
+
+
+def param_elements(model) -> tuple[float, float]:
+    """(embedding + head elements, elements of one block) of a GPT/BERT-shaped model."""
+    d, f = model.d_model, model.d_ff
+    embed = model.vocab * d + model.seq_len * d + 2 * d
+    if not getattr(model, "tied_embeddings", True):
+        embed += model.vocab * d
+    block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv + out, MLP, biases and norms
+    return float(embed), float(block)
+
+
+def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
+               zero1: bool = False, fsdp: bool = False) -> float:
+    """Estimated peak bytes per device of one train step (see the module docstring).
+
+    Args:
+      model: the model config (`cfg.model`: layers, d_model, heads, d_ff, vocab, seq_len).
+      micro_batch: sequences per microbatch on one replica.
+      tp, pp, dp: mesh axis sizes.
+      precision: "fp32" or "bf16".
+      zero1: Adam's moments split over dp.
+      fsdp: block parameters, gradients and moments split over dp.
+    """
+    embed, block = param_elements(model)
+    layers = model.layers / pp
+    block_elems = layers * block / tp / (dp if fsdp else 1)
+    embed_elems = embed / tp
+    elems = block_elems + embed_elems
+    moments = 8 * (elems / dp if zero1 and not fsdp else elems)
+    state = elems * (4 + 4) + moments + (2 * elems if precision == "bf16" else 0)
+    tokens = micro_batch * model.seq_len
+    residual = layer_residual_bytes(model, micro_batch, tp, precision)
+    if pp == 1:
+        acts = model.layers * residual
+    else:
+        stash = pp * tokens * model.d_model * dtype_bytes(precision)
+        acts = stash + layers * residual
+    logits = 2 * tokens * model.vocab / tp * 4
+    return float(state + acts + logits)

@@ -1,0 +1,370 @@
+"""The parallel plan: every decision about the mesh, the pipeline and the overlap, made once.
+
+`ParallelPlan.build(cfg, model, target)` reads the config's `mesh`, `pipeline` and `overlap`
+sections -- the only module below the CLI, the training loop and the tuner that does -- and
+resolves them into plain values: the axis sizes, the microbatch count, the schedule with its
+transfer latency and its compiled tick program, the staged layer order, the overlap choices
+(bucket size in bytes, ZeRO-1, FSDP window, TP communication) and, given a model, the DP
+layout with its bucket plans. The step, the executor, the checkpoint code and the analysis take
+the plan (or plain values from it) and never look at the config's parallel sections again.
+
+Knobs left at `auto` are chosen here for the target the step runs on (`Target`): with tp > 1
+on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two) and
+the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows and the step within
+`MEMORY_BUDGET` of the device's memory; on a CPU, where every collective is synchronous and
+wall time follows total work, plain TP and no extra microbatches. `ParallelPlan.choices` says
+what was picked and why; `resolved_config` writes the choices back into the config (the run's
+config.json holds them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jax_overlap.config import Config, ConfigError
+from jax_overlap.pipeline.program import TickProgram, compile_program
+from jax_overlap.pipeline.schedules import Schedule, make_schedule
+
+MIB = 2**20
+
+# GEMM rows per microbatch (sequences x positions) that auto microbatching aims for on a GPU:
+# large enough that the matmuls run near peak, small enough that one microbatch's activations
+# leave XLA's latency-hiding scheduler room to keep collectives in flight (it serialises them
+# when the step would not fit otherwise).
+MICROBATCH_TOKENS = 8192
+# Share of device memory the estimated step may take under auto microbatching; the rest is
+# headroom for the buffers that overlapping keeps alive longer and for XLA's own temporaries.
+MEMORY_BUDGET = 0.6
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the step runs on, as far as the plan's automatic choices care.
+
+    Attributes:
+      name: "cpu", or a GPU's short name ("h100") or device kind.
+      accelerator: whether collectives run asynchronously beside compute (GPU).
+      memory_bytes: device memory, None where unknown (no memory check then).
+    """
+
+    name: str = "cpu"
+    accelerator: bool = False
+    memory_bytes: float | None = None
+
+    @classmethod
+    def of_devices(cls, devices) -> "Target":
+        """The target of the devices a run uses (the first one's platform and memory)."""
+        d = devices[0]
+        if d.platform == "cpu":
+            return cls()
+        memory = None
+        try:
+            memory = (d.memory_stats() or {}).get("bytes_limit")
+        except Exception:  # noqa: BLE001 - memory stats are optional on some backends
+            memory = None
+        return cls(getattr(d, "device_kind", d.platform), True, memory)
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    """The resolved overlap choices, as plain values.
+
+    Attributes:
+      grad_bucket_bytes: DP gradient bucket size; 0 = one reduction per leaf after the backward.
+      bucket_order: "backward" or "largest_first".
+      embed_before_first_layer: issue the embedding's buckets ahead of the first layer's.
+      zero1: optimizer state split over dp (reduce-scatter, then all-gather the parameters).
+      grad_comm_dtype: "fp32" or "bf16", the dtype gradients travel in.
+      fsdp: block parameters stored split over dp, gathered `window` blocks ahead.
+      window: FSDP prefetch depth.
+      tp_comm: "plain", "sequence_parallel" or "collective_matmul".
+      cm_direction: collective matmul ring, "uni" or "bi".
+      xla_preset: XLA flag preset name, or "none".
+    """
+
+    grad_bucket_bytes: int = 0
+    bucket_order: str = "backward"
+    embed_before_first_layer: bool = False
+    zero1: bool = False
+    grad_comm_dtype: str = "fp32"
+    fsdp: bool = False
+    window: int = 2
+    tp_comm: str = "plain"
+    cm_direction: str = "uni"
+    xla_preset: str = "none"
+
+    @property
+    def buckets_in_loop(self) -> bool:
+        """Whether the pipeline reduces block gradients inside the tick loop: with buckets,
+        except under fsdp (reduce-scattered once after the loop)."""
+        return self.grad_bucket_bytes > 0 and not self.fsdp
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A knob the plan chose because the config said `auto`."""
+
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Everything below the config needs to know about the parallel layout of a step.
+
+    Attributes:
+      dp, pp, tp: mesh axis sizes.
+      microbatches: per data-parallel replica per step.
+      micro_batch: sequences per microbatch on one replica.
+      schedule: the pipeline schedule (pp > 1), with its transfer latency; else None.
+      program: the schedule compiled into the executor's tick tables (pp > 1); else None.
+      layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement).
+      overlap: the resolved overlap choices.
+      compute_dtype: "fp32" or "bf16" (train.precision).
+      target: the target the automatic choices were made for.
+      choices: the `auto` knobs, by config key, with what was picked and why.
+      layout: the DP layout of the model's parameters (`overlap.dp_layout.DpLayout`), when the
+        plan was built with a model.
+      chunk_buckets: pp > 1 with in-loop buckets: the bucket plan of one chunk's layers.
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    microbatches: int
+    micro_batch: int
+    schedule: Schedule | None
+    program: TickProgram | None
+    layer_perm: np.ndarray | None
+    overlap: OverlapPlan
+    compute_dtype: str = "fp32"
+    target: Target = Target()
+    choices: dict[str, Choice] = field(default_factory=dict)
+    layout: Any = None
+    chunk_buckets: Any = None
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.schedule.virtual_stages if self.schedule is not None else 1
+
+    @property
+    def transfer_latency(self) -> int:
+        return self.schedule.transfer_latency if self.schedule is not None else 1
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def split_backward(self) -> bool:
+        return self.schedule is not None and self.schedule.split_backward
+
+    def parallel(self):
+        """The TP context the model's per-device functions receive inside the step."""
+        import jax.numpy as jnp
+
+        from jax_overlap.parallel.collectives import Parallel
+        from jax_overlap.parallel.mesh import TP
+
+        dtype = jnp.bfloat16 if self.compute_dtype == "bf16" else jnp.float32
+        return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
+                        tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction)
+
+    def with_program(self, program: TickProgram) -> "ParallelPlan":
+        """The same plan running another tick program (benchmarks time hand-made tables)."""
+        return dataclasses.replace(self, program=program, schedule=program.schedule)
+
+    def resolved_config(self, cfg: Config) -> Config:
+        """`cfg` with every `auto` knob replaced by the plan's choice."""
+        out = cfg
+        for key, choice in self.choices.items():
+            section, name = key.split(".")
+            out = dataclasses.replace(out, **{section: dataclasses.replace(
+                getattr(out, section), **{name: choice.value})})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data summary for reports: sizes, schedule and the automatic choices."""
+        return {
+            "mesh": self.axis_sizes,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule.name if self.schedule is not None else None,
+            "transfer_latency": self.transfer_latency,
+            "overlap": dataclasses.asdict(self.overlap),
+            "target": self.target.name,
+            "choices": {k: {"value": c.value, "why": c.why} for k, c in self.choices.items()},
+        }
+
+    # ------------------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, cfg: Config, model: Any = None, target: Target | None = None
+              ) -> "ParallelPlan":
+        """Resolves the config's parallel sections for `target` (default: a CPU).
+
+        Args:
+          cfg: a validated config.
+          model: the `StagedModel` to lay out; without one the plan has no `layout` (the
+            analytic tools -- simulator, tuner -- need none).
+          target: what the step runs on; decides the `auto` knobs.
+
+        Raises:
+          ConfigError: one line per problem, e.g. no microbatch count fits the batch.
+        """
+        target = target or Target()
+        m, pl, ov = cfg.mesh, cfg.pipeline, cfg.overlap
+        choices: dict[str, Choice] = {}
+        tp_comm, direction = _resolve_tp(cfg, target, choices)
+        overlap = OverlapPlan(
+            grad_bucket_bytes=int(ov.grad_bucket_mb * MIB),
+            bucket_order=ov.bucket_order,
+            embed_before_first_layer=ov.embed_before_first_layer,
+            zero1=ov.zero1,
+            grad_comm_dtype=ov.grad_comm_dtype,
+            fsdp=ov.param_sharding == "fsdp",
+            window=ov.window,
+            tp_comm=tp_comm,
+            cm_direction=direction,
+            xla_preset=ov.xla_preset,
+        )
+        microbatches = _resolve_microbatches(cfg, target, overlap, choices)
+        schedule = program = perm = None
+        if m.pp > 1:
+            try:
+                schedule = make_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
+                                         pl.transfer_latency)
+            except ValueError as e:
+                raise ConfigError([str(e)]) from None
+            program = compile_program(schedule, overlap.buckets_in_loop)
+            num_layers = model.num_layers if model is not None else cfg.model.layers
+            perm = _layer_permutation(num_layers, schedule)
+        plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
+                   micro_batch=cfg.train.global_batch // (m.dp * microbatches),
+                   schedule=schedule, program=program, layer_perm=perm, overlap=overlap,
+                   compute_dtype=cfg.train.precision, target=target, choices=choices)
+        if model is not None:
+            from jax_overlap.overlap import dp_layout
+
+            layout = dp_layout.dp_layout(model, overlap, plan.axis_sizes)
+            chunk = None
+            if m.pp > 1 and overlap.buckets_in_loop:
+                chunk = dp_layout.chunk_bucket_plan(
+                    model, overlap, plan.axis_sizes, model.num_layers // plan.num_virtual_stages)
+            plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk)
+        return plan
+
+
+def _layer_permutation(num_layers: int, schedule: Schedule) -> np.ndarray | None:
+    from jax_overlap.pipeline.layout import staged_permutation
+
+    perm = staged_permutation(num_layers, schedule)
+    return None if np.array_equal(perm, np.arange(num_layers)) else perm
+
+
+def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tuple[str, str]:
+    """`overlap.tp_comm` and `overlap.collective_matmul_direction`, `auto` resolved."""
+    m, ov, mo = cfg.mesh, cfg.overlap, cfg.model
+    tp_comm = ov.tp_comm
+    if tp_comm == "auto":
+        if m.tp == 1:
+            tp_comm, why = "plain", "tp = 1: no tensor-parallel collectives"
+        elif not target.accelerator:
+            tp_comm, why = "plain", ("CPU: collectives run synchronously, so the ring steps of "
+                                     "collective matmul would only add work")
+        elif mo.kind not in ("gpt", "bert") or mo.seq_len % m.tp:
+            tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
+                                     f"multiple of tp={m.tp}")
+        else:
+            tp_comm, why = "collective_matmul", (
+                f"tp={m.tp} on {target.name}: each block's all-gather and reduce-scatter run as "
+                f"ring steps under the partial matmuls")
+        choices["overlap.tp_comm"] = Choice(tp_comm, why)
+    direction = ov.collective_matmul_direction
+    if direction == "auto":
+        t_local = mo.seq_len // m.tp if m.tp else mo.seq_len
+        if tp_comm == "collective_matmul" and t_local % 2 == 0:
+            direction, why = "bi", "two ring directions: half the steps, each under a matmul"
+        elif tp_comm == "collective_matmul":
+            direction, why = "uni", f"seq_len / tp = {t_local} is odd: bi needs it even"
+        else:
+            direction, why = "uni", "no collective matmul"
+        choices["overlap.collective_matmul_direction"] = Choice(direction, why)
+    return tp_comm, direction
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
+                          choices: dict[str, Choice]) -> int:
+    """`pipeline.microbatches`, `auto` resolved (an explicit count is returned as is)."""
+    m, pl = cfg.mesh, cfg.pipeline
+    if pl.microbatches != "auto":
+        return pl.microbatches
+    per_replica = cfg.train.global_batch // m.dp
+    group = m.pp * pl.transfer_latency if pl.schedule == "interleaved" and m.pp > 1 else 1
+    least = m.pp if m.pp > 1 and pl.schedule != "gpipe" else 1
+    valid = [n for n in _divisors(per_replica) if n >= least and n % group == 0]
+    if not valid:
+        raise ConfigError([
+            f"pipeline.microbatches: auto finds no count that divides the {per_replica} "
+            f"sequences per replica (train.global_batch / mesh.dp) and suits "
+            f"{pl.schedule} on {m.pp} stages; set pipeline.microbatches or train.global_batch"])
+    if m.pp > 1:  # fill the pipeline twice over where the batch allows: less bubble
+        valid = [n for n in valid if n >= 2 * m.pp] or valid[-1:]
+    if not target.accelerator:
+        n = valid[0]
+        why = ("CPU: wall time follows total work, so the fewest microbatches"
+               + (" that fill the pipeline twice" if m.pp > 1 else ""))
+        choices["pipeline.microbatches"] = Choice(n, why)
+        return n
+    from jax_overlap.analysis.memory import step_bytes
+
+    budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
+    for n in valid:
+        b = per_replica // n
+        need = step_bytes(cfg.model, b, m.tp, m.pp, m.dp, cfg.train.precision,
+                          zero1=overlap.zero1, fsdp=overlap.fsdp)
+        if b * cfg.model.seq_len <= MICROBATCH_TOKENS and (budget is None or need <= budget):
+            why = (f"{b} sequences x {cfg.model.seq_len} positions per microbatch: GEMMs of "
+                   f"{b * cfg.model.seq_len} rows, ~{need / 1e9:.0f} GB per device estimated")
+            if budget is not None:
+                why += f" (budget {budget / 1e9:.0f} GB)"
+            choices["pipeline.microbatches"] = Choice(n, why)
+            return n
+    n = valid[-1]
+    choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "
+                                                 "step may still not fit the device's memory")
+    return n
+
+
+def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
+    """The config's (dp, pp, tp) mesh over `devices` (default: all devices of the job, which
+    must match)."""
+    import jax
+
+    from jax_overlap.config import check_device_count
+    from jax_overlap.parallel.mesh import make_mesh
+
+    devices = jax.devices() if devices is None else devices
+    check_device_count(cfg, len(devices))
+    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)

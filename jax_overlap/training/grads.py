@@ -1,0 +1,201 @@
+"""Loss and gradients of one step without a pipeline (pp = 1), in one `shard_map`.
+
+Data flow on a (dp, 1, tp) mesh:
+  batch (B, ...) split over dp -> microbatches -> model (TP collectives inside blocks)
+  -> gradients, explicitly summed over dp (buckets, ZeRO-1 scatter, FSDP reduce-scatter).
+
+The DP reduction is ours, not autodiff's: parameters are marked dp-varying before
+differentiation, so JAX's implicit reductions do not fire and we choose where each `psum` goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap.overlap import buckets, fsdp
+from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
+from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.compat import shard_map, to_varying
+from jax_overlap.parallel.mesh import DP, TP
+
+
+def microbatched(tree: Any, microbatches: int) -> Any:
+    """(B, ...) -> (M, B/M, ...): microbatch i takes rows [i*B/M, (i+1)*B/M)."""
+    return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches,
+                                            *x.shape[1:]), tree)
+
+
+def tree_zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _scan_layers(model, par: Parallel) -> Callable:
+    """The plain layer stack: one scan over the stacked 'blocks' parameters."""
+
+    def run(blocks, x):
+        def layer(x, p_layer):
+            return model.block(p_layer, x, par), None
+
+        return jax.lax.scan(layer, x, blocks)[0]
+
+    return run
+
+
+def _loss_sum(model, params, batch, par: Parallel, layers: Callable | None = None):
+    x = model.embed(params["embed"], batch["inputs"], par)
+    x = (layers or _scan_layers(model, par))(params["blocks"], x)
+    return model.head_loss(params["embed"], params["head"], x, batch["targets"], par)
+
+
+def reference_loss(model, params, batch) -> jax.Array:
+    """Mean loss on one device, no collectives: the ground truth every mesh must reproduce."""
+    return _loss_sum(model, params, batch, Parallel()) / model.loss_count(batch["targets"])
+
+
+def _mark_varying(tree: Any, specs: Any, axes: tuple[str, ...], dp_only=frozenset()) -> Any:
+    """Leaves marked varying over each of `axes` they are stored replicated over (a leaf
+    split over an axis already varies over it); leaves in `dp_only` over dp at most."""
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    out = []
+    for i, (x, s) in enumerate(zip(leaves, spec_leaves)):
+        present = _spec_axes(s)
+        todo = tuple(a for a in ((DP,) if i in dp_only else axes) if a not in present)
+        out.append(to_varying(x, todo))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _spec_axes(spec) -> set[str]:
+    return set(buckets.spec_axes(tuple(spec)))
+
+
+def make_loss_and_grads(model, plan, mesh) -> Callable:
+    """(params, batch) -> (mean loss, grads), both global; one shard_map over the mesh (pp = 1).
+
+    Microbatches are accumulated with a scan and the dp reduction follows `plan.overlap`:
+      grad_bucket_bytes 0: one reduction per leaf after the whole backward (the baseline);
+      grad_bucket_bytes > 0: the last microbatch runs with its layers unrolled and a bucket
+        hook per bucket (`buckets.BucketHooks`), so each bucket's collective is issued inside
+        that backward as soon as its last gradient exists;
+      zero1: reductions are psum_scatter, gradients leave split over dp (`DpLayout`);
+      fsdp: blocks run through `fsdp.windowed_blocks` and are reduce-scattered per block in
+        their backward; only embedding/head gradients go through buckets.
+
+    Args:
+      model: a `StagedModel`.
+      plan: a `ParallelPlan` built with this model (its `layout` is used).
+      mesh: the (dp, pp, tp) mesh.
+    """
+    par = plan.parallel()
+    microbatches = plan.microbatches
+    ov = plan.overlap
+    axis_sizes = dict(mesh.shape)
+    dp = axis_sizes[DP]
+    layout = plan.layout
+    layers = _scan_layers(model, par)
+    if layout.fsdp is not None:
+        layers = fsdp.windowed_blocks(lambda p, x: model.block(p, x, par), layout.fsdp,
+                                      ov.window, DP, dp, ov.grad_comm_dtype)
+    fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
+    marked = (DP, TP) if layout.plan is not None else (DP,)
+
+    def per_device(params, batch):
+        # Global divisor first, so every partial loss is already scaled to the global mean.
+        count = jax.lax.psum(model.loss_count(batch["targets"]), DP)
+        # Marked varying, parameters get per-device gradients and no implicit reduction:
+        # over dp always; over tp too for in-backward buckets (TP-replicated leaves then
+        # get partial sums that their bucket reduces over (dp, tp)).
+        local_params = _mark_varying(params, layout.param_specs, marked, fsdp_leaves)
+
+        def microbatch_step(carry, mb):
+            loss_acc, grads_acc = carry
+            loss, grads = jax.value_and_grad(
+                lambda p: _loss_sum(model, p, mb, par, layers) / count)(local_params)
+            return (loss_acc + loss, tree_add(grads_acc, grads)), None
+
+        zero = (to_varying(jnp.zeros((), jnp.float32), (DP,)), tree_zeros_like(local_params))
+        mbs = microbatched(batch, microbatches)
+        if layout.plan is None:
+            (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
+            leaves, treedef = jax.tree.flatten(grads)
+            dims = treedef.flatten_up_to(layout.split_dims)
+            todo = [i for i in range(len(leaves)) if i not in fsdp_leaves]
+            reduced = buckets.reduce_gradients([leaves[i] for i in todo], ov.grad_bucket_bytes,
+                                                ov.grad_comm_dtype, DP, [dims[i] for i in todo])
+            for i, g in zip(todo, reduced):
+                leaves[i] = g
+            return jax.lax.psum(loss, DP), jax.tree.unflatten(treedef, leaves)
+
+        earlier = jax.tree.map(lambda x: x[:-1], mbs)
+        last = jax.tree.map(lambda x: x[-1], mbs)
+        (loss, acc), _ = (jax.lax.scan(microbatch_step, zero, earlier) if microbatches > 1
+                          else (zero, None))
+        # The last microbatch's forward does not depend on the earlier ones; without the
+        # barrier XLA may run it first and keep its activations alive through them.
+        acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
+        loss_last, grads = _bucketed_last_microbatch(
+            model, par, layout, layers, local_params, acc, last, count, axis_sizes, marked,
+            ov.grad_comm_dtype)
+        return jax.lax.psum(loss + loss_last, DP), grads
+
+    batch_in = {"inputs": P(DP), "targets": P(DP)}
+    return shard_map(per_device, mesh, in_specs=(layout.param_specs, batch_in),
+                     out_specs=(P(), layout.grad_specs))
+
+
+def _bucketed_last_microbatch(model, par, layout: DpLayout, layers, params, acc, mb, count,
+                              axis_sizes: dict[str, int], marked: tuple[str, ...],
+                              comm_dtype: str):
+    """Loss and fully reduced gradients of the last microbatch, buckets issued in its backward.
+
+    The layers are unrolled so that each bucket hook sits at its own layer (a scan body is
+    one computation per layer and would have to finish each reduction inside it). The
+    gradient is taken with respect to the bucket sinks (their gradients are the reduced
+    buffers) and, under fsdp, the stored block shards (their gradients are reduce-scattered
+    inside `fsdp.windowed_blocks`).
+    """
+    plan = layout.plan
+    leaves, treedef = jax.tree.flatten(params)
+    acc_leaves = jax.tree.leaves(acc)
+    sub_defs = {k: jax.tree.structure(params[k]) for k in params}
+    offsets, start = {}, 0
+    for k in sorted(params):
+        offsets[k] = start
+        start += sub_defs[k].num_leaves
+    direct = params["blocks"] if layout.fsdp is not None else {}
+
+    def loss_fn(sinks, direct):
+        hooks = buckets.BucketHooks(plan, leaves, acc_leaves, sinks, axis_sizes, marked,
+                                    comm_dtype)
+
+        def subtree(key, layer=None):
+            n = sub_defs[key].num_leaves
+            return jax.tree.unflatten(sub_defs[key], [hooks.value(offsets[key] + i, layer)
+                                                      for i in range(n)])
+
+        hooks.enter(0)
+        x = model.embed(subtree("embed"), mb["inputs"], par)
+        if layout.fsdp is not None:
+            x = layers(direct, x)
+        else:
+            for layer in range(model.num_layers):
+                hooks.enter(1 + layer)
+                x = model.block(subtree("blocks", layer), x, par)
+        hooks.enter(model.num_layers + 1)
+        return model.head_loss(subtree("embed"), subtree("head"), x, mb["targets"], par) / count
+
+    sinks = buckets.make_sinks(plan, axis_sizes, marked)
+    loss, (reduced, g_direct) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, direct)
+    by_leaf = buckets.assemble(plan, reduced, axis_sizes)
+    if layout.fsdp is not None:
+        for i, g in enumerate(jax.tree.leaves(g_direct)):
+            by_leaf[offsets["blocks"] + i] = acc_leaves[offsets["blocks"] + i] + g
+    return loss, jax.tree.unflatten(treedef, [by_leaf[i] for i in range(len(leaves))])
