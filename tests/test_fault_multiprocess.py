@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO, TINY, last_json_line
 from test_resume import DRIVER, cli_env, read_metrics, step_records
 
-from jax_overlap.resilience.recovery import EXIT_FAILED, EXIT_PEER_FAILED
+from jax_overlap.resilience.watchdog import EXIT_FAILED, EXIT_PEER_FAILED
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]

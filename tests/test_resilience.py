@@ -13,8 +13,22 @@ from jax_overlap import config, model_api
 from jax_overlap import plan as plan_lib
 from jax_overlap.config import ConfigError
 from jax_overlap.plan import ParallelPlan
-from jax_overlap.resilience import recovery as resilience
-from jax_overlap.resilience.recovery import Fault, MemoryBoard, Watchdog
+from jax_overlap.resilience.ckpt_layout import checkpoint_mismatch
+from jax_overlap.resilience.faults import Fault, make_fault_hook, planned_faults
+from jax_overlap.resilience.guarded_step import make_guarded_step
+from jax_overlap.resilience.loop_state import abstract_loop_state, init_loop_state
+from jax_overlap.resilience.rollback import (
+    MAX_ROLLBACKS_WITHOUT_PROGRESS,
+    RollbackStreak,
+    note_rollback,
+    plan_rollback,
+)
+from jax_overlap.resilience.watchdog import (
+    EXIT_FAILED,
+    EXIT_PEER_FAILED,
+    MemoryBoard,
+    Watchdog,
+)
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import TrainState
@@ -45,37 +59,37 @@ def bits_equal(a, b):
 def test_rollback_resumes_data_past_the_bad_batches():
     # Stuck at step 7 having consumed batches up to 10 (4 rejected attempts: 7, 8, 9, 10);
     # the checkpoint is at step 4 and one more batch is skipped.
-    plan = resilience.plan_rollback(from_step=7, next_batch=11, to_step=4, skip_batches=1,
-                                    reason="r")
+    plan = plan_rollback(from_step=7, next_batch=11, to_step=4, skip_batches=1,
+                         reason="r")
     assert plan.resume_batch == 12 and plan.steps_lost == 3
     assert plan.to_step + plan.data_offset == 12  # batch_index of the restored state
-    assert resilience.plan_rollback(0, 3, 0, 0, "r").data_offset == 3
+    assert plan_rollback(0, 3, 0, 0, "r").data_offset == 3
     with pytest.raises(ValueError, match="ahead"):
-        resilience.plan_rollback(3, 5, 4, 1, "r")
+        plan_rollback(3, 5, 4, 1, "r")
 
 
 def test_rollback_streak_counts_only_rollbacks_without_progress():
-    streak = resilience.RollbackStreak()
+    streak = RollbackStreak()
     for step in (5, 9):  # two faults at different steps: progress in between
-        streak = resilience.note_rollback(streak, step)
+        streak = note_rollback(streak, step)
         assert streak.stalled == 1
     for n in range(2, 5):  # the same spot failing again and again, or earlier
-        streak = resilience.note_rollback(streak, 9 if n % 2 else 7)
+        streak = note_rollback(streak, 9 if n % 2 else 7)
         assert streak == (9, n)
-    assert streak.stalled > resilience.MAX_ROLLBACKS_WITHOUT_PROGRESS
-    assert resilience.note_rollback(streak, 10) == (10, 1)
+    assert streak.stalled > MAX_ROLLBACKS_WITHOUT_PROGRESS
+    assert note_rollback(streak, 10) == (10, 1)
 
 
 def test_fault_plan_fires_until_rolled_back_past():
     cfg = config.load(TINY, ["fault.nan_at_step=5", "fault.spike_at_step=2"])
-    faults = resilience.planned_faults(cfg.fault)
+    faults = planned_faults(cfg.fault)
     assert faults == (Fault(2, "spike"), Fault(5, "nan"))
-    assert resilience.make_fault_hook((), jnp.int32(0)) is None
+    assert make_fault_hook((), jnp.int32(0)) is None
     grads = {"w": jnp.array([1.5, -2.0], jnp.float32)}
     loss = jnp.float32(3.25)
 
     def play(step, rollbacks):
-        hook = resilience.make_fault_hook(faults, jnp.int32(rollbacks))
+        hook = make_fault_hook(faults, jnp.int32(rollbacks))
         state = TrainState(jnp.int32(step), None, None, None, jnp.int32(0), jnp.int32(0))
         return hook(state, loss, grads)
 
@@ -97,12 +111,12 @@ def test_checkpoint_mismatch_names_the_leaf():
     wider = {"checksums": {"['w']": {"shape": [4, 16], "dtype": "float32"},
                            "['b']": {"shape": [8], "dtype": "float32"}}}
     fewer = {"checksums": {"['w']": {"shape": [4, 8], "dtype": "float32"}}}
-    assert resilience.checkpoint_mismatch([], abstract) is None
-    assert resilience.checkpoint_mismatch([(9, wider), (4, same)], abstract) is None
-    msg = resilience.checkpoint_mismatch([(9, wider)], abstract)
+    assert checkpoint_mismatch([], abstract) is None
+    assert checkpoint_mismatch([(9, wider), (4, same)], abstract) is None
+    msg = checkpoint_mismatch([(9, wider)], abstract)
     assert "step 9" in msg and "['w'] is float32[4, 16] there, float32[4, 8] here" in msg
-    assert "lacks ['b']" in resilience.checkpoint_mismatch([(3, fewer)], abstract)
-    assert resilience.checkpoint_mismatch([(3, {"garbage": 1})], abstract) is None
+    assert "lacks ['b']" in checkpoint_mismatch([(3, fewer)], abstract)
+    assert checkpoint_mismatch([(3, {"garbage": 1})], abstract) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,10 +203,10 @@ def test_watchdog_diagnoses_an_error_of_the_main_thread(peer_alive):
     d0.__exit__(RuntimeError, error, None)  # as when the main thread's step raised
     (message, code), = exits
     if peer_alive:  # then the error is ours: published, so process 1 stops naming us
-        assert code == resilience.EXIT_FAILED and message.startswith("process 0 failed")
+        assert code == EXIT_FAILED and message.startswith("process 0 failed")
         assert d1.peer_failure().startswith("process 0 failed (RuntimeError: Gloo")
     else:  # process 1's beat froze: it is the lost one, and the board says so
-        assert code == resilience.EXIT_PEER_FAILED
+        assert code == EXIT_PEER_FAILED
         assert message.startswith("lost process 1 (no sign of life for 3 s; here: RuntimeError")
         assert json.loads(board.get("jax_overlap/failed"))["process"] == 1
     assert clock.t >= 3.0  # waited for the grace period
@@ -202,7 +216,7 @@ def test_watchdog_prefers_a_failure_the_peer_published():
     board, clock, (d0, d1), exits = pair()
     d1.fail(1, "ValueError: bad batch")
     d0.__exit__(RuntimeError, RuntimeError("Connection closed by peer"), None)
-    assert exits == [(d0.peer_failure(), resilience.EXIT_PEER_FAILED)]
+    assert exits == [(d0.peer_failure(), EXIT_PEER_FAILED)]
     assert clock.t == 0.0  # no waiting needed
 
 
@@ -218,7 +232,7 @@ def test_watchdog_thread_exits_on_a_peer_failure_and_single_process_starts_none(
         board.set("jax_overlap/failed", json.dumps({"process": 1, "reason": "OOM"}))
         assert fired.wait(5)
     assert exits[0][0].startswith("process 1 failed (OOM)")
-    assert exits[0][1] == resilience.EXIT_PEER_FAILED
+    assert exits[0][1] == EXIT_PEER_FAILED
     lone = Watchdog(None, 0, 1, 60)
     with lone:
         assert not lone.active and lone._thread is None
@@ -244,11 +258,12 @@ def test_guarded_step_accepts_like_the_plain_step_and_skips_a_nan(tiny_mesh_setu
     cfg, mesh, model, optimizer = tiny_mesh_setup
     from helpers import np_batch
 
-    guarded = resilience.make_guarded_step(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer)
-    plain = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
-    loop = resilience.init_loop_state(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer)
+    plan = ParallelPlan.build(cfg, model)
+    guarded = make_guarded_step(model, cfg, plan, mesh, optimizer)
+    plain = steplib.make_train_step(model, plan, mesh, optimizer, steplib.lr_schedule(cfg.train))
+    loop = init_loop_state(model, cfg, plan, mesh, optimizer)
     assert jax.tree.structure(loop) == jax.tree.structure(
-        resilience.abstract_loop_state(model, cfg, ParallelPlan.build(cfg, model), mesh, optimizer))
+        abstract_loop_state(model, cfg, plan, mesh, optimizer))
     b0, b1 = (steplib.put_batch(np_batch(cfg, i), mesh) for i in (0, 1))
 
     ref, _ = plain(jax.tree.map(jnp.copy, loop.train), b0)  # a copy: the step donates it

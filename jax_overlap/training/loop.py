@@ -1,8 +1,9 @@
 """The training loop: config in, metrics.jsonl and a one-line JSON summary out.
 
 `run(cfg, run_dir)` is what the CLI and the notebooks call. The step lives in `jax_overlap.training.step`,
-its guards, fault injection and rollback arithmetic in `jax_overlap.resilience.recovery`; this module owns
-the loop around them: data, checkpoints, rollbacks, pre-emption, progress, metrics and summary.
+its guards, fault injection, rollback arithmetic and watchdog in `jax_overlap.resilience`; this
+module owns the loop around them: data, checkpoints, rollbacks, pre-emption, progress, metrics
+and summary.
 
 Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir>/checkpoints):
 
@@ -42,9 +43,30 @@ from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.resilience import checkpoint as ckptlib
-from jax_overlap.resilience import recovery as resilience
+from jax_overlap.resilience.ckpt_layout import (
+    checkpoint_mismatch,
+    from_checkpoint,
+    read_markers,
+    to_checkpoint,
+)
 from jax_overlap.resilience.guard import RollbackPolicy
+from jax_overlap.resilience.guarded_step import make_guarded_step, rejection_reason
+from jax_overlap.resilience.loop_state import (
+    LoopState,
+    abstract_loop_state,
+    lr_scale,
+    make_initializer,
+    shardings_of,
+)
 from jax_overlap.resilience.preemption import PreemptionWatcher, agree_to_stop
+from jax_overlap.resilience.rollback import (
+    MAX_ROLLBACKS_WITHOUT_PROGRESS,
+    RollbackStreak,
+    apply_rollback,
+    note_rollback,
+    plan_rollback,
+)
+from jax_overlap.resilience.watchdog import Watchdog, jax_board
 from jax_overlap.training import data as datalib
 from jax_overlap.training import step as steplib
 
@@ -107,7 +129,7 @@ class _Host:
 
     __slots__ = ("step", "next_batch", "version", "rollbacks")
 
-    def __init__(self, loop: resilience.LoopState):
+    def __init__(self, loop: LoopState):
         got = jax.device_get({"step": loop.train.step, "offset": loop.train.data_offset,
                               "version": loop.train.version, "rollbacks": loop.rollbacks})
         self.step = int(got["step"])
@@ -157,9 +179,9 @@ class _Trainer:
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         # The LR scale changes the schedule, never the optimizer state's structure.
-        self.abstract = resilience.abstract_loop_state(
+        self.abstract = abstract_loop_state(
             self.model, cfg, self.plan, self.mesh, steplib.make_optimizer(cfg.train))
-        self.shardings = resilience.shardings_of(self.abstract)
+        self.shardings = shardings_of(self.abstract)
         self.perm = self.plan.layer_perm
         self.policy = RollbackPolicy(cfg.guard.max_skips, cfg.guard.skip_batches,
                                      cfg.guard.lr_scale_on_rollback)
@@ -184,11 +206,11 @@ class _Trainer:
         self.skipped_steps = 0
         self.resumed_from: Optional[int] = None
         self.skipped_checkpoints: list[int] = []
-        self._streak = resilience.RollbackStreak()
+        self._streak = RollbackStreak()
         self._step_fns: dict[float, Any] = {}
         # The LR scale does not enter the initial state; compiled on first use.
-        self._initial = resilience.make_initializer(self.model, cfg, self.plan, self.mesh,
-                                                    steplib.make_optimizer(cfg.train))
+        self._initial = make_initializer(self.model, cfg, self.plan, self.mesh,
+                                         steplib.make_optimizer(cfg.train))
 
     # ---- entry point --------------------------------------------------------------------
 
@@ -205,8 +227,8 @@ class _Trainer:
         self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
                                     enabled=self.is_main)
         multi = jax.process_count() > 1
-        self.watchdog = resilience.Watchdog(
-            resilience.jax_board() if multi else None, jax.process_index(), jax.process_count(),
+        self.watchdog = Watchdog(
+            jax_board() if multi else None, jax.process_index(), jax.process_count(),
             self.cfg.distributed.timeout_s)
         try:
             with _preemption_watcher() as self.watcher, self.watchdog:
@@ -235,15 +257,15 @@ class _Trainer:
         """
         if self.ckpt is None:
             return
-        markers = resilience.read_markers(self.ckpt_dir, self.ckpt.committed_steps())
-        mismatch = resilience.checkpoint_mismatch(markers, self.abstract)
+        markers = read_markers(self.ckpt_dir, self.ckpt.committed_steps())
+        mismatch = checkpoint_mismatch(markers, self.abstract)
         if not ckptlib.default_collectives().all_true(mismatch is None):
             raise ConfigError([
                 f"checkpoint.dir: {self.ckpt_dir}: "
                 f"{mismatch or 'another process found an incompatible checkpoint'}; resume with "
                 f"the config that saved it, or set checkpoint.dir to a fresh directory"])
 
-    def _start(self) -> resilience.LoopState:
+    def _start(self) -> LoopState:
         if self.ckpt is not None:
             self.watchdog.beat("restore", 0)
             had_checkpoints = bool(self.ckpt.committed_steps())
@@ -254,7 +276,7 @@ class _Trainer:
                 self._say(_resume_line(result.step, result.skipped, self.ckpt_dir))
                 self.writer.write({"event": "resume", "step": result.step,
                                    "skipped": [[s, r] for s, r in result.skipped]})
-                return resilience.from_checkpoint(result.state, self.perm, self.shardings)
+                return from_checkpoint(result.state, self.perm, self.shardings)
             if had_checkpoints:
                 self._say(f"no checkpoint in {self.ckpt_dir} verifies (see the warnings above); "
                           f"starting from step 0")
@@ -263,15 +285,15 @@ class _Trainer:
     # ---- the loop -----------------------------------------------------------------------
 
     def _optimizer(self, rollbacks: int):
-        scale = resilience.lr_scale(self.cfg.guard, rollbacks)
+        scale = lr_scale(self.cfg.guard, rollbacks)
         return steplib.make_optimizer(self.cfg.train, scale)
 
     def _step_fn(self, rollbacks: int) -> tuple[Any, bool]:
         """The guarded step for this rollback count's LR scale; True when freshly built."""
-        scale = resilience.lr_scale(self.cfg.guard, rollbacks)
+        scale = lr_scale(self.cfg.guard, rollbacks)
         fresh = scale not in self._step_fns
         if fresh:
-            self._step_fns = {scale: resilience.make_guarded_step(
+            self._step_fns = {scale: make_guarded_step(
                 self.model, self.cfg, self.plan, self.mesh, self._optimizer(rollbacks))}
         return self._step_fns[scale], fresh
 
@@ -279,7 +301,7 @@ class _Trainer:
         """Steps until done or pre-empted; returns (loop, host scalars, preempted)."""
         host = _Host(loop)
         step_fn, compiling = self._step_fn(host.rollbacks)
-        scale = resilience.lr_scale(self.cfg.guard, host.rollbacks)
+        scale = lr_scale(self.cfg.guard, host.rollbacks)
         while host.step < self.cfg.train.steps:
             self.watchdog.beat("compile" if compiling else "step", host.step)
             # Collective with several processes: all of them stop after the same step.
@@ -306,7 +328,7 @@ class _Trainer:
                     self.times.append(dt)
             else:
                 self.skipped_steps += 1
-                record.update(skipped=True, reason=resilience.rejection_reason(loss, grad_norm),
+                record.update(skipped=True, reason=rejection_reason(loss, grad_norm),
                               consecutive_bad=int(m["consecutive_bad"]))
             self.writer.write(record)
             if accepted:
@@ -320,7 +342,7 @@ class _Trainer:
                 loop = metrics = batch = None  # let the old state go before restoring
                 loop, host = self._roll_back(host, reason)
                 step_fn, compiling = self._step_fn(host.rollbacks)
-                scale = resilience.lr_scale(self.cfg.guard, host.rollbacks)
+                scale = lr_scale(self.cfg.guard, host.rollbacks)
         return loop, host, False
 
     def _save_if_due(self, loop, step: int) -> None:
@@ -329,7 +351,7 @@ class _Trainer:
         due = step % self.ckpt.options.every_steps == 0
         if due:
             self.watchdog.beat("save", step)
-            loop = resilience.to_checkpoint(loop, self.perm, self.shardings)
+            loop = to_checkpoint(loop, self.perm, self.shardings)
         # Called after every accepted step, due or not: it also commits a save whose background
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
@@ -339,8 +361,8 @@ class _Trainer:
 
     def _roll_back(self, host: _Host, reason: str):
         from_step = host.step
-        self._streak = resilience.note_rollback(self._streak, from_step)
-        if self._streak.stalled > resilience.MAX_ROLLBACKS_WITHOUT_PROGRESS:
+        self._streak = note_rollback(self._streak, from_step)
+        if self._streak.stalled > MAX_ROLLBACKS_WITHOUT_PROGRESS:
             raise RuntimeError(
                 f"giving up: {self._streak.stalled} rollbacks in a row without getting past "
                 f"step {self._streak.furthest} ({reason}); lower train.lr or inspect the data "
@@ -350,21 +372,21 @@ class _Trainer:
         if self.ckpt is not None:
             result = self.ckpt.latest_good(self.abstract)
             if result is not None:
-                restored = resilience.from_checkpoint(result.state, self.perm, self.shardings)
+                restored = from_checkpoint(result.state, self.perm, self.shardings)
                 to_step = result.step
         if restored is None:
             # No checkpoint (off, or none verifies yet): the initial state is reproducible
             # from the seed and is the checkpoint at step 0.
             restored = self._initial()
             to_step = 0
-        plan = resilience.plan_rollback(from_step, host.next_batch, to_step,
-                                        self.cfg.guard.skip_batches, reason)
+        plan = plan_rollback(from_step, host.next_batch, to_step,
+                             self.cfg.guard.skip_batches, reason)
         rollbacks = host.rollbacks + 1
-        loop = resilience.apply_rollback(restored, plan, host.version + 1, rollbacks,
-                                         self.shardings)
+        loop = apply_rollback(restored, plan, host.version + 1, rollbacks,
+                              self.shardings)
         self.rollbacks += 1
         self.steps_lost += plan.steps_lost
-        scale = resilience.lr_scale(self.cfg.guard, rollbacks)
+        scale = lr_scale(self.cfg.guard, rollbacks)
         self.writer.write({"event": "rollback", "from_step": from_step, "to_step": to_step,
                            "reason": reason, "steps_lost": plan.steps_lost,
                            "resume_batch": plan.resume_batch, "data_offset": plan.data_offset,
@@ -384,7 +406,7 @@ class _Trainer:
             self.writer.write({"event": "preempted", "step": host.step, "signal": why})
         if self.ckpt is not None:
             self.watchdog.beat("save", host.step)
-            self.ckpt.maybe_save(resilience.to_checkpoint(loop, self.perm, self.shardings),
+            self.ckpt.maybe_save(to_checkpoint(loop, self.perm, self.shardings),
                                  self.config_dict, force=True, step=host.step)
             self.ckpt.close()  # waits for the save and commits it
         if preempted:
@@ -407,7 +429,7 @@ class _Trainer:
                  "skipped_checkpoints": self.skipped_checkpoints,
                  "rollbacks": self.rollbacks, "steps_lost": self.steps_lost,
                  "skipped_steps": self.skipped_steps,
-                 "lr_scale": resilience.lr_scale(self.cfg.guard, host.rollbacks),
+                 "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
                  "preempted": preempted, "last_checkpoint": committed[-1] if committed else None}
         if self.peak and self.times:
             extra["mfu"] = self.flops_per_step / (median * self.peak * jax.device_count())
