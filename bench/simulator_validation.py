@@ -127,12 +127,11 @@ def main() -> int:
     # Pieces are timed once per pair (repeats=1): the pairing, not repetition, is what
     # makes a prediction comparable with the step measured next to it.
     calibrator = cal_lib.Calibrator(base, devices, repeats=1)
-    shape_of = {c: (cal_lib.micro_batch_size(cfg), cfg.mesh.tp) for c, cfg in plans}
+    shape_of = {c: (tune.plan_of(cfg).micro_batch, cfg.mesh.tp) for c, cfg in plans}
     quantities_of = {}
     for cand, cfg in plans:
-        sched = tune.cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp,
-                                     cfg.pipeline.microbatches, cfg.pipeline.virtual_stages)
-        quantities_of[cand] = cal_lib.quantities_for(cfg, sched.split_backward)
+        plan = tune.plan_of(cfg)
+        quantities_of[cand] = cal_lib.quantities_for(cfg, plan, plan.split_backward)
     groups_of = {c: sorted({n for n in (c.dp, c.tp, c.pp) if n > 1}) for c, _ in plans}
     print("compiling calibration pieces ...", flush=True)
     for cand, cfg in plans:

@@ -20,6 +20,7 @@ config.json holds them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +121,10 @@ class ParallelPlan:
       dp, pp, tp: mesh axis sizes.
       microbatches: per data-parallel replica per step.
       micro_batch: sequences per microbatch on one replica.
-      schedule: the pipeline schedule (pp > 1), with its transfer latency; else None.
-      program: the schedule compiled into the executor's tick tables (pp > 1); else None.
+      schedule: the schedule, with its transfer latency (at pp = 1 the one-stage table of the
+        microbatch loop, which the simulator runs).
+      program: the schedule compiled into the executor's tick tables (pp > 1, compiled on
+        first use); else None.
       layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement).
       overlap: the resolved overlap choices.
       compute_dtype: "fp32" or "bf16" (train.precision).
@@ -137,8 +140,7 @@ class ParallelPlan:
     tp: int
     microbatches: int
     micro_batch: int
-    schedule: Schedule | None
-    program: TickProgram | None
+    schedule: Schedule
     layer_perm: np.ndarray | None
     overlap: OverlapPlan
     compute_dtype: str = "fp32"
@@ -148,6 +150,12 @@ class ParallelPlan:
     chunk_buckets: Any = None
 
     # ------------------------------------------------------------------ derived values
+
+    @functools.cached_property
+    def program(self) -> TickProgram | None:
+        if self.pp == 1:
+            return None
+        return compile_program(self.schedule, self.overlap.buckets_in_loop)
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -163,11 +171,11 @@ class ParallelPlan:
 
     @property
     def virtual_stages(self) -> int:
-        return self.schedule.virtual_stages if self.schedule is not None else 1
+        return self.schedule.virtual_stages
 
     @property
     def transfer_latency(self) -> int:
-        return self.schedule.transfer_latency if self.schedule is not None else 1
+        return self.schedule.transfer_latency
 
     @property
     def num_virtual_stages(self) -> int:
@@ -175,7 +183,7 @@ class ParallelPlan:
 
     @property
     def split_backward(self) -> bool:
-        return self.schedule is not None and self.schedule.split_backward
+        return self.schedule.split_backward
 
     def parallel(self):
         """The TP context the model's per-device functions receive inside the step."""
@@ -190,7 +198,9 @@ class ParallelPlan:
 
     def with_program(self, program: TickProgram) -> "ParallelPlan":
         """The same plan running another tick program (benchmarks time hand-made tables)."""
-        return dataclasses.replace(self, program=program, schedule=program.schedule)
+        out = dataclasses.replace(self, schedule=program.schedule)
+        out.__dict__["program"] = program  # the cached_property's slot
+        return out
 
     def resolved_config(self, cfg: Config) -> Config:
         """`cfg` with every `auto` knob replaced by the plan's choice."""
@@ -206,7 +216,7 @@ class ParallelPlan:
         return {
             "mesh": self.axis_sizes,
             "microbatches": self.microbatches,
-            "schedule": self.schedule.name if self.schedule is not None else None,
+            "schedule": self.schedule.name,
             "transfer_latency": self.transfer_latency,
             "overlap": dataclasses.asdict(self.overlap),
             "target": self.target.name,
@@ -246,19 +256,20 @@ class ParallelPlan:
             xla_preset=ov.xla_preset,
         )
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
-        schedule = program = perm = None
+        try:
+            # One stage runs the plain microbatch loop whatever schedule is named.
+            schedule = (cached_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
+                                        pl.transfer_latency) if m.pp > 1
+                        else cached_schedule("1f1b", 1, microbatches))
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        perm = None
         if m.pp > 1:
-            try:
-                schedule = make_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
-                                         pl.transfer_latency)
-            except ValueError as e:
-                raise ConfigError([str(e)]) from None
-            program = compile_program(schedule, overlap.buckets_in_loop)
             num_layers = model.num_layers if model is not None else cfg.model.layers
             perm = _layer_permutation(num_layers, schedule)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
                    micro_batch=cfg.train.global_batch // (m.dp * microbatches),
-                   schedule=schedule, program=program, layer_perm=perm, overlap=overlap,
+                   schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, target=target, choices=choices)
         if model is not None:
             from jax_overlap.overlap import dp_layout
@@ -270,6 +281,14 @@ class ParallelPlan:
                     model, overlap, plan.axis_sizes, model.num_layers // plan.num_virtual_stages)
             plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk)
         return plan
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1,
+                    transfer_latency: int = 1) -> Schedule:
+    """`make_schedule`, memoised: the tuner plans hundreds of configs and a large table takes a
+    while to build. Schedules are immutable, so sharing one is safe."""
+    return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency)
 
 
 def _layer_permutation(num_layers: int, schedule: Schedule) -> np.ndarray | None:

@@ -27,9 +27,8 @@ def calibration(tiny):
     """The pieces the tiny model's plans need, at one shape (compiling dominates)."""
     quantities = set()
     for _, cfg in tune.enumerate_candidates(tiny, 8, bucket_sizes_mb=(0.0,), windows=(2,)):
-        split = tune.cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp,
-                                     cfg.pipeline.microbatches, 1).split_backward
-        quantities.update(cal_lib.quantities_for(cfg, split))
+        plan = tune.plan_of(cfg)
+        quantities.update(cal_lib.quantities_for(cfg, plan, plan.split_backward))
     return cal_lib.calibrate(tiny, [(2, 1)], devices=jax.devices()[:8],
                              quantities=sorted(quantities), groups=(2, 4, 8), repeats=2)
 
@@ -75,11 +74,11 @@ def test_calibration_costs_are_positive(tiny, calibration):
     for cand in [tune.Candidate(2, 4, 1, 1, 2, "1f1b", 0.0, False, 1),
                  tune.Candidate(2, 2, 2, 1, 4, "zb-h1", 0.0, False, 1)]:
         cfg = tune.apply_candidate(tiny, cand)
-        costs = cal_lib.costs_for_config(calibration, cfg, hw)
+        costs = cal_lib.costs_for_config(calibration, cfg, tune.plan_of(cfg), hw)
         assert all(f > 0 for f in costs.forward_s)
         assert all(b >= 0 for b in costs.backward_s) and sum(costs.backward_s) > 0
         assert all(t > 0 for t in costs.tp_bytes)
-        r = simulate(tune.plan_for(cfg), costs, calibration.profile(hw, cfg))
+        r = simulate(tune.plan_for(cfg), costs, calibration.profile(hw, tune.plan_of(cfg)))
         assert r.step_time_s > sum(costs.forward_s) / cfg.mesh.pp
         assert r.ccor == 0  # synchronous CPU collectives never overlap
 

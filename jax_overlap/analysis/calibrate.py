@@ -238,9 +238,9 @@ class Calibration:
         """Seconds of one optimizer update over ``elements`` parameters on one device."""
         return self.optimizer_fit.at(elements, 1)
 
-    def profile(self, hw: HardwareProfile, cfg: Config) -> HardwareProfile:
+    def profile(self, hw: HardwareProfile, plan) -> HardwareProfile:
         """``hw`` with each mesh axis on the link measured for its group size, if any."""
-        sizes = {"dp": cfg.mesh.dp, "pp": cfg.mesh.pp, "tp": cfg.mesh.tp}
+        sizes = plan.axis_sizes
         for axis, n in sizes.items():
             if n in self.links:
                 hw = hw.with_link(axis, self.links[n])
@@ -714,19 +714,19 @@ def extend(calibrator: Calibrator, calibration: Calibration,
                                   calibration.links)
 
 
-def quantities_for(cfg: Config, split_backward: bool) -> tuple[str, ...]:
+def quantities_for(cfg: Config, plan, split_backward: bool) -> tuple[str, ...]:
     """The pieces a plan's costs are made of (see :func:`compute_times`)."""
-    block = block_variant(cfg)
+    block = block_variant(cfg, plan)
     out = [f"{block}_f", f"{block}_fb", "embed_f", "embed_fb", "head_f", "head_fb"]
-    if cfg.mesh.pp > 1 and split_backward:
+    if plan.pp > 1 and split_backward:
         out += [f"{block}_fbx", f"{block}_fbw"]
     return tuple(out)
 
 
-def block_variant(cfg: Config) -> str:
+def block_variant(cfg: Config, plan) -> str:
     """``block1`` when the pipeline runs one-layer chunks (an unrolled scan), else ``block``."""
-    n = cfg.model.layers // (cfg.mesh.pp * cfg.pipeline.virtual_stages)
-    return "block1" if cfg.mesh.pp > 1 and n == 1 and cfg.model.layers > 1 else "block"
+    n = cfg.model.layers // (plan.num_virtual_stages)
+    return "block1" if plan.pp > 1 and n == 1 and cfg.model.layers > 1 else "block"
 
 
 def calibrate(
@@ -795,9 +795,9 @@ def calibrate(
 # ------------------------------------------------------------------- plan structure
 
 
-def micro_batch_size(cfg: Config) -> int:
+def micro_batch_size(cfg: Config, plan) -> int:
     """Sequences per microbatch on one data-parallel replica."""
-    return cfg.train.global_batch // (cfg.mesh.dp * cfg.pipeline.microbatches)
+    return plan.micro_batch
 
 
 def dtype_bytes(cfg: Config) -> int:
@@ -805,9 +805,9 @@ def dtype_bytes(cfg: Config) -> int:
     return 2 if cfg.train.precision == "bf16" else 4
 
 
-def layers_per_virtual_stage(cfg: Config) -> list[int]:
+def layers_per_virtual_stage(cfg: Config, plan) -> list[int]:
     """Layers of each virtual stage in model order (validation makes them equal)."""
-    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    n_vs = plan.num_virtual_stages
     return [cfg.model.layers // n_vs] * n_vs
 
 
@@ -868,18 +868,18 @@ def _param_counts(model_fields: tuple, tp: int) -> ParamCounts:
     return ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
 
 
-def stage_param_elements(cfg: Config) -> float:
+def stage_param_elements(cfg: Config, plan) -> float:
     """Parameter elements one device holds: its stage's layers plus embedding and head.
 
     Every pipeline stage holds the (TP-sharded) embedding and head: they are replicated
     over ``pp`` and their gradients summed over it.
     """
-    c = param_counts(cfg, cfg.mesh.tp)
-    layers = cfg.model.layers // cfg.mesh.pp
+    c = param_counts(cfg, plan.tp)
+    layers = cfg.model.layers // plan.pp
     return layers * c.per_layer + c.embed + c.head
 
 
-def tp_collectives(cfg: Config, vs: int, kind: str) -> tuple[int, float]:
+def tp_collectives(cfg: Config, plan, vs: int, kind: str) -> tuple[int, float]:
     """TP collectives one ``F`` or ``B`` of virtual stage ``vs`` issues (plain Megatron).
 
     Per layer two all-reduces of the ``(b, T, d)`` activations in the forward (after
@@ -896,12 +896,12 @@ def tp_collectives(cfg: Config, vs: int, kind: str) -> tuple[int, float]:
     Returns:
       ``(count, bytes)`` per device; ``(0, 0)`` without TP.
     """
-    if cfg.mesh.tp <= 1 or kind not in ("F", "B"):
+    if plan.tp <= 1 or kind not in ("F", "B"):
         return 0, 0.0
-    b, t, d = micro_batch_size(cfg), cfg.model.seq_len, cfg.model.d_model
+    b, t, d = micro_batch_size(cfg, plan), cfg.model.seq_len, cfg.model.d_model
     act = b * t * d * dtype_bytes(cfg)
-    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
-    n_layers = layers_per_virtual_stage(cfg)[vs]
+    n_vs = plan.num_virtual_stages
+    n_layers = layers_per_virtual_stage(cfg, plan)[vs]
     count, nbytes = 2 * n_layers, 2 * n_layers * act
     if kind == "F" and vs == 0:
         count, nbytes = count + 1, nbytes + act
@@ -933,7 +933,7 @@ def latency_equivalent_bytes(count: int, nbytes: float, n: int, link: Link) -> f
     return nbytes + n * (count - 1) * link.latency_s * link.effective_bandwidth
 
 
-def stash_bytes(cfg: Config, vs: int) -> float:
+def stash_bytes(cfg: Config, plan, vs: int) -> float:
     """Activation bytes one microbatch holds on ``vs`` between its ``F`` and backward.
 
     ``pp = 1``: every layer's residuals (``value_and_grad`` keeps them), per token and
@@ -942,30 +942,30 @@ def stash_bytes(cfg: Config, vs: int) -> float:
     probabilities (heads x T, sharded), plus the fp32 logits slice on the last stage.
     ``pp > 1``: only the chunk's input, which the executor stashes and recomputes from.
     """
-    m, tp = cfg.model, cfg.mesh.tp
-    tokens = micro_batch_size(cfg) * m.seq_len
+    m, tp = cfg.model, plan.tp
+    tokens = micro_batch_size(cfg, plan) * m.seq_len
     act = tokens * m.d_model * dtype_bytes(cfg)
-    if cfg.mesh.pp > 1:
+    if plan.pp > 1:
         return float(act)
-    return float(layer_residual_bytes(cfg) * m.layers + tokens * m.vocab // tp * 4)
+    return float(layer_residual_bytes(cfg, plan) * m.layers + tokens * m.vocab // tp * 4)
 
 
-def layer_residual_bytes(cfg: Config) -> float:
+def layer_residual_bytes(cfg: Config, plan) -> float:
     """Residual bytes one layer keeps for its backward, for one microbatch on one rank."""
-    m, tp = cfg.model, cfg.mesh.tp
-    tokens = micro_batch_size(cfg) * m.seq_len
+    m, tp = cfg.model, plan.tp
+    tokens = micro_batch_size(cfg, plan) * m.seq_len
     width = 4 * m.d_model + (4 * m.d_model + 2 * m.d_ff + m.heads * m.seq_len) / tp
     return tokens * dtype_bytes(cfg) * width
 
 
-def transient_bytes(cfg: Config) -> float:
+def transient_bytes(cfg: Config, plan) -> float:
     """Peak residuals the pipelined backward recomputes on top of the stash (one chunk)."""
-    if cfg.mesh.pp <= 1:
+    if plan.pp <= 1:
         return 0.0
-    return layer_residual_bytes(cfg) * max(layers_per_virtual_stage(cfg))
+    return layer_residual_bytes(cfg, plan) * max(layers_per_virtual_stage(cfg, plan))
 
 
-def grad_buckets(cfg: Config) -> tuple[tuple[float, ...], str]:
+def grad_buckets(cfg: Config, plan) -> tuple[tuple[float, ...], str]:
     """Gradient buckets of one device's stage and when they are issued.
 
     ``overlap.grad_bucket_mb = 0`` reduces each gradient array on its own after the
@@ -977,18 +977,19 @@ def grad_buckets(cfg: Config) -> tuple[tuple[float, ...], str]:
     """
     from jax_overlap.analysis.simulate import even_buckets
 
-    grad_bytes = 2 if cfg.overlap.grad_comm_dtype == "bf16" else 4
-    c = param_counts(cfg, cfg.mesh.tp)
-    layers = cfg.model.layers // cfg.mesh.pp
-    if cfg.overlap.grad_bucket_mb <= 0:
+    grad_bytes = 2 if plan.overlap.grad_comm_dtype == "bf16" else 4
+    c = param_counts(cfg, plan.tp)
+    layers = cfg.model.layers // plan.pp
+    if plan.overlap.grad_bucket_bytes <= 0:
         leaves = [n * layers for n in c.leaves_per_layer] + list(c.embed_leaves + c.head_leaves)
         return tuple(float(n * grad_bytes) for n in reversed(leaves)), "after_backward"
     total = (layers * c.per_layer + c.embed + c.head) * grad_bytes
-    return even_buckets(total, cfg.overlap.grad_bucket_mb * 2**20), "during_backward"
+    return even_buckets(total, plan.overlap.grad_bucket_bytes), "during_backward"
 
 
 def assemble_costs(
     cfg: Config,
+    plan,
     hw: HardwareProfile,
     placement: Sequence[tuple[int, int]],
     forward_s: Sequence[float],
@@ -1008,25 +1009,25 @@ def assemble_costs(
     Returns:
       The :class:`Costs` (bytes per device).
     """
-    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
+    n_vs = plan.num_virtual_stages
     link = hw.link("tp")
     tp_bytes = []
     for vs in range(n_vs):
         # The simulator charges the same tp_bytes to F and B; use the mean of the two.
-        f_count, f_bytes = tp_collectives(cfg, vs, "F")
-        b_count, b_bytes = tp_collectives(cfg, vs, "B")
-        f_eq = latency_equivalent_bytes(f_count, f_bytes, cfg.mesh.tp, link)
-        b_eq = latency_equivalent_bytes(b_count, b_bytes, cfg.mesh.tp, link)
+        f_count, f_bytes = tp_collectives(cfg, plan, vs, "F")
+        b_count, b_bytes = tp_collectives(cfg, plan, vs, "B")
+        f_eq = latency_equivalent_bytes(f_count, f_bytes, plan.tp, link)
+        b_eq = latency_equivalent_bytes(b_count, b_bytes, plan.tp, link)
         tp_bytes.append((f_eq + b_eq) / 2)
-    c = param_counts(cfg, cfg.mesh.tp)
-    per_layer = layers_per_virtual_stage(cfg)
+    c = param_counts(cfg, plan.tp)
+    per_layer = layers_per_virtual_stage(cfg, plan)
     params = []
     for vs in range(n_vs):
         # Every stage holds the embedding and head (replicated over pp): count them once
         # per stage, on its chunk 0.
         extra = c.embed + c.head if placement[vs][1] == 0 else 0
         params.append(float((per_layer[vs] * c.per_layer + extra) * PARAM_BYTES))
-    tokens = micro_batch_size(cfg) * cfg.model.seq_len
+    tokens = micro_batch_size(cfg, plan) * cfg.model.seq_len
     return Costs(
         forward_s=tuple(float(x) for x in forward_s),
         backward_s=tuple(float(x) for x in backward_s),
@@ -1034,12 +1035,12 @@ def assemble_costs(
         act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg)),
         tp_bytes=tuple(tp_bytes),
         param_bytes=tuple(params),
-        stash_bytes=tuple(stash_bytes(cfg, vs) for vs in range(n_vs)),
+        stash_bytes=tuple(stash_bytes(cfg, plan, vs) for vs in range(n_vs)),
         optimizer_factor=2.0,
     )
 
 
-def busy_scale(cfg: Config, capacity: float, devices: int, bubble: float) -> float:
+def busy_scale(cfg: Config, plan, capacity: float, devices: int, bubble: float) -> float:
     """Compute-time factor for a pipelined step on shared cores (see module docstring).
 
     Args:
@@ -1051,13 +1052,13 @@ def busy_scale(cfg: Config, capacity: float, devices: int, bubble: float) -> flo
     Returns:
       ``max(N (1 - bubble), capacity) / max(N, capacity)``; 1 for ``pp = 1``.
     """
-    if cfg.mesh.pp <= 1:
+    if plan.pp <= 1:
         return 1.0
     busy = devices * (1.0 - bubble)
     return max(busy, capacity) / max(devices, capacity)
 
 
-def compute_times(cal: Calibration, cfg: Config, split_backward: bool, bubble: float = 0.0
+def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bubble: float = 0.0
                   ) -> tuple[list[float], list[float], list[float]]:
     """Per-virtual-stage F, B, W seconds of ``cfg`` from a calibration.
 
@@ -1070,17 +1071,17 @@ def compute_times(cal: Calibration, cfg: Config, split_backward: bool, bubble: f
     Returns:
       ``(forward_s, backward_s, weight_s)`` lists, one entry per virtual stage.
     """
-    b, k = micro_batch_size(cfg), cfg.mesh.tp
-    n_vs = cfg.mesh.pp * cfg.pipeline.virtual_stages
-    s = {q: cal.seconds(q, b, k) for q in quantities_for(cfg, split_backward)}
-    scale = busy_scale(cfg, cal.parallel_capacity, cal.devices, bubble)
-    blk = block_variant(cfg)
+    b, k = micro_batch_size(cfg, plan), plan.tp
+    n_vs = plan.num_virtual_stages
+    s = {q: cal.seconds(q, b, k) for q in quantities_for(cfg, plan, split_backward)}
+    scale = busy_scale(cfg, plan, cal.parallel_capacity, cal.devices, bubble)
+    blk = block_variant(cfg, plan)
     fwd, bwd, wgt = [], [], []
-    for vs, n in enumerate(layers_per_virtual_stage(cfg)):
+    for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
         first, last = vs == 0, vs == n_vs - 1
         f = n * s[f"{blk}_f"] + first * s["embed_f"] + last * s["head_f"]
         fb = n * s[f"{blk}_fb"] + first * s["embed_fb"] + last * s["head_fb"]
-        if cfg.mesh.pp == 1:
+        if plan.pp == 1:
             fwd.append(f)
             bwd.append(max(fb - f, 0.0))
             wgt.append(0.0)
@@ -1105,20 +1106,21 @@ def compute_times(cal: Calibration, cfg: Config, split_backward: bool, bubble: f
     return [x * scale for x in fwd], [x * scale for x in bwd], [x * scale for x in wgt]
 
 
-def costs_for_config(cal: Calibration, cfg: Config, hw: HardwareProfile) -> Costs:
+def costs_for_config(cal: Calibration, cfg: Config, plan, hw: HardwareProfile) -> Costs:
     """Simulator :class:`Costs` of the plan ``cfg`` from a calibration.
 
     Args:
       cal: calibration of ``cfg``'s model (measured on the machine ``hw`` describes).
-      cfg: the candidate config (mesh, pipeline, overlap).
+      cfg: the candidate config (model and batch).
+      plan: its `ParallelPlan` (mesh, schedule with its transfer latency, overlap).
       hw: the hardware profile (links).
 
     Returns:
       The :class:`Costs`.
     """
-    from jax_overlap.pipeline.schedules import bubble_fraction, make_schedule
+    from jax_overlap.pipeline.schedules import bubble_fraction
 
-    schedule = make_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                             cfg.pipeline.virtual_stages)
-    fwd, bwd, wgt = compute_times(cal, cfg, schedule.split_backward, bubble_fraction(schedule))
-    return assemble_costs(cfg, cal.profile(hw, cfg), schedule.placement, fwd, bwd, wgt)
+    schedule = plan.schedule
+    fwd, bwd, wgt = compute_times(cal, cfg, plan, schedule.split_backward,
+                                  bubble_fraction(schedule))
+    return assemble_costs(cfg, plan, cal.profile(hw, plan), schedule.placement, fwd, bwd, wgt)

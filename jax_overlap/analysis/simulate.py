@@ -589,13 +589,20 @@ def simulate(
                 nxt_vs = vs + 1 if task.kind == "F" else vs - 1 if task.kind == "B" else None
                 if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
                     what = "act" if task.kind == "F" else "grad"
-                    arrival[task] = tl.enqueue(
+                    sent = tl.enqueue(
                         d,
                         "pp",
                         f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
                         end,
                         p2p_time(costs.act_bytes, link["pp"]),
                     )
+                    if s.transfer_latency >= 2:
+                        # Sent beside the stage's next tick, readable after it: the transfer
+                        # hides under a tick of compute (the action's own length stands in
+                        # for the tick's).
+                        arrival[task] = max(sent, end + (end - start))
+                    else:
+                        arrival[task] = sent
                 else:
                     arrival[task] = end
                 nxt[d] += 1

@@ -28,7 +28,6 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import yaml
@@ -38,7 +37,8 @@ from jax_overlap.analysis import calibrate as cal_lib
 from jax_overlap.analysis.hardware import HardwareProfile, load_profile
 from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
 from jax_overlap.config import Config, ConfigError
-from jax_overlap.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from jax_overlap.pipeline.schedules import SCHEDULES
+from jax_overlap.plan import ParallelPlan
 
 CALIBRATED_PROFILE = "cpu_here"
 # Assumed model-FLOPs utilisation of the compute for FLOP-based costs: an assumption,
@@ -77,6 +77,8 @@ class Candidate:
         backward).
       fsdp: parameters sharded over dp and all-gathered before use.
       window: FSDP prefetch depth (1 when not sharded).
+      transfer_latency: ticks between pipeline stages (1, or 2: every stage-to-stage transfer
+        under the next tick's compute, for a longer ramp); 1 when pp = 1.
     """
 
     dp: int
@@ -88,6 +90,7 @@ class Candidate:
     grad_bucket_mb: float
     fsdp: bool
     window: int
+    transfer_latency: int = 1
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -96,6 +99,8 @@ class Candidate:
     def label(self) -> str:
         """Short human-readable name, e.g. ``dp2 tp4 pp1 m2 1f1b b0 repl``."""
         sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        if self.transfer_latency > 1:
+            sched += f" L{self.transfer_latency}"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
@@ -122,7 +127,8 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
         mesh=dataclasses.replace(cfg.mesh, dp=c.dp, tp=c.tp, pp=c.pp),
         pipeline=dataclasses.replace(cfg.pipeline, schedule=c.schedule,
                                      microbatches=c.microbatches,
-                                     virtual_stages=c.virtual_stages),
+                                     virtual_stages=c.virtual_stages,
+                                     transfer_latency=c.transfer_latency),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
@@ -135,10 +141,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@lru_cache(maxsize=512)
-def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
-    """:func:`make_schedule`, memoised (building large tables takes a while)."""
-    return make_schedule(name, stages, microbatches, virtual_stages)
+def plan_of(cfg: Config) -> ParallelPlan:
+    """The `ParallelPlan` of a candidate config (no model: the analytic costs need none)."""
+    return ParallelPlan.build(cfg)
 
 
 def _layouts(pp: int) -> list[tuple[str, int]]:
@@ -165,8 +170,11 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
     """
     if dp == 1:
         return [0.0]  # nothing to reduce over dp
-    probe = dataclasses.replace(cfg, mesh=configlib.MeshConfig(dp=dp, pp=pp, tp=tp))
-    grad_mb = cal_lib.stage_param_elements(probe) * 4 / 2**20
+    probe = dataclasses.replace(cfg, mesh=configlib.MeshConfig(dp=dp, pp=pp, tp=tp),
+                                pipeline=dataclasses.replace(cfg.pipeline, schedule="gpipe",
+                                                             virtual_stages=1,
+                                                             transfer_latency=1))
+    grad_mb = cal_lib.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
     out, whole = [], False
     for s in sorted(set(float(x) for x in sizes)):
         if s > 0 and grad_mb / s > MAX_BUCKETS:
@@ -211,24 +219,25 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1)
-                    try:
-                        apply_candidate(cfg, base)
-                        cached_schedule(schedule, pp, m, v)
-                    except (ConfigError, ValueError):
-                        continue
-                    if buckets is None:
-                        buckets = _bucket_sizes(cfg, dp, tp, pp, bucket_sizes_mb)
-                    shardings = [(False, 1)] + ([(True, w) for w in windows] if dp > 1 else [])
-                    for bucket in buckets:
-                        for fsdp, window in shardings:
-                            cand = dataclasses.replace(
-                                base, grad_bucket_mb=bucket, fsdp=fsdp, window=window
-                            )
-                            try:
-                                out.append((cand, apply_candidate(cfg, cand)))
-                            except ConfigError:
-                                continue
+                    for latency in (1, 2) if pp > 1 else (1,):
+                        base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency)
+                        try:
+                            plan_of(apply_candidate(cfg, base))
+                        except (ConfigError, ValueError):
+                            continue
+                        if buckets is None:
+                            buckets = _bucket_sizes(cfg, dp, tp, pp, bucket_sizes_mb)
+                        shardings = [(False, 1)] + ([(True, w) for w in windows] if dp > 1
+                                                    else [])
+                        for bucket in buckets:
+                            for fsdp, window in shardings:
+                                cand = dataclasses.replace(
+                                    base, grad_bucket_mb=bucket, fsdp=fsdp, window=window
+                                )
+                                try:
+                                    out.append((cand, apply_candidate(cfg, cand)))
+                                except ConfigError:
+                                    continue
     return out
 
 
@@ -252,15 +261,15 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
       The :class:`Costs`.
     """
     m = cfg.model
-    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                        cfg.pipeline.virtual_stages)
+    plan = plan_of(cfg)
+    s = plan.schedule
     base = costs_from_model(
-        m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, cal_lib.micro_batch_size(cfg),
-        cfg.mesh.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
-        num_virtual_stages=cfg.mesh.pp * cfg.pipeline.virtual_stages,
+        m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
+        plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
+        num_virtual_stages=plan.num_virtual_stages,
     )
     fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
-    if cfg.mesh.pp == 1:
+    if plan.pp == 1:
         # A non-split B does both gradients: costs_from_model splits them into B and W.
         bwd = [b + w for b, w in zip(bwd, wgt)]
         wgt = [0.0] * len(wgt)
@@ -271,7 +280,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
         # Same rule as the calibrated costs: B redoes the forward and the input gradients;
         # W redoes the forward, the weight gradients and the input gradients of all but the
         # chunk's first layer; on virtual stage 0 the split B is free and W does it all.
-        layers = cal_lib.layers_per_virtual_stage(cfg)
+        layers = cal_lib.layers_per_virtual_stage(cfg, plan)
         new_b, new_w = [], []
         for vs, (f, b, w) in enumerate(zip(fwd, bwd, wgt)):
             if vs == 0:
@@ -281,7 +290,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
                 new_b.append(f + b)
                 new_w.append(f + w + b * (layers[vs] - 1) / layers[vs])
         bwd, wgt = new_b, new_w
-    return cal_lib.assemble_costs(cfg, hw, s.placement, fwd, bwd, wgt)
+    return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt)
 
 
 def memory_budget(hw: HardwareProfile) -> float:
@@ -355,19 +364,22 @@ def _sig(x: float, digits: int = 3) -> float:
 
 
 def plan_for(cfg: Config) -> Plan:
-    """The simulator :class:`Plan` of a config."""
-    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                        cfg.pipeline.virtual_stages)
-    buckets, issue = cal_lib.grad_buckets(cfg)
-    fsdp = cfg.overlap.param_sharding == "fsdp"
+    """The simulator :class:`Plan` of a config (schedule with its transfer latency)."""
+    return sim_plan(cfg, plan_of(cfg))
+
+
+def sim_plan(cfg: Config, plan: ParallelPlan) -> Plan:
+    """The simulator :class:`Plan` of a `ParallelPlan`."""
+    buckets, issue = cal_lib.grad_buckets(cfg, plan)
+    fsdp = plan.overlap.fsdp
     return Plan(
-        schedule=s,
-        dp=cfg.mesh.dp,
-        tp=cfg.mesh.tp,
+        schedule=plan.schedule,
+        dp=plan.dp,
+        tp=plan.tp,
         grad_buckets=buckets,
         bucket_issue=issue,
         fsdp=fsdp,
-        fsdp_window=cfg.overlap.window if fsdp else 0,
+        fsdp_window=plan.overlap.window if fsdp else 0,
         tp_comm="plain",
     )
 
@@ -391,16 +403,18 @@ def predict(
     Returns:
       The :class:`Prediction`.
     """
+    plan = plan_of(cfg)
     if calibration is not None:
-        hw = calibration.profile(hw, cfg)  # links measured with the compute
-        costs = cal_lib.costs_for_config(calibration, cfg, hw)
+        hw = calibration.profile(hw, plan)  # links measured with the compute
+        costs = cal_lib.costs_for_config(calibration, cfg, plan, hw)
         # The update and the one launch of the whole step, outside the simulated part.
-        opt = calibration.optimizer_s(cal_lib.stage_param_elements(cfg)) + calibration.dispatch_s
+        opt = (calibration.optimizer_s(cal_lib.stage_param_elements(cfg, plan))
+               + calibration.dispatch_s)
     else:
         costs = flop_costs(cfg, hw, efficiency)
         opt = 0.0
-    r = simulate(plan_for(cfg), costs, hw)
-    memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg)
+    r = simulate(sim_plan(cfg, plan), costs, hw)
+    memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg, plan)
     m = r.metrics
     return Prediction(
         candidate=cand,
@@ -424,9 +438,8 @@ def rank(predictions: Sequence[Prediction]) -> list[Prediction]:
 
 def _needs(cfg: Config) -> tuple[str, ...]:
     """The calibration pieces one plan's costs are made of."""
-    s = cached_schedule(cfg.pipeline.schedule, cfg.mesh.pp, cfg.pipeline.microbatches,
-                        cfg.pipeline.virtual_stages)
-    return cal_lib.quantities_for(cfg, s.split_backward)
+    plan = plan_of(cfg)
+    return cal_lib.quantities_for(cfg, plan, plan.split_backward)
 
 
 def calibration_for(
@@ -449,7 +462,7 @@ def calibration_for(
     Returns:
       The :class:`~jax_overlap.analysis.calibrate.Calibration`.
     """
-    b = [cal_lib.micro_batch_size(c) for _, c in candidates]
+    b = [cal_lib.micro_batch_size(c, plan_of(c)) for _, c in candidates]
     k = [c.mesh.tp for _, c in candidates]
     quantities = {q for _, c in candidates for q in _needs(c)}
     groups = {n for _, c in candidates for n in (c.mesh.dp, c.mesh.tp, c.mesh.pp)}
@@ -477,7 +490,7 @@ def refine(
     """
     points = set()
     for p in [p for p in ranked if p.fits][:plans]:
-        b, k = cal_lib.micro_batch_size(p.config), p.config.mesh.tp
+        b, k = plan_of(p.config).micro_batch, p.config.mesh.tp
         points.update((q, b, k) for q in _needs(p.config) if q not in cal_lib.SPLIT_QUANTITIES)
     return cal_lib.extend(calibrator, calibration, sorted(points))
 
