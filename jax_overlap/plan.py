@@ -39,7 +39,7 @@ MIB = 2**20
 MICROBATCH_TOKENS = 8192
 # Share of device memory the estimated step may take under auto microbatching; the rest is
 # headroom for the buffers that overlapping keeps alive longer and for XLA's own temporaries.
-MEMORY_BUDGET = 0.6
+MEMORY_BUDGET = 0.8
 
 
 @dataclass(frozen=True)

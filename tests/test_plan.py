@@ -1,0 +1,133 @@
+"""The parallel plan: built once from the config, automatic knobs resolved for the target,
+the transfer latency carried into the simulator and searched by the tuner."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from helpers import REPO, TINY, last_json_line, run_cli
+
+from jax_overlap import config
+from jax_overlap.analysis import tune
+from jax_overlap.analysis.hardware import AxisLink, Link, load_profile
+from jax_overlap.analysis.simulate import Costs, simulate
+from jax_overlap.config import ConfigError
+from jax_overlap.pipeline.schedules import bubble_fraction
+from jax_overlap.plan import ParallelPlan, Target
+
+GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
+H100 = Target("h100", True, 80e9)
+
+
+def test_auto_knobs_on_cpu_keep_the_plain_step():
+    plan = ParallelPlan.build(config.load(TINY, ["pipeline.microbatches=auto"]))
+    assert (plan.overlap.tp_comm, plan.overlap.cm_direction) == ("plain", "uni")
+    assert plan.microbatches == 1 and plan.micro_batch == 16 // 2
+    assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
+                                 "pipeline.microbatches"}
+    piped = ParallelPlan.build(config.load(TINY, ["mesh.pp=2", "mesh.tp=2",
+                                                  "pipeline.microbatches=auto"]))
+    assert piped.microbatches == 4  # fills two stages twice
+
+
+def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
+    tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
+    assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("collective_matmul", "bi")
+    # 4 sequences x 2048 positions per microbatch: the dp2 x tp4 setting that overlaps.
+    assert (tp4.microbatches, tp4.micro_batch) == (32, 4)
+    dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
+    assert (dp8.overlap.tp_comm, dp8.microbatches) == ("plain", 8)
+
+
+def test_explicit_choices_win_and_resolved_config_holds_the_choices():
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4", "overlap.tp_comm=sequence_parallel",
+                                 "pipeline.microbatches=8"])
+    plan = ParallelPlan.build(cfg, target=H100)
+    assert plan.overlap.tp_comm == "sequence_parallel" and plan.microbatches == 8
+    assert set(plan.choices) == {"overlap.collective_matmul_direction"}
+    auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
+    resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
+    assert resolved.overlap.tp_comm == "collective_matmul"
+    assert resolved.pipeline.microbatches == 32
+    config.validate(resolved)  # the resolved config is itself a valid explicit config
+
+
+def test_auto_microbatches_refuse_an_impossible_batch_in_one_line():
+    cfg = config.load(TINY, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "train.global_batch=2",
+                             "pipeline.microbatches=auto"])
+    with pytest.raises(ConfigError) as e:
+        ParallelPlan.build(cfg)
+    assert e.value.problems[0].startswith("pipeline.microbatches: auto finds no count")
+
+
+def test_plan_holds_schedule_program_and_layer_order():
+    cfg = config.load(TINY, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=zb-v",
+                             "pipeline.virtual_stages=2", "model.layers=4",
+                             "pipeline.transfer_latency=2", "pipeline.microbatches=4"])
+    plan = ParallelPlan.build(cfg)
+    assert plan.schedule.transfer_latency == 2 and plan.program.skewed
+    assert plan.program.schedule is plan.schedule
+    assert plan.layer_perm.tolist() == [0, 3, 1, 2]  # stage 0: vs 0 and 3; stage 1: 1, 2
+    flat = ParallelPlan.build(config.load(TINY))
+    assert flat.program is None and flat.layer_perm is None and not flat.pipelined
+
+
+def test_simulated_bubble_follows_the_transfer_latency_table():
+    for latency in (1, 2):
+        cfg = config.load(TINY, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2",
+                                 f"pipeline.transfer_latency={latency}",
+                                 "pipeline.microbatches=4"])
+        plan = tune.plan_for(cfg)
+        assert plan.schedule.transfer_latency == latency
+        costs = Costs.uniform(2, 1.0, 1.0, 0.0, act_bytes=0.0)
+        result = simulate(plan, costs, load_profile("h100_8x_nvlink"))
+        # (the profile's per-hop link latency, microseconds against 1 s actions, is all that differs)
+        assert result.bubble_rate == pytest.approx(bubble_fraction(plan.schedule), abs=1e-4)
+    assert bubble_fraction(tune.plan_for(cfg).schedule) > 0.3  # latency 2: the longer ramp
+
+
+def _latency_pair(hw):
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8"])
+    times = {}
+    for latency in (1, 2):
+        cand = tune.Candidate(2, 1, 4, 1, 8, "1f1b", 64.0, False, 1, latency)
+        times[latency] = tune.predict(cand, tune.apply_candidate(cfg, cand), hw).step_time_s
+    return times
+
+
+def test_tuner_picks_latency_two_when_the_stage_link_is_slow():
+    nvlink = load_profile("h100_8x_nvlink")
+    slow = dataclasses.replace(nvlink, links={**nvlink.links, "slow": Link("slow", 2e9, 5e-5)},
+                               axes={**nvlink.axes, "pp": AxisLink("slow", True)})
+    fast, slow_times = _latency_pair(nvlink), _latency_pair(slow)
+    assert fast[1] < fast[2]  # NVLink: the shorter ramp wins
+    assert slow_times[2] < slow_times[1]  # 2 GB/s: hiding the transfer wins
+    best = tune.tune(config.load(TINY, ["model.layers=4", "model.d_model=512", "model.d_ff=2048",
+                                        "model.seq_len=512", "train.global_batch=64"]),
+                     8, slow, bucket_sizes_mb=(0.0,), windows=(2,), max_microbatches=8)
+    piped = [p for p in best.plans if p.candidate.pp > 1]
+    assert {p.candidate.transfer_latency for p in piped} == {1, 2}
+
+
+def test_tune_json_lists_plans_with_both_latencies(tmp_path):
+    proc = run_cli("tune", "--config", TINY, "--devices", "8", "--hardware", "h100_8x_nvlink",
+                   "--json", "--out", str(tmp_path / "best.yaml"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plans = last_json_line(proc.stdout)["plans"]
+    latencies = {p["transfer_latency"] for p in plans if p["pp"] > 1}
+    assert latencies == {1, 2}
+    assert all(p["transfer_latency"] == 1 for p in plans if p["pp"] == 1)
+    assert any(" L2" in p["plan"] for p in plans)
+
+
+def test_train_writes_the_resolved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "--config", TINY, "--set", "train.steps=1", "--set",
+                   "pipeline.microbatches=auto", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = json.loads((run_dir / "config.json").read_text())
+    assert written["overlap"]["tp_comm"] == "plain"
+    assert written["overlap"]["collective_matmul_direction"] == "uni"
+    assert written["pipeline"]["microbatches"] == 1
+    assert np.isfinite(last_json_line(proc.stdout)["last_loss"])
