@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -93,20 +94,12 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap.overlap import buckets, fsdp
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
+from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DP, PP, TP
 from jax_overlap.pipeline.program import COL, TickProgram
 from jax_overlap.training.grads import microbatched
 
 # ----------------------------------------------------------------------- varying types
-
-
-def _varying_axes(x) -> frozenset:
-    """Mesh axes `x` varies over inside `shard_map` (jax 0.12: manual_axis_type; 0.11: vma)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
 
 
 def _vary(x, axes) -> jax.Array:
@@ -172,12 +165,313 @@ def _scatter_stage_grads(grads, fsdp_layout, dp: int, comm_dtype: str):
     return jax.tree.unflatten(treedef, out)
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What every action of one device's step reads: traced once at the top of the step.
+
+    Attributes:
+      model, par: the model and its TP context.
+      params: this device's parameters (blocks gathered under fsdp), marked (dp, pp)-varying.
+      blocks_vn: the stage's blocks as (chunks, layers per chunk, ...).
+      ids_mbt, targets_mbt: the replica's microbatches.
+      count: the global loss count (every partial loss is divided by it).
+      zeros_btd: an activation-shaped zero with the varying type transfers carry.
+      grads0, loss0: the accumulators' initial values (the type every branch returns).
+      split: whether the schedule splits B and W.
+      stage_fns: per role, `(weights, x, targets) -> output` of one virtual stage.
+      overlap: the plan's overlap choices; axis_sizes: the mesh's.
+      chunk_buckets: the bucket plan of one chunk (in-loop buckets), else None.
+      tp_share: per bucketed leaf, the tp ranks its bucket sums over (1 for tp-split leaves).
+    """
+
+    model: Any
+    par: Parallel
+    params: Any
+    blocks_vn: Any
+    ids_mbt: jax.Array
+    targets_mbt: jax.Array
+    count: jax.Array
+    zeros_btd: jax.Array
+    grads0: Any
+    loss0: jax.Array
+    split: bool
+    stage_fns: dict
+    overlap: Any
+    axis_sizes: dict
+    chunk_buckets: Any = None
+    tp_share: Any = None
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return jax.tree.leaves(self.blocks_vn)[0].shape[1]
+
+    def weights(self, role: str, chunk) -> dict:
+        """The weights a `role` action of `chunk` reads: the chunk's layers, plus the
+        embedding (first, last: tied head) and the head (last)."""
+        w = {"chunk": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, chunk, 0, False),
+                                   self.blocks_vn)}
+        if role in ("first", "last"):
+            w["embed"] = self.params["embed"]
+        if role == "last":
+            w["head"] = self.params["head"]
+        return w
+
+    def action_input(self, role: str, pool, row):
+        """Token ids (virtual stage 0) or the stashed activation the action reads."""
+        mb = row[COL["microbatch"]]
+        return self.ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
+
+    def typed(self, grads, loss, out):
+        """The branch result cast to the accumulators' varying types (branches must agree)."""
+        return _like((grads, loss, out), (self.grads0, self.loss0, self.zeros_btd))
+
+
+def _accumulate(grads: dict, dw: dict, chunk) -> dict:
+    """Adds one action's weight gradients: the chunk's layers at `chunk`, embed/head whole."""
+    grads = dict(grads)
+    grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
+                                   dw["chunk"])
+    for part in ("embed", "head"):
+        if part in dw:
+            grads[part] = jax.tree.map(jnp.add, grads[part], dw[part])
+    return grads
+
+
+def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+    """The `lax.switch` branch of one (kind, role): F runs the virtual stage; B and W
+    recompute it under `jax.vjp` from the stashed input and pull back the stashed output
+    gradient (B: input gradient, and the weights' when not split; W: the weights')."""
+    fn = ctx.stage_fns[role]
+
+    def branch(pool, grads, loss, row):
+        mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+        w = ctx.weights(role, chunk)
+        x = ctx.action_input(role, pool, row)
+        targets_bt = ctx.targets_mbt[mb]
+        out, dw = ctx.zeros_btd, None
+        if kind == "F":
+            y = fn(w, x, targets_bt)
+            if role == "last":
+                loss = loss + y
+            else:
+                out = y
+        else:
+            want_w = kind == "W" or not ctx.split
+            want_x = kind == "B" and role != "first"  # token ids have no gradient
+            if want_w and want_x:
+                y, vjp = jax.vjp(lambda w_, x_: fn(w_, x_, targets_bt), w, x)
+            elif want_w:
+                y, vjp = jax.vjp(lambda w_: fn(w_, x, targets_bt), w)
+            elif want_x:
+                y, vjp = jax.vjp(lambda x_: fn(w, x_, targets_bt), x)
+            else:  # split B of virtual stage 0: nothing to compute, W does the work
+                y, vjp = None, None
+            if vjp is not None:
+                ct = jnp.ones_like(y) if role == "last" else pool[row[COL["g_slot"]]]
+                cts = vjp(ct)
+                if want_w:
+                    dw = cts[0]
+                if want_x:
+                    out = cts[-1]
+        if dw is not None:
+            grads = _accumulate(grads, dw, chunk)
+        return ctx.typed(grads, loss, out)
+
+    return branch
+
+
+def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+    """The chunk's last weight-gradient action, with its dp reduction inside.
+
+    The chunk's layers run unrolled with a bucket hook per bucket (`buckets.BucketHooks`, as
+    in the pp=1 path's last microbatch): in the backward each bucket's psum is issued as soon
+    as its layers' gradients (this microbatch's plus the accumulated ones) exist, and runs
+    while the chunk's earlier layers backpropagate. The same branch runs at the same tick on
+    every dp replica of the stage, so each collective's replica group (the stage's dp peers)
+    meets.
+    """
+    want_x = kind == "B" and role != "first"
+    marked = (DP, PP, TP)
+    plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
+
+    def branch(pool, grads, loss, row):
+        mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+        w = ctx.weights(role, chunk)
+        x = ctx.action_input(role, pool, row)
+        targets_bt = ctx.targets_mbt[mb]
+        chunk_leaves, chunk_def = jax.tree.flatten(w["chunk"])
+        # Marked tp-varying too: TP-replicated leaves get partial gradients, which their
+        # buckets sum over ('dp', 'tp') (autodiff would psum them over tp one by one).
+        chunk_leaves = [_vary(leaf, marked) for leaf in chunk_leaves]
+        # The other actions' gradients of TP-replicated leaves are whole on every tp rank
+        # (autodiff summed them); their bucket sums over tp again, so each rank adds 1/tp.
+        acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
+                      for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+        others = {k: w[k] for k in ("embed", "head") if k in w}
+
+        def forward(sinks, others_, x_):
+            hooks = buckets.BucketHooks(plan, chunk_leaves, acc_leaves, sinks, axis_sizes,
+                                        marked, ctx.overlap.grad_comm_dtype)
+            h = model.embed(others_["embed"], x_, par) if role == "first" else x_
+            for layer in range(ctx.layers_per_chunk):
+                hooks.enter(1 + layer)
+                h = model.block(jax.tree.unflatten(
+                    chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))]),
+                    h, par)
+            if role == "last":
+                return model.head_loss(others_["embed"], others_["head"], h, targets_bt,
+                                       par) / ctx.count
+            return h
+
+        sinks = buckets.make_sinks(plan, axis_sizes, marked)
+        if want_x:
+            y, vjp = jax.vjp(forward, sinks, others, x)
+        else:
+            y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
+        ct = (_vary(jnp.ones(y.shape, y.dtype), (DP, PP)) if role == "last"
+              else pool[row[COL["g_slot"]]])
+        # The tp-marked weights make the output's *type* tp-varying while its values are
+        # equal on every tp rank. vjp then reads the cotangent per rank and sums the ranks'
+        # contributions, so each rank takes 1/tp of the (replicated) cotangent.
+        extra = sorted(_varying_axes(y) - _varying_axes(ct))
+        if extra:
+            ct = _vary(ct, extra) / math.prod(axis_sizes[a] for a in extra)
+        cts = vjp(ct)
+        reduced = buckets.assemble(plan, cts[0], axis_sizes)  # leaf -> (layers, ...)
+        synced, synced_def = jax.tree.flatten(grads["synced"])
+        grads = {**grads, "synced": jax.tree.unflatten(synced_def, [
+            acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
+            for i, acc in enumerate(synced)])}
+        for part, g in cts[1].items():
+            grads[part] = jax.tree.map(jnp.add, grads[part], g)
+        out = cts[2] if want_x else ctx.zeros_btd
+        return ctx.typed(grads, loss, out)
+
+    return branch
+
+
+def idle_branch(ctx: StepContext) -> Callable:
+    """Branch 0: nothing to compute, nothing to send."""
+
+    def branch(pool, grads, loss, row):
+        del pool, row
+        return grads, loss, ctx.zeros_btd
+
+    return branch
+
+
+def _ring(out_btd, pairs, zeros_btd):
+    """One ppermute on the pp ring (`pairs`: the (src, dst) stages that carry data)."""
+    if not pairs:
+        return zeros_btd
+    return jax.lax.ppermute(out_btd, PP, perm=list(pairs))  # (b, T, D) per device, over pp
+
+
+def _file(pool, row, route: str, arrival):
+    """Files an arrival into the slot the table names (`trash` when nothing came)."""
+    return pool.at[row[COL["file_" + route]]].set(arrival)
+
+
+def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd):
+    """The tick loop: a `lax.scan` over the table, each stage switching to its action.
+
+    Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
+    Latency 2 (skewed): a tick sends the previous tick's output before its action and files
+    the arrivals after it, so the transfers run under the action.
+
+    Returns:
+      (grads, loss) accumulated over the step on this device.
+    """
+    stage = jax.lax.axis_index(PP)
+    zeros = ctx.zeros_btd
+
+    def tick(carry, rows):
+        pool, inbox_down, inbox_up, inbox_self, grads, loss = carry
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        # File last tick's arrivals.
+        if program.down_pairs:
+            pool = _file(pool, row, "down", inbox_down)
+        if program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
+            pool = _file(pool, row, "up", inbox_up)
+        if program.local_handoff:
+            pool = _file(pool, row, "self", inbox_self)
+        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        inbox_down = _ring(out, program.down_pairs, zeros)
+        inbox_up = _ring(out, program.up_pairs, zeros)
+        inbox_self = out if program.local_handoff else inbox_self
+        return (pool, inbox_down, inbox_up, inbox_self, grads, loss), None
+
+    def skewed_tick(carry, rows_now_next):
+        # Tick t sends tick t-1's output, so the transfers and this tick's action have no
+        # data dependency: the ppermutes start before the action and finish after it. What
+        # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
+        pool, pending, inbox_self, grads, loss = carry
+        rows, rows_next = rows_now_next
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
+        arrival_down = _ring(pending, program.down_pairs, zeros)
+        arrival_up = _ring(pending, program.up_pairs, zeros)
+        if program.local_handoff:  # same stage: readable one tick after it was made
+            pool = _file(pool, row, "self", inbox_self)
+        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        if program.down_pairs:
+            pool = _file(pool, row_next, "down", arrival_down)
+        if program.up_pairs:
+            pool = _file(pool, row_next, "up", arrival_up)
+        return (pool, out, out, grads, loss), None
+
+    table = jnp.asarray(program.table)
+    if program.skewed:
+        # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
+        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
+        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
+        carry0 = (pool_sbtd, zeros, zeros, ctx.grads0, ctx.loss0)
+        (_, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
+    else:
+        carry0 = (pool_sbtd, zeros, zeros, zeros, ctx.grads0, ctx.loss0)
+        (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
+    return grads, loss
+
+
+def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) -> dict:
+    """The step's gradients after the tick loop, reduced over pp and dp.
+
+    Blocks stay on their stage; embedding and head gradients are summed over pp (which also
+    adds the tied embedding's two uses). Over dp: in-loop buckets already reduced the blocks
+    (`synced`), fsdp reduce-scatters them, otherwise every leaf goes through
+    `buckets.reduce_gradients`.
+    """
+    grads = {
+        # Each stage holds its own layers' gradients: nothing to combine over pp.
+        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
+                               grads["synced"] if synced else grads["blocks"]),
+        # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
+        # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
+        "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
+        "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
+    }
+    bucket_bytes, comm_dtype = overlap.grad_bucket_bytes, overlap.grad_comm_dtype
+    if synced:  # block gradients were reduced in the loop; the embedding and head follow
+        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")},
+                                        bucket_bytes, comm_dtype, DP)
+        return {**rest, "blocks": grads["blocks"]}
+    if fsdp_layout is None:
+        return buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP)
+    scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, dp, comm_dtype)
+    # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
+    grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
+                                   scattered, is_leaf=lambda x: x is None)
+    reduced = buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP)
+    reduced["blocks"] = jax.tree.map(lambda r, sc: r if sc is None else sc, reduced["blocks"],
+                                     scattered, is_leaf=lambda x: x is None)
+    return reduced
+
+
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
-    v, split = s.virtual_stages, s.split_backward
-    stage = jax.lax.axis_index(PP)
+    v = s.virtual_stages
     # Global divisor first, so every microbatch's loss is already scaled to the global mean.
     count = jax.lax.psum(model.loss_count(batch["targets"]), DP)  # () per device, over dp
     # Per-replica, per-stage values: autodiff must not reduce over dp or pp behind our back.
@@ -192,11 +486,10 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     blocks_vn = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]),
                              params["blocks"])
     mbs = microbatched(batch, s.microbatches)
-    ids_mbt, targets_mbt = mbs["inputs"], mbs["targets"]
 
     # What travels between stages: one microbatch's activations (shape, dtype and varying
     # axes as the embedding produces them; the probe is dead code after tracing).
-    probe_btd = model.embed(params["embed"], ids_mbt[0], par)
+    probe_btd = model.embed(params["embed"], mbs["inputs"][0], par)
     act_axes = sorted(_varying_axes(probe_btd) | {DP, PP})
     zeros_btd = _vary(jnp.zeros(probe_btd.shape, probe_btd.dtype), act_axes)
     pool_sbtd = _vary(jnp.zeros((program.slots + 1, *probe_btd.shape), probe_btd.dtype),
@@ -204,234 +497,29 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     grads0 = {"embed": jax.tree.map(jnp.zeros_like, params["embed"]),
               "blocks": jax.tree.map(jnp.zeros_like, blocks_vn),
               "head": jax.tree.map(jnp.zeros_like, params["head"])}
-    sync = any(b.sync for b in program.branches)
-    layers_per_chunk = jax.tree.leaves(blocks_vn)[0].shape[1]
-    if sync:
+    synced = any(b.sync for b in program.branches)
+    tp_share = None
+    if synced:
         # Block gradients reduced over dp inside the loop land here: typed without dp (a
         # psum result), so they are kept apart from the per-replica accumulators.
         grads0["synced"] = jax.tree.map(
             lambda b: _vary(jnp.zeros(b.shape, jnp.float32), sorted(_varying_axes(b) - {DP})),
             blocks_vn)
-        plan = chunk_buckets
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
-                    for u in plan.units}
-    loss0 = _vary(jnp.zeros((), jnp.float32), (DP, PP))
-    fns = _stage_functions(model, par, count)
-
-    def weights(role, chunk):
-        w = {"chunk": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, chunk, 0, False),
-                                   blocks_vn)}
-        if role in ("first", "last"):
-            w["embed"] = params["embed"]
-        if role == "last":
-            w["head"] = params["head"]
-        return w
-
-    def accumulate(grads, dw, chunk):
-        grads = dict(grads)
-        grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
-                                       dw["chunk"])
-        for part in ("embed", "head"):
-            if part in dw:
-                grads[part] = jax.tree.map(jnp.add, grads[part], dw[part])
-        return grads
-
-    def make_branch(kind: str, role: str) -> Callable:
-        fn = fns[role]
-
-        def branch(pool, grads, loss, row):
-            mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-            w = weights(role, chunk)
-            x = ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
-            targets_bt = targets_mbt[mb]
-            out, dw = zeros_btd, None
-            if kind == "F":
-                y = fn(w, x, targets_bt)
-                if role == "last":
-                    loss = loss + y
-                else:
-                    out = y
-            else:
-                want_w = kind == "W" or not split
-                want_x = kind == "B" and role != "first"  # token ids have no gradient
-                if want_w and want_x:
-                    y, vjp = jax.vjp(lambda w_, x_: fn(w_, x_, targets_bt), w, x)
-                elif want_w:
-                    y, vjp = jax.vjp(lambda w_: fn(w_, x, targets_bt), w)
-                elif want_x:
-                    y, vjp = jax.vjp(lambda x_: fn(w, x_, targets_bt), x)
-                else:  # split B of virtual stage 0: nothing to compute, W does the work
-                    y, vjp = None, None
-                if vjp is not None:
-                    ct = jnp.ones_like(y) if role == "last" else pool[row[COL["g_slot"]]]
-                    cts = vjp(ct)
-                    if want_w:
-                        dw = cts[0]
-                    if want_x:
-                        out = cts[-1]
-            if dw is not None:
-                grads = accumulate(grads, dw, chunk)
-            return _like((grads, loss, out), (grads0, loss0, zeros_btd))
-
-        return branch
-
-    def make_sync_branch(kind: str, role: str) -> Callable:
-        """The chunk's last weight-gradient action, with its dp reduction inside.
-
-        The chunk's layers run unrolled with a bucket hook per bucket (`buckets.BucketHooks`,
-        as in the pp=1 path's last microbatch): in the backward each bucket's psum is issued
-        as soon as its layers' gradients (this microbatch's plus the accumulated ones) exist,
-        and runs while the chunk's earlier layers backpropagate. The same branch runs at the
-        same tick on every dp replica of the stage, so each collective's replica group (the
-        stage's dp peers) meets.
-        """
-        want_x = kind == "B" and role != "first"
-        marked = (DP, PP, TP)
-
-        def branch(pool, grads, loss, row):
-            mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-            w = weights(role, chunk)
-            x = ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
-            targets_bt = targets_mbt[mb]
-            chunk_leaves, chunk_def = jax.tree.flatten(w["chunk"])
-            # Marked tp-varying too: TP-replicated leaves get partial gradients, which their
-            # buckets sum over ('dp', 'tp') (autodiff would psum them over tp one by one).
-            chunk_leaves = [_vary(leaf, marked) for leaf in chunk_leaves]
-            # The other actions' gradients of TP-replicated leaves are whole on every tp rank
-            # (autodiff summed them); their bucket sums over tp again, so each rank adds 1/tp.
-            acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / tp_share[i]
-                          for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
-            others = {k: w[k] for k in ("embed", "head") if k in w}
-
-            def forward(sinks, others_, x_):
-                hooks = buckets.BucketHooks(plan, chunk_leaves, acc_leaves, sinks, axis_sizes,
-                                            marked, overlap.grad_comm_dtype)
-                h = model.embed(others_["embed"], x_, par) if role == "first" else x_
-                for layer in range(layers_per_chunk):
-                    hooks.enter(1 + layer)
-                    h = model.block(jax.tree.unflatten(
-                        chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))]),
-                        h, par)
-                if role == "last":
-                    return model.head_loss(others_["embed"], others_["head"], h, targets_bt,
-                                           par) / count
-                return h
-
-            sinks = buckets.make_sinks(plan, axis_sizes, marked)
-            if want_x:
-                y, vjp = jax.vjp(forward, sinks, others, x)
-            else:
-                y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
-            ct = (_vary(jnp.ones(y.shape, y.dtype), (DP, PP)) if role == "last"
-                  else pool[row[COL["g_slot"]]])
-            # The tp-marked weights make the output's *type* tp-varying while its values are
-            # equal on every tp rank. vjp then reads the cotangent per rank and sums the
-            # ranks' contributions, so each rank takes 1/tp of the (replicated) cotangent.
-            extra = sorted(_varying_axes(y) - _varying_axes(ct))
-            if extra:
-                ct = _vary(ct, extra) / math.prod(axis_sizes[a] for a in extra)
-            cts = vjp(ct)
-            reduced = buckets.assemble(plan, cts[0], axis_sizes)  # leaf -> (layers, ...)
-            synced, synced_def = jax.tree.flatten(grads["synced"])
-            grads = {**grads, "synced": jax.tree.unflatten(synced_def, [
-                acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
-                for i, acc in enumerate(synced)])}
-            for part, g in cts[1].items():
-                grads[part] = jax.tree.map(jnp.add, grads[part], g)
-            out = cts[2] if want_x else zeros_btd
-            return _like((grads, loss, out), (grads0, loss0, zeros_btd))
-
-        return branch
-
-    def idle(pool, grads, loss, row):
-        del pool, row
-        return grads, loss, zeros_btd
-
-    branches = [idle] + [make_sync_branch(b.kind, b.role) if b.sync else
-                         make_branch(b.kind, b.role) for b in program.branches]
-
-    def ring(out_btd, pairs):
-        if not pairs:
-            return zeros_btd
-        return jax.lax.ppermute(out_btd, PP, perm=list(pairs))  # (b, T, D) per device, over pp
-
-    def file(pool, row, route, arrival):
-        # A slot of `trash` when nothing meaningful arrived.
-        return pool.at[row[COL["file_" + route]]].set(arrival)
-
-    def tick(carry, rows):
-        pool, inbox_down, inbox_up, inbox_self, grads, loss = carry
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        # File last tick's arrivals.
-        if program.down_pairs:
-            pool = file(pool, row, "down", inbox_down)
-        if program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
-            pool = file(pool, row, "up", inbox_up)
-        if program.local_handoff:
-            pool = file(pool, row, "self", inbox_self)
-        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
-        inbox_down = ring(out, program.down_pairs)
-        inbox_up = ring(out, program.up_pairs)
-        inbox_self = out if program.local_handoff else inbox_self
-        return (pool, inbox_down, inbox_up, inbox_self, grads, loss), None
-
-    def skewed_tick(carry, rows_now_next):
-        # Tick t sends tick t-1's output, so the transfers and this tick's action have no
-        # data dependency: the ppermutes start before the action and finish after it. What
-        # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
-        pool, pending, inbox_self, grads, loss = carry
-        rows, rows_next = rows_now_next
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
-        arrival_down = ring(pending, program.down_pairs)
-        arrival_up = ring(pending, program.up_pairs)
-        if program.local_handoff:  # same stage: readable one tick after it was made
-            pool = file(pool, row, "self", inbox_self)
-        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
-        if program.down_pairs:
-            pool = file(pool, row_next, "down", arrival_down)
-        if program.up_pairs:
-            pool = file(pool, row_next, "up", arrival_up)
-        return (pool, out, out, grads, loss), None
-
-    table = jnp.asarray(program.table)
-    if program.skewed:
-        # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
-        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
-        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
-        carry0 = (pool_sbtd, zeros_btd, zeros_btd, grads0, loss0)
-        (_, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
-    else:
-        carry0 = (pool_sbtd, zeros_btd, zeros_btd, zeros_btd, grads0, loss0)
-        (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
-
+                    for u in chunk_buckets.units}
+    ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
+                      ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
+                      zeros_btd=zeros_btd, grads0=grads0,
+                      loss0=_vary(jnp.zeros((), jnp.float32), (DP, PP)),
+                      split=s.split_backward, stage_fns=_stage_functions(model, par, count),
+                      overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
+                      tp_share=tp_share)
+    branches = [idle_branch(ctx)] + [sync_branch(ctx, b.kind, b.role) if b.sync
+                                     else action_branch(ctx, b.kind, b.role)
+                                     for b in program.branches]
+    grads, loss = run_ticks(ctx, program, branches, pool_sbtd)
     loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
-    grads = {
-        # Each stage holds its own layers' gradients: nothing to combine over pp.
-        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
-                               grads["synced"] if sync else grads["blocks"]),
-        # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
-        # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
-        "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
-        "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
-    }
-    if sync:  # block gradients were reduced in the loop; the embedding and head follow
-        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")},
-                                      overlap.grad_bucket_bytes, overlap.grad_comm_dtype, DP)
-        return loss, {**rest, "blocks": grads["blocks"]}
-    if fsdp_layout is None:
-        return loss, buckets.reduce_gradients(grads, overlap.grad_bucket_bytes,
-                                              overlap.grad_comm_dtype, DP)
-    scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, axis_sizes[DP],
-                                     overlap.grad_comm_dtype)
-    # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
-    grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
-                                   scattered, is_leaf=lambda x: x is None)
-    reduced = buckets.reduce_gradients(grads, overlap.grad_bucket_bytes, overlap.grad_comm_dtype,
-                                       DP)
-    reduced["blocks"] = jax.tree.map(lambda r, sc: r if sc is None else sc, reduced["blocks"],
-                                     scattered, is_leaf=lambda x: x is None)
-    return loss, reduced
+    return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
 
 
 def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
