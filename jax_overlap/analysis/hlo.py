@@ -83,7 +83,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jax_overlap.analysis.targets import ChipSpec, chip_spec
+from jax_overlap.analysis.costs import collective_seconds
+from jax_overlap.analysis.machine import ChipSpec, LinkModel, chip_spec
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all-reduce",
@@ -1123,56 +1124,10 @@ def _async_record(module: HloModule, comp: Computation, start: Instruction,
 # ----------------------------------------------------------------------------- link model
 
 
-@dataclass(frozen=True)
-class LinkModel:
-    """Bandwidth a collective's bytes move at.
-
-    Attributes:
-      bytes_per_s: default per-device, per-direction bandwidth.
-      axis_bytes_per_s: overrides per mesh axis name (e.g. a ``dp`` axis over
-        InfiniBand); a collective over several axes takes the slowest.
-      latency_s: fixed cost added per collective execution.
-    """
-
-    bytes_per_s: float
-    axis_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
-    latency_s: float = 0.0
-
-    @classmethod
-    def from_chip(cls, chip: ChipSpec, **overrides: Any) -> LinkModel:
-        """All traffic on NVLink, one direction's bandwidth (see ChipSpec)."""
-        return cls(bytes_per_s=chip.nvlink_unidirectional_bytes_per_s, **overrides)
-
-    def bandwidth(self, op: CollectiveOp) -> float:
-        """Bytes/s for ``op``: the slowest of its axes' overrides, else the default."""
-        rates = [self.axis_bytes_per_s[a] for a in op.replica_groups.mesh_axes
-                 if a in self.axis_bytes_per_s]
-        return min(rates) if rates else self.bytes_per_s
-
-
-def ring_factor(kind: str, group_size: int | None) -> float:
-    """Fraction of the counted bytes each device sends in a ring implementation.
-
-    all-reduce ``2(n-1)/n`` (reduce-scatter then all-gather); all-gather,
-    reduce-scatter, all-to-all ``(n-1)/n``; collective-permute 1. A group of one
-    device moves nothing; an unknown group size counts the bytes once.
-    """
-    if kind == "collective-permute":
-        return 1.0
-    if group_size is None:
-        return 1.0
-    if group_size <= 1:
-        return 0.0
-    n = group_size
-    return 2.0 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-
-
 def comm_seconds(op: CollectiveOp, link: LinkModel) -> float:
-    """Link time of one execution of ``op``."""
-    moved = ring_factor(op.kind, op.replica_groups.group_size) * op.bytes
-    if moved == 0:
-        return 0.0
-    return moved / link.bandwidth(op) + link.latency_s
+    """Link time of one execution of ``op`` (:func:`costs.collective_seconds`)."""
+    return collective_seconds(op.kind, op.bytes, op.replica_groups.group_size,
+                              link.link(op.replica_groups.mesh_axes))
 
 
 def exposed_seconds(op: CollectiveOp, link: LinkModel, chip: ChipSpec) -> float:
