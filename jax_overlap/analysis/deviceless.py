@@ -13,8 +13,8 @@ pins ``jax-cuda12-plugin`` (and through it ``jax-cuda12-pjrt``, the PJRT plugin
 library) to the same version as jax/jaxlib and pulls no CUDA libraries. The minimum
 that works is ``jax-cuda12-pjrt`` alone (the compiler lives in its
 ``xla_cuda_plugin.so``); without ``jax-cuda12-plugin`` every process logs
-"cuda_plugin_extension is not found." once. Checked with jax/jaxlib 0.11.2 and
-0.12.0.1: the API and behaviour are the same in both.
+"cuda_plugin_extension is not found." once. The versions this was checked with:
+``docs/xla_notes.md``.
 
 The plugin's XLA parses ``XLA_FLAGS`` when it compiles, so a flag it does not know
 aborts the process there (see :mod:`jax_overlap.overlap.xla_flags`). Per-compile options can

@@ -11,7 +11,7 @@ finds every collective (``all-reduce``, ``all-gather``, ``reduce-scatter``,
 * ``<kind>-start`` / ``<kind>-done`` pairs;
 * async wrappers: ``async-start`` / ``async-update`` / ``async-done`` and
   ``fusion-start`` / ``fusion-done`` whose called computation holds the collective
-  (jaxlib 0.11/0.12 put small GPU all-reduces in a ``__triton_collective`` fusion);
+  (e.g. a ``__triton_collective`` fusion around a small GPU all-reduce);
 * ``recv`` / ``recv-done`` from a collective-permute XLA decomposed into send/recv
   (counted as ``collective-permute``).
 
@@ -32,46 +32,8 @@ are GEMMs: ``dot``/``convolution``, cuBLAS/cuDNN custom-calls (``__cublas$gemm``
 ``dot`` or ``convolution`` (Triton gemm fusions, ``kind=kCustom``), with FLOPs
 ``2 x prod(output dims) x prod(contracting dims)``.
 
-Findings on XLA's GPU pipeline (deviceless H100/H200, jaxlib 0.11.2 and 0.12.0.1):
-
-* ``CollectivePermuteMotion`` runs after SPMD partitioning on every GPU compile, with
-  no flag of its own. When a ``while`` body ends in ``ppermute`` of a value whose
-  loop output is dead after the loop -- the activation carry of a pipeline loop --
-  it moves the ``collective-permute`` to the top of the next iteration (a
-  ``select(first iteration, input, permute(input))``). Seen on a pipeline loop
-  ``state = ppermute(tanh(select(stage 0, x[i], state) @ w))`` with an independent
-  ``x[i+3] @ w2`` in the same body: with the pass, the permute starts at the top of
-  the body and its done comes right after, before either matmul -- the select that
-  consumes it was fused (multi-output fusion) with the slice feeding the independent
-  matmul, so *both* GEMMs wait for the transfer and nothing overlaps it. Without the
-  pass the permute starts right after the stage matmul and the independent matmul
-  runs between start and done.
-* Counter-measures, verified on that program (fraction of permute bytes with a GEMM
-  between start and done, default schedule: 0):
-
-  - ``--xla_disable_hlo_passes=collective-permute-motion`` (XLA_FLAGS, or
-    ``compiler_options={"xla_disable_hlo_passes": "collective-permute-motion"}`` for
-    one compile): 1.0 -- the permute starts after the stage matmul and the
-    independent matmul runs under it;
-  - keeping the permuted carry live after the loop (return or use it), which the
-    pass requires to be dead: 1.0;
-  - ``xla_gpu_enable_while_loop_double_buffering=true``: 0.48 with the pass, 1.0
-    without it (the loop is unrolled by two and each copy's permute overlaps the
-    other copy's matmul);
-  - ``xla_gpu_collective_permute_decomposer_threshold=0`` plus
-    ``xla_gpu_enable_pipelined_p2p=true`` with the pass disabled: 1.0 (the ring is
-    split into a forward and a backward send/recv, each under a matmul). But this
-    pair aborts the compiler (``Check failed: schedule.size() ==
-    computation_->instruction_count()`` in hlo_memory_scheduler.cc, jaxlib 0.11.2
-    and 0.12.0.1) on the pipeline loop with the pass enabled, on a plain ring
-    ``ppermute`` in a ``fori_loop`` whatever the pass, and together with double
-    buffering (``p2p_schedule_preparation.cc``), so no preset in
-    :mod:`jax_overlap.overlap.xla_flags` sets it.
-  - ``xla_gpu_enable_pipelined_p2p`` alone and
-    ``xla_gpu_experimental_pipeline_parallelism_opt_level`` did not change the
-    schedule of that (cyclic) ring permute.
-* GPU turns an async pair with nothing to overlap back into a synchronous op
-  (``"is_sync":true``); the reader reports those as synchronous.
+What XLA's GPU pipeline did with the programs this reader was built on (which passes
+move collectives, which flags counter them, per jaxlib version): ``docs/xla_notes.md``.
 """
 
 from __future__ import annotations

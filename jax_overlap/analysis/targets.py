@@ -17,15 +17,10 @@ datasheets for the A100 (80GB SXM4), H100 (SXM5) and H200 (SXM), and the NVIDIA
 Ampere (GA100) / Hopper (GH100) architecture whitepapers. Values the compiler needs
 but no datasheet prints are derived from those, with the arithmetic in the comment.
 
-What the compiler needs (found by deleting one field at a time from the H100
-description and compiling a matmul + psum for 2 GPUs, jaxlib 0.12.0.1): without
-``threads_per_warp`` or ``block_dim_limit_x`` the compiler divides by zero and the
-process dies with SIGFPE; without ``cuda_compute_capability`` it targets sm_0.0 and
-fails; ``core_count``, ``shared_memory_per_block_optin``, ``registers_per_block_limit``
-and ``device_interconnect_info.active_links`` change the compiled program (fusion
-tiling, the collective kernels chosen); the other fields did not change this small
-program but feed XLA's cost models, so :func:`render_target_config` always writes
-every field of :class:`GpuDeviceInfo`.
+:func:`render_target_config` writes every field of :class:`GpuDeviceInfo`: some are
+required (without them the compiler crashes or targets the wrong architecture), others
+change the compiled program or feed XLA's cost models. Which was which, for one
+jaxlib: ``docs/xla_notes.md``.
 """
 
 from __future__ import annotations
