@@ -14,13 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap.analysis import deviceless
 from jax_overlap.analysis.costs import ring_factor
-from jax_overlap.analysis.hlo import (
-    analyze_hlo,
-    comm_seconds,
-    parse_module,
-    parse_replica_groups,
-    while_trip_count,
-)
+from jax_overlap.analysis.hlo_collectives import parse_replica_groups
+from jax_overlap.analysis.hlo_parse import parse_module, while_trip_count
+from jax_overlap.analysis.hlo_report import analyze_hlo, comm_seconds
 from jax_overlap.analysis.machine import LinkModel, chip_spec
 
 needs_plugin = pytest.mark.skipif(

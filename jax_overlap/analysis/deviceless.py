@@ -6,7 +6,7 @@ no driver -- and the JAX backend kept on CPU (``JAX_PLATFORMS=cpu``),
 topology="1x1xN")`` returns compile-only GPU devices. A ``jax.sharding.Mesh`` built
 on them lowers and compiles like a real one, and ``compiled.as_text()`` is the HLO
 as XLA's GPU pipeline leaves it: fused, with async collective start/done pairs
-placed by the latency-hiding scheduler. :mod:`jax_overlap.analysis.hlo` reads it.
+placed by the latency-hiding scheduler. :mod:`jax_overlap.analysis.hlo_report` reads it.
 
 Install: ``pip install "jax[cuda12-local]==<installed jax version>"`` -- that extra
 pins ``jax-cuda12-plugin`` (and through it ``jax-cuda12-pjrt``, the PJRT plugin
@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.analysis.hlo import HloReport, LinkModel, analyze_hlo
+from jax_overlap.analysis.hlo_report import HloReport, analyze_hlo
+from jax_overlap.analysis.machine import LinkModel
 from jax_overlap.analysis.targets import get_target, target_config_text
 
 PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
@@ -177,7 +178,7 @@ def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
                 num_hosts: int = 1, compiler_options: Mapping[str, Any] | None = None,
                 link: LinkModel | None = None,
                 branch_frequencies: Sequence[float] | None = None) -> HloReport:
-    """:func:`compile_for` then :func:`hlo.analyze_hlo` with the target's chip.
+    """:func:`compile_for` then :func:`hlo_report.analyze_hlo` with the target's chip.
 
     Args:
       target: GPU target name.
@@ -186,7 +187,7 @@ def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
       num_hosts: hosts.
       compiler_options: per-compile XLA options.
       link: link model (default: the chip's NVLink).
-      branch_frequencies: see `hlo.execution_counts`.
+      branch_frequencies: see `hlo_parse.execution_counts`.
 
     Returns:
       The :class:`HloReport`.

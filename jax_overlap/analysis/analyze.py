@@ -52,7 +52,7 @@ def lower_train_step(cfg, devices: list) -> Any:
 
 def analyze(cfg, target: str = "cpu"):
     """HloReport of the configured train step compiled for `target`."""
-    from jax_overlap.analysis import hlo
+    from jax_overlap.analysis.hlo_report import analyze_hlo
 
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
@@ -65,7 +65,7 @@ def analyze(cfg, target: str = "cpu"):
 
         check_device_count(cfg, jax.device_count())
         text = lower_train_step(cfg, jax.devices()).compile().as_text()
-        return hlo.analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
+        return analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
     from jax_overlap.analysis import deviceless
 
     reason = deviceless.unavailable_reason()
