@@ -102,7 +102,6 @@ class ChipSpec:
         return self.peak_fp32_flops
 
 
-
 # --------------------------------------------------------------------------- A100
 # Sources: NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column); NVIDIA A100
 # Tensor Core GPU Architecture whitepaper (GA100: 108 SMs enabled, 64 FP32 cores and
