@@ -71,14 +71,14 @@ def time_size(name: str, steps: int) -> dict:
 
 def analyze_8gpu(target: str) -> dict:
     from jax_overlap import config
-    from jax_overlap.analysis import report
+    from jax_overlap.analysis import analyze
 
     out = {}
     for label, extra in [("dp8", []), ("dp2xtp4 cm-bi", ["mesh.dp=2", "mesh.tp=4",
                           "overlap.tp_comm=collective_matmul",
                           "overlap.collective_matmul_direction=bi"])]:
         cfg = config.load("configs/gpt_1p3b.yaml", extra)
-        data = report.analyze(cfg, target).to_json()
+        data = analyze.analyze(cfg, target).to_json()
         out[label] = {k: data[k] for k in ("async_fraction", "collective_bytes_under_gemm_fraction",
                                            "exposed_comm_s_estimate")}
     return out

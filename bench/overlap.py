@@ -14,7 +14,7 @@ of the default model is compiled for 8 forced CPU devices and measured:
                   outputs - aliased (the donated state) as the peak estimate
   x_step/x_peak   ratios to the row's baseline (same mesh, no option)
 
-Counts and bytes come from the compiled HLO (`jax_overlap.analysis.hlo`, per step: a
+Counts and bytes come from the compiled HLO (`jax_overlap.analysis.hlo_report`, per step: a
 collective inside a loop counts once per iteration). CPU collectives are synchronous, so
 step time here shows the cost of the extra work an option does (flat-buffer copies, the
 FSDP recompute, ring steps), not the overlap a GPU gets; that is what the HLO columns and
@@ -69,7 +69,7 @@ def collective_summary(text: str, mesh) -> dict:
     """DP / TP collective counts and bytes per step from compiled HLO text."""
     import numpy as np
 
-    from jax_overlap.analysis import hlo
+    from jax_overlap.analysis.hlo_report import analyze_hlo
 
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     tp_axis = list(mesh.axis_names).index("tp")
@@ -77,7 +77,7 @@ def collective_summary(text: str, mesh) -> dict:
     tp_groups = {tuple(row) for row in rows}
     tp_of = {d: g for g in tp_groups for d in g}
     out = {"dp_ops": 0, "dp_bytes": 0, "tp_ops": 0, "tp_bytes": 0}
-    for op in hlo.analyze_hlo(text).ops:
+    for op in analyze_hlo(text).ops:
         axes = set(op.replica_groups.mesh_axes)
         if op.kind == "collective-permute":
             pairs = op.source_target_pairs or ()
@@ -170,7 +170,7 @@ def lower_gspmd_step(cfg, devices):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_overlap.analysis.report import abstract_inputs
+    from jax_overlap.analysis.analyze import abstract_inputs
     from jax_overlap.model_api import build_model
     from jax_overlap.parallel.mesh import DP, make_mesh
     from jax_overlap.training import grads as gradslib
@@ -215,11 +215,11 @@ def goal_one(kind: str, overrides: list[str]) -> dict:
 
     cfg = config.load(GOAL_CONFIG, overrides)
     prepare_deviceless(cfg)  # before anything imports jax
-    from jax_overlap.analysis import deviceless, report
+    from jax_overlap.analysis import analyze, deviceless
 
     t0 = time.perf_counter()
     if kind == "ours":
-        data = report.analyze(cfg, "h100").to_json()
+        data = analyze.analyze(cfg, "h100").to_json()
     else:
         data = deviceless.analyze_for("h100", cfg.num_devices,
                                       lambda devices: lower_gspmd_step(cfg, devices)).to_json()
@@ -307,7 +307,7 @@ def main() -> None:
                              f"({os.cpu_count()} cores), jax {jax.__version__}",
                    "config": "configs/default.yaml", "steps_timed": args.steps,
                    "note": "CPU collectives are synchronous: step time shows extra work, not "
-                           "overlap; bytes are per device per step (hlo.BYTES_CONVENTION).",
+                           "overlap; bytes are per device per step (hlo_collectives.BYTES_CONVENTION).",
                    "rows": rows, "table": text.splitlines()}, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)
 

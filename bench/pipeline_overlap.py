@@ -41,7 +41,7 @@ def main() -> int:
 
         xla_flags.apply_preset(args.preset)
     from jax_overlap import config
-    from jax_overlap.analysis import report
+    from jax_overlap.analysis import analyze
     from jax_overlap.plan import ParallelPlan
 
     rows = []
@@ -54,7 +54,7 @@ def main() -> int:
                 f"pipeline.virtual_stages={v}", f"pipeline.transfer_latency={latency}",
                 f"overlap.grad_bucket_mb={bucket_mb}"])
             program = ParallelPlan.build(cfg).program
-            data = report.analyze(cfg, args.target).to_json()
+            data = analyze.analyze(cfg, args.target).to_json()
             permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
             _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
             rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,

@@ -137,9 +137,9 @@ def cmd_analyze(args) -> int:
         prepare_backend(cfg)
     else:
         prepare_deviceless(cfg)
-    from jax_overlap.analysis import report
+    from jax_overlap.analysis import analyze
 
-    print(report.analyze_command(cfg, args.target, as_json=args.json))
+    print(analyze.analyze_command(cfg, args.target, as_json=args.json))
     return 0
 
 

@@ -8,7 +8,8 @@ import pytest
 from helpers import TINY, gpt_reference, max_rel_err, rel
 
 from jax_overlap import config
-from jax_overlap.analysis import hlo
+from jax_overlap.analysis.hlo_parse import called_computations, parse_module
+from jax_overlap.analysis.hlo_report import analyze_hlo
 from jax_overlap.overlap import buckets, dp_layout
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.plan import ParallelPlan
@@ -149,7 +150,7 @@ def _compile_uncached(reference, overrides, dp, tp, pp):
 
 def dp_collectives(text: str) -> list:
     """All-reduce / reduce-scatter ops over groups that include dp (per the HLO reader)."""
-    report = hlo.analyze_hlo(text)
+    report = analyze_hlo(text)
     return [op for op in report.ops if op.kind in ("all-reduce", "reduce-scatter")
             and "dp" in op.replica_groups.mesh_axes]
 
@@ -159,19 +160,19 @@ def _gemm_names(module, comp) -> set[str]:
         c = module.computations.get(name)
         return c is not None and depth < 4 and any(
             i.opcode in ("dot", "convolution")
-            or any(has_dot(n, depth + 1) for n in hlo.called_computations(i).get("calls", []))
+            or any(has_dot(n, depth + 1) for n in called_computations(i).get("calls", []))
             for i in c.instructions)
 
     return {i.name for i in comp.instructions
             if i.opcode in ("dot", "convolution")
             or (i.opcode == "fusion" and any(has_dot(n) for n in
-                                              hlo.called_computations(i).get("calls", [])))}
+                                              called_computations(i).get("calls", [])))}
 
 
 def independent_gemms(text: str, op_name: str) -> int:
     """GEMMs of the entry computation that neither feed nor wait for the collective
     `op_name`: the work a scheduler may overlap with it."""
-    module = hlo.parse_module(text)
+    module = parse_module(text)
     entry = module.computations[module.entry]
     by_name = {i.name: i for i in entry.instructions}
     users: dict[str, list[str]] = {}
@@ -347,7 +348,7 @@ def gpu_report(overrides: list[str], config_path: str = "configs/default.yaml",
 
     text = deviceless.compile_for("h100", cfg.num_devices, build,
                                   compiler_options=compiler_options)
-    return hlo.analyze_hlo(text, target="h100")
+    return analyze_hlo(text, target="h100")
 
 
 def under_gemm_fraction(ops) -> float:

@@ -81,9 +81,9 @@ def test_ring_is_ppermutes_not_gathers():
     x = jnp.zeros((2, 8 * tp, 16))
     w = jnp.zeros((16, 12 * tp))
     text = ag_ring.lower(x, w, jnp.zeros((2, 8 * tp, 12 * tp))).compile().as_text()
-    from jax_overlap.analysis import hlo
+    from jax_overlap.analysis.hlo_report import analyze_hlo
 
-    kinds = hlo.analyze_hlo(text).collectives
+    kinds = analyze_hlo(text).collectives
     # Forward: tp-1 permutes; backward (autodiff of the ring) is a reduce-scatter ring: tp-1.
     assert kinds["collective-permute"].count == 2 * (tp - 1)
     assert "all-gather" not in kinds and "reduce-scatter" not in kinds
@@ -156,7 +156,8 @@ def test_every_ring_transfer_is_a_loop_step(direction):
     """No collective-permute of either ring (forward or backward) is outside a loop body: a
     transfer outside the loop has no partial GEMM of its own step that XLA cannot merge
     with the GEMMs before or after the loop (see collective_matmul's docstring)."""
-    from jax_overlap.analysis import hlo
+    from jax_overlap.analysis.hlo_parse import parse_module
+    from jax_overlap.analysis.hlo_report import analyze_hlo
 
     tp = 4
     (_, ag_ring), (_, rs_ring) = _plain_and_ring(tp, direction)
@@ -164,7 +165,7 @@ def test_every_ring_transfer_is_a_loop_step(direction):
     for f, args in ((ag_ring, (jnp.zeros((b, t, d)), jnp.zeros((d, n)), jnp.zeros((b, t, n)))),
                     (rs_ring, (jnp.zeros((b, t, n)), jnp.zeros((n, d)), jnp.zeros((b, t, d))))):
         text = f.lower(*args).compile().as_text()
-        module = hlo.parse_module(text)
-        permutes = [op for op in hlo.analyze_hlo(text).ops if op.kind == "collective-permute"]
+        module = parse_module(text)
+        permutes = [op for op in analyze_hlo(text).ops if op.kind == "collective-permute"]
         assert permutes
         assert all(op.computation != module.entry for op in permutes)

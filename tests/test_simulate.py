@@ -6,14 +6,12 @@ from pathlib import Path
 import pytest
 
 from jax_overlap.analysis.hardware import (
-    AxisLink,
-    HardwareProfile,
-    Link,
     ProfileError,
     load_profile,
     measure_local,
     profile_from_dict,
 )
+from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
 from jax_overlap.analysis.simulate import (
     Costs,
     Plan,

@@ -82,7 +82,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.analysis.hardware import HardwareProfile, Link
+from jax_overlap.analysis.costs import ring_factor, ring_steps
+from jax_overlap.analysis.machine import HardwareProfile, Link
 from jax_overlap.analysis.simulate import Costs
 from jax_overlap.config import Config
 
@@ -446,10 +447,10 @@ def ring_link(name: str, n: int, tiny_s: float, big_s: float, big_bytes: float) 
     Returns:
       ``latency = tiny / 2(n-1)``, ``bandwidth = 2(n-1)/n big_bytes / (big - tiny)``.
     """
-    hops = 2 * (n - 1)
+    hops = ring_steps("all-reduce", n)[0]
     return Link(
         name=name,
-        bandwidth_bytes_per_s=hops / n * big_bytes / max(big_s - tiny_s, 1e-9),
+        bandwidth_bytes_per_s=ring_factor("all-reduce", n) * big_bytes / max(big_s - tiny_s, 1e-9),
         latency_s=tiny_s / hops,
         efficiency=1.0,
     )

@@ -6,15 +6,15 @@ no driver -- and the JAX backend kept on CPU (``JAX_PLATFORMS=cpu``),
 topology="1x1xN")`` returns compile-only GPU devices. A ``jax.sharding.Mesh`` built
 on them lowers and compiles like a real one, and ``compiled.as_text()`` is the HLO
 as XLA's GPU pipeline leaves it: fused, with async collective start/done pairs
-placed by the latency-hiding scheduler. :mod:`jax_overlap.analysis.hlo` reads it.
+placed by the latency-hiding scheduler. :mod:`jax_overlap.analysis.hlo_report` reads it.
 
 Install: ``pip install "jax[cuda12-local]==<installed jax version>"`` -- that extra
 pins ``jax-cuda12-plugin`` (and through it ``jax-cuda12-pjrt``, the PJRT plugin
 library) to the same version as jax/jaxlib and pulls no CUDA libraries. The minimum
 that works is ``jax-cuda12-pjrt`` alone (the compiler lives in its
 ``xla_cuda_plugin.so``); without ``jax-cuda12-plugin`` every process logs
-"cuda_plugin_extension is not found." once. Checked with jax/jaxlib 0.11.2 and
-0.12.0.1: the API and behaviour are the same in both.
+"cuda_plugin_extension is not found." once. The versions this was checked with:
+``docs/xla_notes.md``.
 
 The plugin's XLA parses ``XLA_FLAGS`` when it compiles, so a flag it does not know
 aborts the process there (see :mod:`jax_overlap.overlap.xla_flags`). Per-compile options can
@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.analysis.hlo import HloReport, LinkModel, analyze_hlo
+from jax_overlap.analysis.hlo_report import HloReport, analyze_hlo
+from jax_overlap.analysis.machine import LinkModel
 from jax_overlap.analysis.targets import get_target, target_config_text
 
 PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
@@ -177,7 +178,7 @@ def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
                 num_hosts: int = 1, compiler_options: Mapping[str, Any] | None = None,
                 link: LinkModel | None = None,
                 branch_frequencies: Sequence[float] | None = None) -> HloReport:
-    """:func:`compile_for` then :func:`hlo.analyze_hlo` with the target's chip.
+    """:func:`compile_for` then :func:`hlo_report.analyze_hlo` with the target's chip.
 
     Args:
       target: GPU target name.
@@ -186,7 +187,7 @@ def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
       num_hosts: hosts.
       compiler_options: per-compile XLA options.
       link: link model (default: the chip's NVLink).
-      branch_frequencies: see `hlo.execution_counts`.
+      branch_frequencies: see `hlo_parse.execution_counts`.
 
     Returns:
       The :class:`HloReport`.

@@ -1,10 +1,12 @@
-"""Hardware profiles: chip FLOP rate, links, and which link each mesh axis uses.
+"""Hardware profiles: the machine model of :mod:`jax_overlap.analysis.machine` as YAML files.
 
-A profile is a YAML file under ``configs/hardware/``. Every number is written as
-``{value: ..., source: ...}`` so it is clear where it came from (a spec sheet URL, an
-assumption, or ``measured here, <date>``); :func:`load_profile` checks that each one
-is present. :func:`measure_local_profile` measures this machine's matmul rate and
-8-device psum bandwidth for ``configs/hardware/cpu_here.yaml``::
+A profile (a :class:`~jax_overlap.analysis.machine.HardwareProfile`: chip FLOP rate,
+links, and which link each mesh axis uses) is a YAML file under ``configs/hardware/``.
+Every number is written as ``{value: ..., source: ...}`` so it is clear where it came
+from (a spec sheet URL, an assumption, or ``measured here, <date>``);
+:func:`load_profile` checks that each one is present. :func:`measure_local_profile`
+measures this machine's matmul rate and 8-device psum bandwidth for
+``configs/hardware/cpu_here.yaml``::
 
     python -m jax_overlap.analysis.hardware configs/hardware/cpu_here.yaml
 """
@@ -16,113 +18,20 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from jax_overlap.analysis.costs import ring_factor, ring_steps
+from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
 
 AXES: tuple[str, ...] = ("dp", "pp", "tp")
 _PROFILE_DIRS = (
     Path(__file__).resolve().parents[2] / "configs" / "hardware",
     Path("configs") / "hardware",
 )
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of interconnect, as seen by one device.
-
-    Attributes:
-      name: link name in the profile, e.g. ``nvlink``.
-      bandwidth_bytes_per_s: peak bytes/s per device per direction.
-      latency_s: fixed cost of one transfer (one ring hop of a collective).
-      efficiency: fraction of the peak bandwidth collectives reach.
-    """
-
-    name: str
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    efficiency: float = 1.0
-
-    @property
-    def effective_bandwidth(self) -> float:
-        """Bytes/s a large transfer achieves: peak x efficiency."""
-        return self.bandwidth_bytes_per_s * self.efficiency
-
-
-@dataclass(frozen=True)
-class AxisLink:
-    """Where one mesh axis's traffic goes.
-
-    Attributes:
-      link: name of the :class:`Link` it uses.
-      crosses_hosts: whether the axis spans hosts (so rides the inter-host network).
-    """
-
-    link: str
-    crosses_hosts: bool
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """A machine description for the timeline simulator.
-
-    Attributes:
-      name: profile name.
-      description: one line on what machine this is.
-      chip: chip model.
-      chip_flops: peak dense FLOP/s per device in the training dtype.
-      memory_bytes: device memory.
-      devices_per_host: devices in one host.
-      hosts: hosts.
-      links: link name -> :class:`Link`.
-      axes: mesh axis (``dp``, ``pp``, ``tp``) -> :class:`AxisLink`.
-      sources: dotted field path -> where its value came from.
-      synchronous_collectives: communication blocks the device's compute (the XLA CPU
-        backend runs collectives inline on the op thread), so nothing overlaps.
-    """
-
-    name: str
-    description: str
-    chip: str
-    chip_flops: float
-    memory_bytes: float
-    devices_per_host: int
-    hosts: int
-    links: Mapping[str, Link]
-    axes: Mapping[str, AxisLink]
-    sources: Mapping[str, str] = field(default_factory=dict)
-    synchronous_collectives: bool = False
-
-    def link(self, axis: str) -> Link:
-        """The link that traffic on mesh ``axis`` uses.
-
-        Args:
-          axis: ``dp``, ``pp`` or ``tp``.
-
-        Returns:
-          The :class:`Link`.
-        """
-        return self.links[self.axes[axis].link]
-
-    def with_link(self, axis: str, link: Link) -> HardwareProfile:
-        """A copy where ``axis`` uses ``link`` (for what-if sweeps)."""
-        links = {**self.links, link.name: link}
-        axes = {**self.axes, axis: AxisLink(link.name, self.axes[axis].crosses_hosts)}
-        return HardwareProfile(
-            self.name,
-            self.description,
-            self.chip,
-            self.chip_flops,
-            self.memory_bytes,
-            self.devices_per_host,
-            self.hosts,
-            links,
-            axes,
-            self.sources,
-            self.synchronous_collectives,
-        )
 
 
 class ProfileError(ValueError):
@@ -343,8 +252,8 @@ def measure_local(
     big = jax.device_put(jnp.ones((n_dev * elems,), jnp.float32), shard)
     t_tiny = _best_time(ps, tiny, repeats=repeats) / loop
     t_big = _best_time(ps, big, repeats=repeats) / loop
-    hops = 2 * (n_dev - 1) if n_dev > 1 else 1
-    ring_bytes = 2 * (n_dev - 1) / n_dev * psum_bytes if n_dev > 1 else psum_bytes
+    hops = ring_steps("all-reduce", n_dev)[0] if n_dev > 1 else 1
+    ring_bytes = ring_factor("all-reduce", n_dev) * psum_bytes if n_dev > 1 else psum_bytes
     return LocalMeasurement(
         devices=n_dev,
         matmul_flops=flops,

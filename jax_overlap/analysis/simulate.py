@@ -21,7 +21,8 @@ communication:
   under the matmul chunks.
 
 Transfers cost ``latency + bytes / (bandwidth x efficiency)`` per hop on the link the
-hardware profile assigns to the mesh axis; collectives use ring algorithms. Streams
+hardware profile assigns to the mesh axis; collectives use ring algorithms
+(:func:`jax_overlap.analysis.costs.collective_seconds`). Streams
 that share a physical link do not slow each other down (a simplification). On a
 profile with ``synchronous_collectives`` (the XLA CPU backend) every transfer also
 occupies the compute stream, so nothing overlaps -- which is what a CPU trace shows.
@@ -38,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jax_overlap.analysis.hardware import HardwareProfile, Link
+from jax_overlap.analysis.costs import collective_seconds
+from jax_overlap.analysis.machine import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
 from jax_overlap.pipeline.schedules import Schedule, Task, dependencies
 
@@ -50,9 +52,7 @@ BUCKET_ISSUE_MODES: tuple[str, ...] = ("during_backward", "after_backward")
 
 def p2p_time(nbytes: float, link: Link) -> float:
     """One point-to-point transfer: latency + bytes / effective bandwidth (0 if no bytes)."""
-    if nbytes <= 0:
-        return 0.0
-    return link.latency_s + nbytes / link.effective_bandwidth
+    return collective_seconds("collective-permute", nbytes, None, link)
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
@@ -68,7 +68,7 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n <= 1`` or no bytes.
     """
-    return _ring_time(nbytes, n, link, hops=2 * (n - 1))
+    return collective_seconds("all-reduce", nbytes, n, link)
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
@@ -84,14 +84,7 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n <= 1`` or no bytes.
     """
-    return _ring_time(nbytes, n, link, hops=n - 1)
-
-
-def _ring_time(nbytes: float, n: int, link: Link, hops: int) -> float:
-    """`hops` ring steps, each paying the link latency and moving one `nbytes / n` shard."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return hops * link.latency_s + hops * (nbytes / n) / link.effective_bandwidth
+    return collective_seconds("all-gather", nbytes, n, link)
 
 
 reduce_scatter_time = all_gather_time

@@ -1,32 +1,26 @@
-"""GPU target descriptions written by this project, and per-chip peak rates.
+"""GPU target descriptions written by this project: what XLA needs to compile for a GPU.
 
-Two things per chip (A100-SXM4-80GB, H100-SXM5-80GB, H200-SXM-141GB):
+Per GPU model the project compiles for without the GPU (A100-SXM4-80GB, H100-SXM5-80GB,
+H200-SXM-141GB), a :class:`GpuTarget` pairs
 
-* a :class:`ChipSpec` -- the peak rates the analysis uses for MFU and for the link
-  model of :mod:`jax_overlap.analysis.hlo` (dense tensor-core FLOP/s per dtype, HBM
-  size and bandwidth, NVLink bandwidth);
+* its chip from the machine model (:data:`jax_overlap.analysis.machine.CHIPS`: the
+  peak rates the analysis uses), with
 * a :class:`GpuDeviceInfo` -- the facts XLA's GPU compiler reads from a
   ``stream_executor.GpuTargetConfigProto`` when it compiles without a GPU
   (:mod:`jax_overlap.analysis.deviceless`). :func:`target_config_text` renders it
   as the text proto that ``jax.experimental.topologies.get_topology_desc(
   platform="cuda", target_config=...)`` takes.
 
-Every value comes from a published source named in a comment next to it: NVIDIA's
-datasheets for the A100 (80GB SXM4), H100 (SXM5) and H200 (SXM), the CUDA C++
-Programming Guide's table "Technical Specifications per Compute Capability", and the
-NVIDIA Ampere (GA100) / Hopper (GH100) architecture whitepapers. Values the
-compiler needs but no datasheet prints are derived from those, with the arithmetic
-in the comment.
+Every value comes from a published source named in a comment next to it: the CUDA C++
+Programming Guide's table "Technical Specifications per Compute Capability", NVIDIA's
+datasheets for the A100 (80GB SXM4), H100 (SXM5) and H200 (SXM), and the NVIDIA
+Ampere (GA100) / Hopper (GH100) architecture whitepapers. Values the compiler needs
+but no datasheet prints are derived from those, with the arithmetic in the comment.
 
-What the compiler needs (found by deleting one field at a time from the H100
-description and compiling a matmul + psum for 2 GPUs, jaxlib 0.12.0.1): without
-``threads_per_warp`` or ``block_dim_limit_x`` the compiler divides by zero and the
-process dies with SIGFPE; without ``cuda_compute_capability`` it targets sm_0.0 and
-fails; ``core_count``, ``shared_memory_per_block_optin``, ``registers_per_block_limit``
-and ``device_interconnect_info.active_links`` change the compiled program (fusion
-tiling, the collective kernels chosen); the other fields did not change this small
-program but feed XLA's cost models, so :func:`render_target_config` always writes
-every field of :class:`GpuDeviceInfo`.
+:func:`render_target_config` writes every field of :class:`GpuDeviceInfo`: some are
+required (without them the compiler crashes or targets the wrong architecture), others
+change the compiled program or feed XLA's cost models. Which was which, for one
+jaxlib: ``docs/xla_notes.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +29,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from jax_overlap.analysis.machine import CHIPS, ChipSpec, chip_key
 
 _GIB = 1 << 30
 _MIB = 1 << 20
@@ -59,69 +55,6 @@ PRIMITIVE_TYPE_IDS: Mapping[str, int] = {
     "f8e4m3": 28,
     "f8e3m4": 29,
 }
-
-
-@dataclass(frozen=True)
-class ChipSpec:
-    """Peak rates of one GPU model, for MFU and link-time estimates.
-
-    Attributes:
-      name: marketing name of the part.
-      peak_bf16_flops: dense BF16/FP16 tensor-core FLOP/s (no sparsity).
-      peak_tf32_flops: dense TF32 tensor-core FLOP/s: what an f32 matmul runs at under
-        JAX's default matmul precision on these chips.
-      peak_fp32_flops: FP32 FLOP/s on the CUDA cores (non-tensor).
-      peak_fp8_flops: dense FP8 tensor-core FLOP/s, or None where the chip has none.
-      hbm_bytes: device memory, as the datasheet states it (GiB-sized parts).
-      hbm_bytes_per_s: peak HBM bandwidth.
-      nvlink_bytes_per_s: NVLink bandwidth per GPU as NVIDIA publishes it: the sum over
-        all links of both directions.
-      nvlink_links: number of NVLink links per GPU.
-      sources: where the numbers come from.
-    """
-
-    name: str
-    peak_bf16_flops: float
-    peak_tf32_flops: float
-    peak_fp32_flops: float
-    peak_fp8_flops: float | None
-    hbm_bytes: int
-    hbm_bytes_per_s: float
-    nvlink_bytes_per_s: float
-    nvlink_links: int
-    sources: tuple[str, ...] = ()
-
-    @property
-    def nvlink_unidirectional_bytes_per_s(self) -> float:
-        """Bytes/s one GPU can send (or receive) over NVLink at once.
-
-        Ring collectives send and receive at the same time, so their per-step
-        bandwidth is one direction's: half of the published bidirectional figure.
-        """
-        return self.nvlink_bytes_per_s / 2.0
-
-    def matmul_flops_per_s(self, dtype: str) -> float:
-        """Peak dense matmul rate for operands of ``dtype`` (an HLO type name).
-
-        Args:
-          dtype: HLO element type, e.g. ``bf16``, ``f16``, ``f32``, ``f8e4m3fn``.
-
-        Returns:
-          FLOP/s: BF16 rate for 16-bit types, TF32 rate for f32 (JAX's default matmul
-          precision on Ampere/Hopper uses TF32 tensor cores), FP8 rate for 8-bit floats
-          where the chip has FP8 (else BF16), FP32 CUDA-core rate for anything else.
-        """
-        dtype = dtype.lower()
-        if dtype in ("bf16", "f16"):
-            return self.peak_bf16_flops
-        if dtype == "f32":
-            return self.peak_tf32_flops
-        if dtype.startswith("f8"):
-            return self.peak_fp8_flops or self.peak_bf16_flops
-        if dtype in ("s8", "u8"):
-            # Integer MMA runs at the FP8 rate on Hopper and twice BF16 on Ampere.
-            return self.peak_fp8_flops or 2.0 * self.peak_bf16_flops
-        return self.peak_fp32_flops
 
 
 @dataclass(frozen=True)
@@ -197,22 +130,6 @@ class GpuTarget:
 # Tensor Core GPU Architecture whitepaper (GA100: 108 SMs enabled, 64 FP32 cores and
 # 4 third-generation tensor cores per SM, 40 MB L2, 164 KB shared memory per SM);
 # CUDA C++ Programming Guide, compute capability 8.0 column.
-A100_CHIP = ChipSpec(
-    name="NVIDIA A100-SXM4-80GB",
-    peak_bf16_flops=312e12,  # datasheet: BF16 Tensor Core 312 TFLOPS (dense)
-    peak_tf32_flops=156e12,  # datasheet: TF32 Tensor Core 156 TFLOPS (dense)
-    peak_fp32_flops=19.5e12,  # datasheet: FP32 19.5 TFLOPS
-    peak_fp8_flops=None,  # Ampere tensor cores have no FP8
-    hbm_bytes=80 * _GIB,  # datasheet: 80GB HBM2e
-    hbm_bytes_per_s=2039e9,  # datasheet: 2,039 GB/s (80GB SXM)
-    nvlink_bytes_per_s=600e9,  # datasheet: NVLink 600 GB/s (12 links x 50 GB/s)
-    nvlink_links=12,  # whitepaper: 12 third-generation NVLink links
-    sources=(
-        "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
-        "NVIDIA A100 Tensor Core GPU Architecture whitepaper",
-    ),
-)
-
 A100_DEVICE = GpuDeviceInfo(
     name="NVIDIA A100-SXM4-80GB",  # the name the driver reports for this part
     core_count=108,  # whitepaper: 108 SMs on A100
@@ -235,22 +152,6 @@ A100_DEVICE = GpuDeviceInfo(
 # Core GPU Architecture whitepaper (GH100 SXM5: 132 SMs, 128 FP32 cores, 64 INT32 and
 # 64 FP64 cores and 4 fourth-generation tensor cores per SM, 50 MB L2, 228 KB shared
 # memory per SM, 18 NVLink-4 links); CUDA C++ Programming Guide, compute capability 9.0.
-H100_CHIP = ChipSpec(
-    name="NVIDIA H100 SXM5 80GB",
-    peak_bf16_flops=989e12,  # datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
-    peak_tf32_flops=494.5e12,  # datasheet: TF32 Tensor Core 989 TFLOPS with sparsity -> 494.5 dense
-    peak_fp32_flops=67e12,  # datasheet: FP32 67 TFLOPS
-    peak_fp8_flops=1979e12,  # datasheet: FP8 Tensor Core 3,958 TFLOPS with sparsity -> 1,979 dense
-    hbm_bytes=80 * _GIB,  # datasheet: 80GB HBM3
-    hbm_bytes_per_s=3.35e12,  # datasheet: 3.35 TB/s
-    nvlink_bytes_per_s=900e9,  # datasheet: NVLink 900 GB/s
-    nvlink_links=18,  # whitepaper: 18 fourth-generation NVLink links
-    sources=(
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",
-        "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
-    ),
-)
-
 _H100_SCALAR_CLOCK = 1.98  # datasheet: H100 SXM max boost clock 1980 MHz
 # Tensor-core clock implied by the datasheet's dense BF16 rate:
 # 989e12 FLOP/s / (132 SMs x 4 tensor cores x 512 FMA/clock x 2 FLOP/FMA) = 1.829 GHz.
@@ -314,16 +215,6 @@ H100_DEVICE = GpuDeviceInfo(
 # Sources: NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column). The H200 is the
 # GH100 die of the H100 SXM5 with 141 GB of HBM3e: same SMs, clocks, tensor rates
 # and NVLink; only memory size and bandwidth differ.
-H200_CHIP = dataclasses.replace(
-    H100_CHIP,
-    name="NVIDIA H200 SXM 141GB",
-    peak_bf16_flops=989e12,  # datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity
-    hbm_bytes=141 * _GIB,  # datasheet: 141GB HBM3e
-    hbm_bytes_per_s=4.8e12,  # datasheet: 4.8 TB/s
-    nvlink_bytes_per_s=900e9,  # datasheet: NVLink 900 GB/s
-    sources=("NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)",) + H100_CHIP.sources,
-)
-
 H200_DEVICE = dataclasses.replace(
     H100_DEVICE,
     name="NVIDIA H200",  # the name the driver reports for H200 SXM
@@ -332,21 +223,9 @@ H200_DEVICE = dataclasses.replace(
 )
 
 TARGETS: Mapping[str, GpuTarget] = {
-    "a100": GpuTarget("a100", A100_CHIP, A100_DEVICE),
-    "h100": GpuTarget("h100", H100_CHIP, H100_DEVICE),
-    "h200": GpuTarget("h200", H200_CHIP, H200_DEVICE),
-}
-
-# Other spellings people use for the same parts.
-_ALIASES = {
-    "a100_sxm_80": "a100",
-    "a100-sxm-80gb": "a100",
-    "a100-sxm4-80gb": "a100",
-    "h100_sxm": "h100",
-    "h100-sxm": "h100",
-    "h100-sxm5": "h100",
-    "h200_sxm": "h200",
-    "h200-sxm": "h200",
+    "a100": GpuTarget("a100", CHIPS["a100"], A100_DEVICE),
+    "h100": GpuTarget("h100", CHIPS["h100"], H100_DEVICE),
+    "h200": GpuTarget("h200", CHIPS["h200"], H200_DEVICE),
 }
 
 
@@ -362,18 +241,12 @@ def get_target(name: str) -> GpuTarget:
     Raises:
       ValueError: unknown name; the message lists the valid ones.
     """
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
+    key = chip_key(name)
     if key not in TARGETS:
         raise ValueError(
             f"unknown GPU target {name!r}; valid targets: {', '.join(sorted(TARGETS))}"
         )
     return TARGETS[key]
-
-
-def chip_spec(name: str) -> ChipSpec:
-    """The :class:`ChipSpec` of a target name (see :func:`get_target`)."""
-    return get_target(name).chip
 
 
 def _fmt_float(value: float) -> str:

@@ -34,7 +34,8 @@ import yaml
 
 from jax_overlap import config as configlib
 from jax_overlap.analysis import calibrate as cal_lib
-from jax_overlap.analysis.hardware import HardwareProfile, load_profile
+from jax_overlap.analysis.hardware import load_profile
+from jax_overlap.analysis.machine import HardwareProfile
 from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.pipeline.schedules import SCHEDULES

@@ -7,23 +7,20 @@ transfer (or the transfer for the GEMM). Here the sequence moves in `tp` chunks 
 TP ring with `ppermute`, and each ring step's partial matmul does not depend on the transfer
 in flight, so the transfer runs under the GEMM.
 
-The ring steps are a `lax.scan` (one permute + one partial GEMM per iteration):
-  * unrolled, XLA's GPU pipeline merges the tp independent partial GEMMs that share the
-    weight into one GEMM of the concatenated chunks (DotMerger), which has to wait for every
-    transfer; one GEMM per loop iteration cannot be merged;
-  * all-gather: the last chunk's GEMM is outside the loop. The loop's final carry is then
-    used after the loop, which keeps XLA's CollectivePermuteMotion from moving the permute
-    (whose result is the next iteration's carry) to the top of the next iteration, where
-    the GEMM would wait for it (see `jax_overlap.analysis.hlo`);
-  * reduce-scatter: every transfer, the last one too, is inside the loop. A last step
-    outside it (permute + own chunk's GEMM) left that GEMM free of any dependency on the
-    loop, and DotMerger fused it with the first chunk's GEMM before the loop, leaving the
-    last transfer nothing to hide under; its transpose (the first step of the backward's
-    all-gather ring) likewise merged into the GEMM after the loop. On the GPT-1.3B
-    dp=2 x tp=4 step that exposed 4 of the 24 ring transfers of every layer's forward,
-    and 4 of its backward's (15% of the step's collective bytes). Here the permute is the first
-    thing of the iteration and depends only on the carry, so the motion pass has nothing
-    to move.
+The ring steps are a `lax.scan` (one permute + one partial GEMM per iteration), shaped so
+that XLA's GPU pipeline cannot undo the overlap:
+  * not unrolled: unrolled, the tp independent partial GEMMs share the weight and can be
+    merged into one GEMM of the concatenated chunks, which waits for every transfer; one
+    GEMM per loop iteration cannot be merged;
+  * all-gather: the last chunk's GEMM is outside the loop, so the loop's final carry is
+    used after the loop -- a permute whose result is only the next iteration's carry may
+    be moved to the top of that iteration, where the GEMM would wait for it;
+  * reduce-scatter: every transfer, the last one too, is inside the loop, and the permute
+    is the first thing of the iteration and depends only on the carry. A last step outside
+    the loop would leave its GEMM free of the loop, to be merged with another GEMM, and the
+    last transfer with nothing to hide under.
+What XLA did that led to this shape (DotMerger, CollectivePermuteMotion, the exposed
+transfers it cost on GPT-1.3B): `docs/xla_notes.md`.
 
 Directions:
   uni: one ring (rank r sends to r+1): tp-1 transfers of a (B, T/tp, .) chunk.

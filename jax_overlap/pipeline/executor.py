@@ -26,15 +26,12 @@ Megatron's stages does); only values consumed later than t+1 are hidden.
 
 Skewed loop (`pipeline.transfer_latency: 2`): tick t sends tick t-1's output, at the top of
 the loop body, and files what arrives at the end, after the tick's action. Neither the
-transfers nor the action read the other's result, so XLA issues the collective-permute
-starts before the tick's `conditional` and the dones after it: the whole tick's GEMMs run
-while the activations travel. The tables are generated for that latency (a consumer on
-another stage runs two ticks after its producer), which lengthens the ramp. The two rings'
-permutes are in flight at once, which XLA's GPU scheduler allows only when told to (the
-`gpu_overlap` preset's parallel-collective limit of 2; with the default one of them runs
-synchronously). XLA's `collective-permute-motion` pass, which can rotate a loop's permute to
-where the compute waits for it, left this loop alone in jaxlib 0.12 (same schedule with and
-without it; the preset turns it off anyway).
+transfers nor the action read the other's result, so the collective-permutes can be in
+flight for the whole tick's `conditional`: its GEMMs run while the activations travel. The
+tables are generated for that latency (a consumer on another stage runs two ticks after its
+producer), which lengthens the ramp. Both rings' permutes are then in flight at once, which
+needs the `gpu_overlap` preset's parallel-collective limit of 2. What XLA's GPU scheduler
+did with this loop, per jaxlib version: `docs/xla_notes.md`.
 
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
 *input*; it stays in its slot until the last backward action of that (microbatch, chunk)

@@ -41,6 +41,7 @@ import numpy as np
 
 from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
+from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience.ckpt_layout import (
@@ -70,18 +71,14 @@ from jax_overlap.resilience.watchdog import Watchdog, jax_board
 from jax_overlap.training import data as datalib
 from jax_overlap.training import step as steplib
 
-# Peak dense bf16 FLOP/s by device kind, for MFU on accelerators (published spec sheets).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "H800": 989e12, "B200": 2250e12}
-
 
 def peak_flops(device) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`, for MFU: its chip in the machine model's table
+    (`jax_overlap.analysis.machine.CHIPS`); None on CPU or for a chip the table lacks."""
     if device.platform == "cpu":
         return None
-    kind = getattr(device, "device_kind", "")
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
+    chip = chip_for_device_kind(getattr(device, "device_kind", ""))
+    return chip.peak_bf16_flops if chip is not None else None
 
 
 class MetricsWriter:

@@ -77,7 +77,7 @@ def test_compiled_hybrid_step_has_async_collectives_under_compute():
     """dp2 x pp2 x tp2 compiled for 8 GPUs of this machine's kind (deviceless topology)."""
     from jax_overlap import config
     from jax_overlap.analysis import deviceless
-    from jax_overlap.analysis.report import lower_train_step
+    from jax_overlap.analysis.analyze import lower_train_step
 
     kind = GPUS[0].device_kind.lower()
     target = "h200" if "h200" in kind else "a100" if "a100" in kind else "h100"

@@ -74,7 +74,7 @@ def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any
 
 def analyze(cfg, target: str = "cpu", built=None):
     """HloReport of the configured train step compiled for `target`."""
-    from jax_overlap.analysis import hlo
+    from jax_overlap.analysis.hlo_report import analyze_hlo
 
     model, plan = built = built or build_plan(cfg, target)
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
@@ -85,7 +85,7 @@ def analyze(cfg, target: str = "cpu", built=None):
 
         check_device_count(cfg, jax.device_count())
         text = lower_train_step(cfg, jax.devices(), target, built).compile().as_text()
-        return hlo.analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
+        return analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
     from jax_overlap.analysis import deviceless
 
     reason = deviceless.unavailable_reason()
