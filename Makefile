@@ -21,10 +21,10 @@ train: $(STAMP)
 	$(VENV)/bin/jax-overlap train --config $(CONFIG) --run-dir runs/default $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -n 2 -m slow $(ARGS)
 
 test-gpu: $(STAMP)
 	JAX_PLATFORMS=cuda,cpu $(PY) -m pytest -q -m gpu tests/gpu $(ARGS)

@@ -6,6 +6,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled executables are cached outside the repository (shared by the xdist workers and by
+# the CLI subprocesses the tests start, which inherit the variable): reruns skip most compiles.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.expanduser("~"), ".cache", "jax_overlap", "xla"))
 
 import jax  # noqa: E402
 

@@ -95,7 +95,7 @@ def test_plan_covers_every_layer_of_the_gpt_once():
     plan = layout.plan
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     leaves = jax.tree.leaves(abstract)
-    blocks = steplib._leaf_indices(abstract, "blocks")
+    blocks = dp_layout.leaf_indices(abstract, "blocks")
     seen = sorted((u.leaf, -1 if u.layer is None else u.layer) for u in plan.units)
     want = sorted((i, layer) for i in range(len(leaves))
                   for layer in (range(cfg.model.layers) if i in blocks else [-1]))
@@ -377,7 +377,7 @@ def test_zero1_state_shardings_with_pipeline():
     mesh = meshlib.make_mesh(2, 2, 2)
     opt = steplib.make_optimizer(cfg.train)
     sh = steplib.state_shardings(model, mesh, opt, jax.eval_shape(model.init, jax.random.key(0)),
-                                 cfg.overlap)
+                                 ParallelPlan.build(cfg, model).layout)
     adam = sh.opt_state[1][0]
     assert sh.params["blocks"]["w_in"].spec == jax.sharding.PartitionSpec("pp", None, "tp")
     assert adam.mu["blocks"]["w_in"].spec == jax.sharding.PartitionSpec("pp", "dp", "tp")
