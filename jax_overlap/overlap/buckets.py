@@ -527,7 +527,7 @@ def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
                      split_dims: Any = None) -> Any:
     """Sums per-replica gradients over `axis` after the backward, bucketed by size.
 
-    `grad_bucket_mb: 0` is one collective per leaf. Otherwise whole leaves are packed into
+    `bucket_bytes: 0` is one collective per leaf. Otherwise whole leaves are packed into
     buckets (reverse tree order; after the backward every gradient is ready anyway), leaves
     of one type (the other mesh axes they vary over) per bucket, and each bucket is one
     collective on a flat buffer. `grad_comm_dtype: bf16` reduces a bf16 copy.

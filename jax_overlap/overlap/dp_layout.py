@@ -20,16 +20,17 @@ from jax_overlap.parallel.mesh import DP, PP, TP, rules_for, tree_specs
 
 
 class DpLayout(NamedTuple):
-    """How every parameter leaf relates to dp, derived from the plan's overlap choices (the in-backward
-    buckets exist on the pp=1 path only; FSDP storage and ZeRO-1's state split on every path).
+    """How every parameter leaf relates to dp, derived from the plan's overlap choices (the
+    in-backward buckets exist on the pp=1 path only; FSDP storage and ZeRO-1's state split on
+    every path).
 
     Attributes:
-      param_specs: storage; `param_sharding: fsdp` splits 'blocks' leaves over dp too.
+      param_specs: storage; fsdp splits 'blocks' leaves over dp too.
       grad_specs: gradients leaving the shard_map, and the optimizer state: `zero1` splits
         every other leaf over dp (ZeRO-1), fsdp blocks keep their storage split.
       split_dims: ZeRO-1 split dim per leaf of the whole (stacked) leaf, or None.
       fsdp: the block layout under fsdp, else None.
-      plan: the in-backward bucket plan when `grad_bucket_mb > 0`, else None.
+      plan: the in-backward bucket plan when `grad_bucket_bytes > 0` (pp = 1), else None.
     """
 
     param_specs: Any

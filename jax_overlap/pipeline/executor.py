@@ -59,7 +59,7 @@ summed over 'pp' at the end (with tied embeddings the head's use of `wte` and th
 add up there), then the gradients go through the explicit DP reduction of `buckets`.
 
 DP reduction of the blocks, by `overlap`:
-  grad_bucket_mb 0     after the loop, one collective per leaf.
+  no buckets           after the loop, one collective per leaf.
   grad_bucket_mb > 0   inside the loop: the action that completes a chunk's weight gradients
                        on its stage (the chunk's last B, or W when split; `Branch.sync`) runs
                        the chunk's layers unrolled with a bucket hook per bucket, so each

@@ -1,7 +1,7 @@
 """The training loop: config in, metrics.jsonl and a one-line JSON summary out.
 
-`run(cfg, run_dir)` is what the CLI and the notebooks call. The step lives in `jax_overlap.training.step`,
-its guards, fault injection, rollback arithmetic and watchdog in `jax_overlap.resilience`; this
+`run(cfg, run_dir)` is what the CLI and the notebooks call. It builds the `ParallelPlan` once; the
+step lives in `jax_overlap.training.step`, its guards, fault injection, rollback arithmetic and watchdog in `jax_overlap.resilience`; this
 module owns the loop around them: data, checkpoints, rollbacks, pre-emption, progress, metrics
 and summary.
 

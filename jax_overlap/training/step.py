@@ -117,8 +117,9 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None) -> Tra
     """NamedShardings for every leaf of the train state.
 
     The optimizer state mirrors the gradients: like the parameters, except that ZeRO-1
-    (`plan.overlap.zero1`, in `layout.grad_specs`) splits every leaf's moments over dp. With pp > 1 the executor's
-    gradients arrive whole (psum) and GSPMD slices them for the split update.
+    (`plan.overlap.zero1`, in `layout.grad_specs`) splits every leaf's moments over dp. With
+    pp > 1 the executor's gradients arrive whole (psum) and GSPMD slices them for the split
+    update.
     """
     param_sh = param_shardings(model, mesh, layout)
     grad_sh = param_sh
