@@ -45,6 +45,10 @@ class ModelConfig:
     vocab: int = 256  # byte-level data needs >= 256
     seq_len: int = 64
     tied_embeddings: bool = True  # output layer reuses the token embedding
+    # What each block keeps for its backward (jax_overlap/parallel/remat.py): none keeps
+    # everything; full keeps only the block input and recomputes; save_dots / minimal keep
+    # (weight) matmul outputs.
+    remat: Literal["none", "full", "save_dots", "minimal"] = "none"
 
 
 @dataclass

@@ -128,6 +128,7 @@ class ParallelPlan:
       layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement).
       overlap: the resolved overlap choices.
       compute_dtype: "fp32" or "bf16" (train.precision).
+      remat: the rematerialisation policy every block runs under (model.remat).
       target: the target the automatic choices were made for.
       choices: the `auto` knobs, by config key, with what was picked and why.
       layout: the DP layout of the model's parameters (`overlap.dp_layout.DpLayout`), when the
@@ -144,6 +145,7 @@ class ParallelPlan:
     layer_perm: np.ndarray | None
     overlap: OverlapPlan
     compute_dtype: str = "fp32"
+    remat: str = "none"
     target: Target = Target()
     choices: dict[str, Choice] = field(default_factory=dict)
     layout: Any = None
@@ -270,7 +272,8 @@ class ParallelPlan:
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
                    micro_batch=cfg.train.global_batch // (m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
-                   compute_dtype=cfg.train.precision, target=target, choices=choices)
+                   compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
+                   choices=choices)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 

@@ -37,6 +37,25 @@ def test_loss_and_grads_match_single_device(reference, dp, tp):
     assert grads["embed"]["wte"].sharding.is_equivalent_to(expected, 2)
 
 
+@pytest.mark.parametrize("remat,extra", [
+    ("full", ["mesh.dp=2", "mesh.tp=4"]),
+    ("save_dots", ["mesh.dp=8", "mesh.tp=1", "overlap.grad_bucket_mb=0.01",
+                   "pipeline.microbatches=2"]),
+    ("minimal", ["mesh.dp=2", "mesh.tp=4", "overlap.param_sharding=fsdp"]),
+])
+def test_remat_policies_match_single_device(reference, remat, extra):
+    """pp = 1 under each remat policy: the plain scan, the bucketed last microbatch, FSDP."""
+    _, model, params, batch, ref_loss, ref_grads = reference
+    cfg = config.load(TINY, [f"model.remat={remat}", *extra])
+    plan = ParallelPlan.build(cfg, model)
+    mesh = meshlib.make_mesh(cfg.mesh.dp, 1, cfg.mesh.tp, jax.devices()[: cfg.num_devices])
+    sharded = jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout))
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
+        sharded, steplib.put_batch(batch, mesh))
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+
+
 def _curve(overrides, tmp_path, name):
     cfg = config.load(TINY, overrides)
     devices = jax.devices()[: cfg.num_devices]

@@ -99,6 +99,46 @@ def test_pipeline_matches_single_device_sweep(references, name, pp, dp, tp, m, t
     check_equivalence(references, name, pp, dp, tp, m, tied)
 
 
+# Remat policies: what each F keeps for its backward (none: every residual, no recompute; the
+# default cases above run it). Default run: each other policy on a split and a plain
+# schedule; the sweep: every schedule x policy x mesh.
+REMAT_CASES = [
+    ("zb-h1", 2, 2, 2, 4, True, "full"),
+    ("1f1b", 4, 2, 1, 4, False, "save_dots"),
+    ("zb-v", 2, 4, 1, 2, True, "minimal"),
+]
+REMAT_SWEEP = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
+               for i, (name, (pp, dp, tp), policy) in enumerate(
+                   (name, mesh, policy) for name in schedules.SCHEDULES
+                   for mesh in [(4, 2, 1), (2, 2, 2), (2, 4, 1)]
+                   for policy in ("none", "full", "save_dots"))]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", REMAT_CASES)
+def test_remat_policies_match_single_device(references, name, pp, dp, tp, m, tied, remat):
+    check_equivalence(references, name, pp, dp, tp, m, tied, [f"model.remat={remat}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", REMAT_SWEEP)
+def test_remat_policies_match_single_device_sweep(references, name, pp, dp, tp, m, tied,
+                                                  remat):
+    check_equivalence(references, name, pp, dp, tp, m, tied, [f"model.remat={remat}"])
+
+
+def test_remat_policy_sets_what_an_f_keeps():
+    """`full` keeps less per microbatch than `none` (the stash the executor files)."""
+    from jax_overlap.pipeline import executor
+
+    sizes = {}
+    for remat in ("none", "save_dots", "full"):
+        cfg = pipeline_cfg("1f1b", 2, 4, 1, 2, True, [f"model.remat={remat}"])
+        model = GPT.from_config(cfg.model)
+        mesh = meshlib.make_mesh(4, 2, 1, jax.devices()[:8])
+        sizes[remat] = executor.residual_bytes(model, ParallelPlan.build(cfg, model), mesh)
+    assert sizes["none"]["chunk"] > sizes["save_dots"]["chunk"] > sizes["full"]["chunk"] > 0
+
+
 # transfer_latency=2: the skewed loop that sends tick t-1's output beside tick t's action
 # (zb-v with L=2 also runs in the default suite under OPTION_CASES; the rest in the sweep).
 SKEWED_CASES = [("1f1b", 4, 2, 1, 4, True)]

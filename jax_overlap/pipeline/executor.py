@@ -34,23 +34,25 @@ needs the `gpu_overlap` preset's parallel-collective limit of 2. What XLA's GPU 
 did with this loop, per jaxlib version: `docs/xla_notes.md`.
 
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
-*input*; it stays in its slot until the last backward action of that (microbatch, chunk)
-(B, or W when the backward is split), which recomputes the chunk's forward under `jax.vjp`.
-Likewise a received output gradient stays until B (split: W). Slots are assigned statically
-from the table's lifetimes, so a stage holds `peak live (microbatch, chunk) tensors` slots,
-not `microbatches x chunks`. Memory trade-off: storing inputs costs one (b, T, D) tensor per
-live (microbatch, chunk) instead of every layer's residuals (a GPT block keeps on the order
-of ten (b, T, D)-sized ones -- LayerNorm inputs, q/k/v, the MLP's hidden activations -- plus
-(b, H, T, T) attention probabilities), paid for by one extra chunk forward per B (and per W
-when split).
+*input*; it stays in its slot until the last backward action of that (microbatch, chunk) (B,
+or W when the backward is split). Likewise a received output gradient stays until B (split:
+W). Slots are assigned statically from the table's lifetimes, so a stage holds `peak live
+(microbatch, chunk) tensors` slots, not `microbatches x chunks`.
 
-Split backward: B = vjp of the chunk w.r.t. its input only (sent up the pipe), W = vjp w.r.t.
-the chunk's weights from the stashed input and output gradient; without the split, B does
-both in one vjp. XLA drops the weight-gradient matmuls from B, but W has only the chunk's
-output gradient, so it recomputes the forward and backpropagates through every layer of the
-chunk: a W costs about a whole non-split B (measured in bench/pipeline.py). The split buys
-scheduling freedom, not less work; making W cheap needs B to keep each matmul's output
-gradient (and input) so that W is only the weight-gradient matmuls.
+Residuals (`jax_overlap.pipeline.residuals`): an F runs its virtual stage under `jax.vjp` and
+files the pullback's residuals -- the embedding's, the chunk's, the head's -- into slots of
+three pools, assigned like the stash from the F's tick to the last backward's. B and W rebuild
+the pullbacks from those slots, so no action re-runs a forward. What the residuals are is the
+remat policy's choice (`model.remat`, applied to every block with `jax.checkpoint`): `none`
+keeps every residual (on the order of ten (b, T, D)-sized tensors per GPT block plus the
+(b, H, T, T) attention probabilities); `full` keeps each block's input and recomputes the
+block inside the pullback (the memory of stashing only inputs, the cost of one more forward
+per backward); `save_dots` / `minimal` keep the (weight) matmul outputs.
+
+Split backward: B pulls back to the chunk's input only (XLA drops the weight-gradient
+matmuls), W to the weights only, both from the same residuals. W still backpropagates through
+the chunk's layers to reach the earlier layers' weights; making it only the weight-gradient
+matmuls needs B to keep each matmul's output gradient.
 
 Embedding and head: F of virtual stage 0 embeds the microbatch's tokens, F of the last
 virtual stage ends in the head and adds loss / (global loss count); their backward (B, or W
@@ -81,7 +83,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +95,10 @@ from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DP, PP, TP
+from jax_overlap.parallel.remat import remat_block
+from jax_overlap.pipeline import residuals
 from jax_overlap.pipeline.program import COL, TickProgram
+from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.training.grads import microbatched
 
 # ----------------------------------------------------------------------- varying types
@@ -113,32 +118,35 @@ def _like(tree, ref) -> Any:
 # ---------------------------------------------------------------------------- executor
 
 
-def _stage_functions(model, par: Parallel, count) -> dict[str, Callable]:
-    """Per role, `(weights, x, targets) -> output` of one virtual stage.
+class StagePieces(NamedTuple):
+    """One virtual stage as three pure functions, so that each keeps its own residuals.
 
-    `weights` holds the chunk's stacked layers under 'chunk' and, where used, 'embed' and
-    'head'. `first` takes token ids, `last` returns its share of the global mean loss.
+    Attributes:
+      embed: `(w_embed, ids) -> x` (virtual stage 0 only).
+      chunk: `(w_chunk, x) -> y`, the chunk's layers (a scan), each block under the remat
+        policy.
+      head: `(w_embed, w_head, y, targets) -> loss / global count` (the last virtual stage).
     """
 
-    def run_chunk(chunk_params, x_btd):
-        def layer(x, p_layer):
-            return model.block(p_layer, x, par), None
+    embed: Callable
+    chunk: Callable
+    head: Callable
 
-        return jax.lax.scan(layer, x_btd, chunk_params)[0]
 
-    def first(w, ids_bt, targets_bt):
-        del targets_bt
-        return run_chunk(w["chunk"], model.embed(w["embed"], ids_bt, par))
+def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
+    """The `StagePieces` of a model with its TP context, loss divisor and remat policy."""
+    block = remat_block(lambda p, x: model.block(p, x, par), remat)
 
-    def mid(w, x_btd, targets_bt):
-        del targets_bt
-        return run_chunk(w["chunk"], x_btd)
+    def chunk(w_chunk, x_btd):
+        return jax.lax.scan(lambda h, p: (block(p, h), None), x_btd, w_chunk)[0]
 
-    def last(w, x_btd, targets_bt):
-        y_btd = run_chunk(w["chunk"], x_btd)
-        return model.head_loss(w["embed"], w["head"], y_btd, targets_bt, par) / count
+    def embed(w_embed, ids_bt):
+        return model.embed(w_embed, ids_bt, par)
 
-    return {"first": first, "mid": mid, "last": last}
+    def head(w_embed, w_head, y_btd, targets_bt):
+        return model.head_loss(w_embed, w_head, y_btd, targets_bt, par) / count
+
+    return StagePieces(embed, chunk, head)
 
 
 def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
@@ -175,7 +183,8 @@ class StepContext:
       zeros_btd: an activation-shaped zero with the varying type transfers carry.
       grads0, loss0: the accumulators' initial values (the type every branch returns).
       split: whether the schedule splits B and W.
-      stage_fns: per role, `(weights, x, targets) -> output` of one virtual stage.
+      pieces: the virtual stage's `StagePieces`.
+      layouts: the residual `Layout` of the "embed", "chunk" and "head" vjps.
       overlap: the plan's overlap choices; axis_sizes: the mesh's.
       chunk_buckets: the bucket plan of one chunk (in-loop buckets), else None.
       tp_share: per bucketed leaf, the tp ranks its bucket sums over (1 for tp-split leaves).
@@ -192,7 +201,8 @@ class StepContext:
     grads0: Any
     loss0: jax.Array
     split: bool
-    stage_fns: dict
+    pieces: StagePieces
+    layouts: dict
     overlap: Any
     axis_sizes: dict
     chunk_buckets: Any = None
@@ -218,9 +228,9 @@ class StepContext:
         mb = row[COL["microbatch"]]
         return self.ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
 
-    def typed(self, grads, loss, out):
-        """The branch result cast to the accumulators' varying types (branches must agree)."""
-        return _like((grads, loss, out), (self.grads0, self.loss0, self.zeros_btd))
+    def typed(self, res, grads, loss, out, res0):
+        """The branch result cast to the carry's varying types (branches must agree)."""
+        return _like((res, grads, loss, out), (res0, self.grads0, self.loss0, self.zeros_btd))
 
 
 def _accumulate(grads: dict, dw: dict, chunk) -> dict:
@@ -234,45 +244,84 @@ def _accumulate(grads: dict, dw: dict, chunk) -> dict:
     return grads
 
 
-def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
-    """The `lax.switch` branch of one (kind, role): F runs the virtual stage; B and W
-    recompute it under `jax.vjp` from the stashed input and pull back the stashed output
-    gradient (B: input gradient, and the weights' when not split; W: the weights')."""
-    fn = ctx.stage_fns[role]
+def _checked(layout: Layout, want: Layout, what: str) -> None:
+    if (layout.kinds, layout.avals) != (want.kinds, want.avals):
+        raise RuntimeError(f"pipeline executor: the {what} residuals traced differently in an F "
+                           f"branch than in the probe; the model's functions must be pure")
 
-    def branch(pool, grads, loss, row):
+
+def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+    """The `lax.switch` branch of one (kind, role).
+
+    F runs the virtual stage under `jax.vjp` and files its residuals (the embedding's, the
+    chunk's, the head's: whatever the remat policy keeps) into this (microbatch, chunk)'s
+    slots. B and W rebuild the pullbacks from those slots and pull back the output gradient
+    (the stashed one, or d loss = 1 on the last virtual stage): B the input gradient, and the
+    weights' when the backward is not split; W the weights'. Nothing re-runs the forward but
+    what the remat policy recomputes inside a pullback.
+    """
+    pieces, lay = ctx.pieces, ctx.layouts
+
+    def forward(pool, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
         w = ctx.weights(role, chunk)
-        x = ctx.action_input(role, pool, row)
-        targets_bt = ctx.targets_mbt[mb]
-        out, dw = ctx.zeros_btd, None
-        if kind == "F":
-            y = fn(w, x, targets_bt)
-            if role == "last":
-                loss = loss + y
-            else:
-                out = y
+        res = dict(res)
+        out = ctx.zeros_btd
+        if role == "first":
+            x, _, got, leaves = vjp_with_layout(
+                lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
+            _checked(got, lay["embed"], "embedding")
+            res["first"] = residuals.store(res["first"], e_slot, leaves + [x])
         else:
-            want_w = kind == "W" or not ctx.split
-            want_x = kind == "B" and role != "first"  # token ids have no gradient
-            if want_w and want_x:
-                y, vjp = jax.vjp(lambda w_, x_: fn(w_, x_, targets_bt), w, x)
-            elif want_w:
-                y, vjp = jax.vjp(lambda w_: fn(w_, x, targets_bt), w)
-            elif want_x:
-                y, vjp = jax.vjp(lambda x_: fn(w, x_, targets_bt), x)
-            else:  # split B of virtual stage 0: nothing to compute, W does the work
-                y, vjp = None, None
-            if vjp is not None:
-                ct = jnp.ones_like(y) if role == "last" else pool[row[COL["g_slot"]]]
-                cts = vjp(ct)
-                if want_w:
-                    dw = cts[0]
-                if want_x:
-                    out = cts[-1]
-        if dw is not None:
+            x = pool[row[COL["x_slot"]]]
+        y, _, got, leaves = vjp_with_layout(pieces.chunk, (w["chunk"], x), (w["chunk"], x))
+        _checked(got, lay["chunk"], "chunk")
+        res["chunk"] = residuals.store(res["chunk"], r_slot, leaves)
+        if role == "last":
+            part, _, got, leaves = vjp_with_layout(
+                lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
+                (w["embed"], w["head"], y), (w["embed"], w["head"]))
+            _checked(got, lay["head"], "head")
+            res["last"] = residuals.store(res["last"], e_slot, leaves)
+            loss = loss + part
+        else:
+            out = y
+        return res, grads, loss, out
+
+    def backward(pool, res, grads, loss, row):
+        chunk = row[COL["chunk"]]
+        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
+        w = ctx.weights(role, chunk)
+        want_w = kind == "W" or not ctx.split
+        want_x = kind == "B" and role != "first"  # token ids have no gradient
+        out, dw = ctx.zeros_btd, {}
+        if role == "last":
+            pull = residuals.pullback(lay["head"], res["last"], e_slot, (w["embed"], w["head"]))
+            d_embed, d_head, dy = pull(residuals.ones_cotangent(lay["head"]))
+            dw.update(embed=d_embed, head=d_head)
+        else:
+            dy = pool[row[COL["g_slot"]]]
+        x = res["first"][-1][e_slot] if role == "first" else pool[row[COL["x_slot"]]]
+        pull = residuals.pullback(lay["chunk"], res["chunk"], r_slot, (w["chunk"], x))
+        dw["chunk"], dx = pull(dy)
+        if role == "first":
+            pull = residuals.pullback(lay["embed"], res["first"][:-1], e_slot, (w["embed"],))
+            (dw["embed"],) = pull(dx)
+        if want_x:
+            out = dx
+        if want_w:
             grads = _accumulate(grads, dw, chunk)
-        return ctx.typed(grads, loss, out)
+        return res, grads, loss, out
+
+    def branch(pool, res, grads, loss, row):
+        if kind == "F":
+            out = forward(pool, res, grads, loss, row)
+        elif kind == "B" and ctx.split and role == "first":
+            out = (res, grads, loss, ctx.zeros_btd)  # split B of vs 0: W does the work
+        else:
+            out = backward(pool, res, grads, loss, row)
+        return ctx.typed(*out, res)
 
     return branch
 
@@ -291,7 +340,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     marked = (DP, PP, TP)
     plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
 
-    def branch(pool, grads, loss, row):
+    def branch(pool, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         x = ctx.action_input(role, pool, row)
@@ -342,7 +391,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         for part, g in cts[1].items():
             grads[part] = jax.tree.map(jnp.add, grads[part], g)
         out = cts[2] if want_x else ctx.zeros_btd
-        return ctx.typed(grads, loss, out)
+        return ctx.typed(res, grads, loss, out, res)
 
     return branch
 
@@ -350,9 +399,9 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 def idle_branch(ctx: StepContext) -> Callable:
     """Branch 0: nothing to compute, nothing to send."""
 
-    def branch(pool, grads, loss, row):
+    def branch(pool, res, grads, loss, row):
         del pool, row
-        return grads, loss, ctx.zeros_btd
+        return res, grads, loss, ctx.zeros_btd
 
     return branch
 
@@ -369,7 +418,7 @@ def _file(pool, row, route: str, arrival):
     return pool.at[row[COL["file_" + route]]].set(arrival)
 
 
-def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd):
+def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
@@ -383,7 +432,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd)
     zeros = ctx.zeros_btd
 
     def tick(carry, rows):
-        pool, inbox_down, inbox_up, inbox_self, grads, loss = carry
+        pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
         row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
         # File last tick's arrivals.
         if program.down_pairs:
@@ -392,17 +441,18 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd)
             pool = _file(pool, row, "up", inbox_up)
         if program.local_handoff:
             pool = _file(pool, row, "self", inbox_self)
-        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        res, grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, res, grads,
+                                               loss, row)
         inbox_down = _ring(out, program.down_pairs, zeros)
         inbox_up = _ring(out, program.up_pairs, zeros)
         inbox_self = out if program.local_handoff else inbox_self
-        return (pool, inbox_down, inbox_up, inbox_self, grads, loss), None
+        return (pool, res, inbox_down, inbox_up, inbox_self, grads, loss), None
 
     def skewed_tick(carry, rows_now_next):
         # Tick t sends tick t-1's output, so the transfers and this tick's action have no
         # data dependency: the ppermutes start before the action and finish after it. What
         # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
-        pool, pending, inbox_self, grads, loss = carry
+        pool, res, pending, inbox_self, grads, loss = carry
         rows, rows_next = rows_now_next
         row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
         row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
@@ -410,23 +460,24 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd)
         arrival_up = _ring(pending, program.up_pairs, zeros)
         if program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
-        grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, grads, loss, row)
+        res, grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, res, grads,
+                                               loss, row)
         if program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
         if program.up_pairs:
             pool = _file(pool, row_next, "up", arrival_up)
-        return (pool, out, out, grads, loss), None
+        return (pool, res, out, out, grads, loss), None
 
     table = jnp.asarray(program.table)
     if program.skewed:
         # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
         nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
         table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
-        carry0 = (pool_sbtd, zeros, zeros, ctx.grads0, ctx.loss0)
-        (_, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
+        carry0 = (pool_sbtd, res0, zeros, zeros, ctx.grads0, ctx.loss0)
+        (_, _, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
     else:
-        carry0 = (pool_sbtd, zeros, zeros, zeros, ctx.grads0, ctx.loss0)
-        (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
+        carry0 = (pool_sbtd, res0, zeros, zeros, zeros, ctx.grads0, ctx.loss0)
+        (_, _, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
     return grads, loss
 
 
@@ -464,9 +515,9 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
     return reduced
 
 
-def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
-                axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None):
-    """One device's loss and gradients for a whole step; see the module docstring."""
+def _prologue(params, batch, model, program: TickProgram, axis_sizes, fsdp_layout):
+    """The step's per-device starting values: (params marked (dp, pp)-varying with fsdp
+    blocks gathered, the stage's blocks as (chunks, layers, ...), microbatches, loss count)."""
     s = program.schedule
     v = s.virtual_stages
     # Global divisor first, so every microbatch's loss is already scaled to the global mean.
@@ -483,6 +534,64 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     blocks_vn = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]),
                              params["blocks"])
     mbs = microbatched(batch, s.microbatches)
+    return params, blocks_vn, mbs, count
+
+
+def residual_bytes(model, plan, mesh) -> dict[str, int]:
+    """Bytes per device of each residual pool the step's stash holds ("chunk", "first",
+    "last": slots x one slot), and "slot" (one microbatch's chunk residuals), traced without
+    running anything."""
+    program = plan.program
+    found = {}
+
+    def probe(params, batch):
+        params, blocks_vn, mbs, count = _prologue(params, batch, model, program,
+                                                  dict(mesh.shape), plan.layout.fsdp)
+        pieces = stage_pieces(model, plan.parallel(), count, plan.remat)
+        _, res0 = _residual_pools(pieces, params, blocks_vn, mbs, program)
+        found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in res0.items()})
+        found["slot"] = found["chunk"] // program.residual_slots("chunk")
+        return count
+
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    b = plan.micro_batch * plan.microbatches * plan.dp
+    shapes = (model.example_batch_shapes(b) if hasattr(model, "example_batch_shapes") else
+              {"inputs": ((b, model.seq_len), "int32"), "targets": ((b, model.seq_len), "int32")})
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+    mapped = shard_map(probe, mesh, in_specs=(plan.layout.param_specs,
+                                              {k: P(DP) for k in batch}), out_specs=P())
+    jax.eval_shape(mapped, abstract, batch)
+    return found
+
+
+def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickProgram):
+    """The residual layouts of the embedding, chunk and head vjps (traced once on the first
+    microbatch and chunk; the probe is dead code after tracing) and their empty slot pools."""
+    w_chunk = jax.tree.map(lambda b: b[0], blocks_vn)
+    ids, targets = mbs["inputs"][0], mbs["targets"][0]
+    x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
+                                            (params["embed"],), (params["embed"],))
+    y, _, chunk_layout, _ = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
+    _, _, head_layout, _ = vjp_with_layout(
+        lambda we, wh, y_: pieces.head(we, wh, y_, targets), (params["embed"], params["head"], y),
+        (params["embed"], params["head"]))
+    layouts = {"embed": embed_layout, "chunk": chunk_layout, "head": head_layout}
+    first = residuals.empty_pool(embed_layout, program.residual_slots("first"))
+    first.append(_vary(jnp.zeros((program.residual_slots("first"), *x.shape), x.dtype),
+                       sorted(_varying_axes(x))))
+    res0 = {"first": first,
+            "chunk": residuals.empty_pool(chunk_layout, program.residual_slots("chunk")),
+            "last": residuals.empty_pool(head_layout, program.residual_slots("last"))}
+    return layouts, res0
+
+
+def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
+                axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
+                remat: str = "none"):
+    """One device's loss and gradients for a whole step; see the module docstring."""
+    s = program.schedule
+    params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
+                                              fsdp_layout)
 
     # What travels between stages: one microbatch's activations (shape, dtype and varying
     # axes as the embedding produces them; the probe is dead code after tracing).
@@ -504,17 +613,19 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
+    pieces = stage_pieces(model, par, count, remat)
+    layouts, res0 = _residual_pools(pieces, params, blocks_vn, mbs, program)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
                       loss0=_vary(jnp.zeros((), jnp.float32), (DP, PP)),
-                      split=s.split_backward, stage_fns=_stage_functions(model, par, count),
+                      split=s.split_backward, pieces=pieces, layouts=layouts,
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
                       tp_share=tp_share)
     branches = [idle_branch(ctx)] + [sync_branch(ctx, b.kind, b.role) if b.sync
                                      else action_branch(ctx, b.kind, b.role)
                                      for b in program.branches]
-    grads, loss = run_ticks(ctx, program, branches, pool_sbtd)
+    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, res0)
     loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
 
@@ -543,7 +654,8 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
     param_specs = plan.layout.param_specs  # 'blocks' also split over dp under fsdp
     body = partial(_per_device, model=model, program=program, par=plan.parallel(),
                    overlap=plan.overlap, axis_sizes=dict(mesh.shape),
-                   fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets)
+                   fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
+                   remat=plan.remat)
     mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
                        out_specs=(P(), param_specs))
 

@@ -23,7 +23,7 @@ KIND_ORDER = ("F", "B", "W")
 ROLE_ORDER = ("first", "mid", "last")
 # Columns of the per-(tick, stage) table.
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
-          "file_self")
+          "file_self", "r_slot", "e_slot")
 COL = {name: i for i, name in enumerate(FIELDS)}
 ROUTES = ("down", "up", "self")
 
@@ -57,6 +57,10 @@ class TickProgram:
       down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.
       up_pairs: same for the -1 ring.
       local_handoff: whether an output is consumed on the stage that produced it (ZB-V).
+      res_slots: residual slots per pool: what an F keeps for its backward (`jax.vjp`
+        residuals under the remat policy) lives from the F's tick to its last backward
+        action's, the chunk's in slot `r_slot` of the "chunk" pool, the embedding's (virtual
+        stage 0) and the head's (the last) in slot `e_slot` of the "first" / "last" pool.
     """
 
     schedule: Schedule
@@ -66,6 +70,7 @@ class TickProgram:
     down_pairs: tuple[tuple[int, int], ...]
     up_pairs: tuple[tuple[int, int], ...]
     local_handoff: bool
+    res_slots: tuple[tuple[str, int], ...] = ()
 
     @property
     def ticks(self) -> int:
@@ -89,6 +94,10 @@ class TickProgram:
         how often one device runs it per tick, on average over the stages."""
         counts = np.bincount(self.column("branch").ravel(), minlength=1 + len(self.branches))
         return (counts / counts.sum()).tolist()
+
+    def residual_slots(self, pool: str) -> int:
+        """Slots of a residual pool ("chunk", "first", "last"); at least 1."""
+        return max(1, dict(self.res_slots).get(pool, 0))
 
     def idle_fraction(self) -> float:
         """Idle stage-ticks / (stages x ticks) of the table the executor runs."""
@@ -170,6 +179,23 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
     return arrivals, lifetimes, pairs
 
 
+def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int]) -> dict[tuple[int, str], list]:
+    """Per (stage, pool), `(F tick, last backward tick, key)` of every (microbatch, chunk):
+    how long what the F keeps for its backward stays on the stage. Every F fills a slot of
+    the "chunk" pool; virtual stage 0's also one of "first", the last one's one of "last"."""
+    n_vs = s.stages * s.virtual_stages
+    last_kind = "W" if s.split_backward else "B"
+    out: dict[tuple[int, str], list] = {}
+    for (kind, mb, vs), t in tick_of.items():
+        if kind == "F":
+            d, life = s.placement[vs][0], (t, tick_of[Task(last_kind, mb, vs)], ("r", mb, vs))
+            out.setdefault((d, "chunk"), []).append(life)
+            role = _role(vs, n_vs)
+            if role != "mid":
+                out.setdefault((d, role), []).append(life)
+    return out
+
+
 def _sync_actions(s: Schedule, tick_of: dict[Task, int]) -> set[Task]:
     """Per (stage, chunk), the last action that adds weight gradients (B, or W when split)."""
     kind = "W" if s.split_backward else "B"
@@ -210,6 +236,13 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         slots = max(slots, used)
     trash = slots
 
+    res_slot: dict[tuple[int, str, tuple], int] = {}
+    res_slots: dict[str, int] = {}
+    for (d, pool), intervals in sorted(_residual_lifetimes(s, tick_of).items()):
+        assigned, used = _allocate(intervals)
+        res_slot.update({(d, pool, key): slot for key, slot in assigned.items()})
+        res_slots[pool] = max(res_slots.get(pool, 0), used)
+
     roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs)
              for d, row in enumerate(s.grid) for a in row if a is not None}
     syncs = _sync_actions(s, tick_of) if sync_in_loop else set()
@@ -220,7 +253,8 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
                      if (b := Branch(k, r, sync)) in used)
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
     table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
-    table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"]]] = 0  # idle
+    table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
+                 COL["e_slot"]]] = 0  # idle
     for (d, a), role in roles.items():
         entry = table[tick_of[s.task(d, a)], d]
         vs = s.virtual_stage(d, a.chunk)
@@ -228,7 +262,11 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk
         entry[COL["x_slot"]] = slot_of.get((d, ("x", a.microbatch, vs)), trash)
         entry[COL["g_slot"]] = slot_of.get((d, ("g", a.microbatch, vs)), trash)
+        key = ("r", a.microbatch, vs)
+        entry[COL["r_slot"]] = res_slot[(d, "chunk", key)]
+        entry[COL["e_slot"]] = res_slot.get((d, role, key), 0)
     for (t, d, route), key in arrivals.items():
         table[t, d, COL["file_" + route]] = slot_of[(d, key)]
     return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
-                       tuple(sorted(pairs["up"])), bool(pairs["self"]))
+                       tuple(sorted(pairs["up"])), bool(pairs["self"]),
+                       tuple(sorted(res_slots.items())))

@@ -21,6 +21,7 @@ from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
 from jax_overlap.parallel.mesh import DP, TP
+from jax_overlap.parallel.remat import remat_block
 
 
 def microbatched(tree: Any, microbatches: int) -> Any:
@@ -37,12 +38,14 @@ def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-def _scan_layers(model, par: Parallel) -> Callable:
-    """The plain layer stack: one scan over the stacked 'blocks' parameters."""
+def _scan_layers(model, par: Parallel, remat: str = "none") -> Callable:
+    """The plain layer stack: one scan over the stacked 'blocks' parameters, each block under
+    the remat policy."""
+    block = remat_block(lambda p, x: model.block(p, x, par), remat)
 
     def run(blocks, x):
         def layer(x, p_layer):
-            return model.block(p_layer, x, par), None
+            return block(p_layer, x), None
 
         return jax.lax.scan(layer, x, blocks)[0]
 
@@ -100,9 +103,10 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     axis_sizes = dict(mesh.shape)
     dp = axis_sizes[DP]
     layout = plan.layout
-    layers = _scan_layers(model, par)
+    layers = _scan_layers(model, par, plan.remat)
+    block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
     if layout.fsdp is not None:
-        layers = fsdp.windowed_blocks(lambda p, x: model.block(p, x, par), layout.fsdp,
+        layers = fsdp.windowed_blocks(block, layout.fsdp,
                                       ov.window, DP, dp, ov.grad_comm_dtype)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
     marked = (DP, TP) if layout.plan is not None else (DP,)
@@ -142,7 +146,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
         loss_last, grads = _bucketed_last_microbatch(
-            model, par, layout, layers, local_params, acc, last, count, axis_sizes, marked,
+            model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
             ov.grad_comm_dtype)
         return jax.lax.psum(loss + loss_last, DP), grads
 
@@ -151,8 +155,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                      out_specs=(P(), layout.grad_specs))
 
 
-def _bucketed_last_microbatch(model, par, layout: DpLayout, layers, params, acc, mb, count,
-                              axis_sizes: dict[str, int], marked: tuple[str, ...],
+def _bucketed_last_microbatch(model, par, block, layout: DpLayout, layers, params, acc, mb,
+                              count, axis_sizes: dict[str, int], marked: tuple[str, ...],
                               comm_dtype: str):
     """Loss and fully reduced gradients of the last microbatch, buckets issued in its backward.
 
@@ -188,7 +192,7 @@ def _bucketed_last_microbatch(model, par, layout: DpLayout, layers, params, acc,
         else:
             for layer in range(model.num_layers):
                 hooks.enter(1 + layer)
-                x = model.block(subtree("blocks", layer), x, par)
+                x = block(subtree("blocks", layer), x)
         hooks.enter(model.num_layers + 1)
         return model.head_loss(subtree("embed"), subtree("head"), x, mb["targets"], par) / count
 
