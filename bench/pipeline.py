@@ -77,22 +77,21 @@ def single_action_program(kind: str, microbatches: int, split: bool):
     from jax_overlap.pipeline import program as tick_program
     from jax_overlap.pipeline import schedules
 
-    branches = () if kind == "idle" else (("F", "mid"), ("B", "mid"), ("W", "mid"))
-    if not split:
-        branches = branches[:2]
+    kinds = () if kind == "idle" else ("F", "B", "W") if split else ("F", "B")
+    branches = tuple(tick_program.Branch(k, "mid") for k in kinds)
     grid = tuple(tuple(None if kind == "idle" else schedules.Action(kind, t % microbatches)
                        for t in range(TICKS)) for _ in range(STAGES))
     schedule = schedules.Schedule(f"only-{kind}", STAGES, microbatches, 1, split,
                                   schedules.linear_placement(STAGES), grid)
     table = np.zeros((TICKS, STAGES, len(tick_program.FIELDS)), np.int32)
     col = tick_program.COL
-    table[:, :, col["branch"]] = (0 if kind == "idle"
-                                  else 1 + [k for k, _ in branches].index(kind))
+    table[:, :, col["branch"]] = (tick_program.IDLE if kind == "idle"
+                                  else 1 + kinds.index(kind))
     table[:, :, col["microbatch"]] = np.arange(TICKS)[:, None] % microbatches
     table[:, :, [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
     down = tuple((s, s + 1) for s in range(STAGES - 1))
     return tick_program.TickProgram(schedule, branches, table, 1, down,
-                                tuple((b, a) for a, b in down), False)
+                                    tuple((b, a) for a, b in down), False)
 
 
 def weighted_bubble(program, cost: dict[str, float]) -> float:
