@@ -8,6 +8,7 @@ run the same action on every stage for K ticks: a W-only tick costs a W, an idle
 its two ppermutes.
 
     python bench/pipeline.py [--reps 5] [--set model.d_model=64 ...]
+    python bench/pipeline.py --quick   # tiny model, 1f1b and zb-v at m=4, one repetition
 
 Prints one aligned table and writes bench/results/pipeline.json. Columns: `bubble` is the
 fraction of idle stage-ticks of the table the executor ran (unit-cost theory); `w-bubble` is
@@ -37,6 +38,13 @@ MICROBATCHES = (4, 8, 16)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 MODEL = ["model.layers=8", "model.d_model=128", "model.heads=4", "model.d_ff=512",
          "model.seq_len=64", "train.global_batch=32", "data.source=synthetic"]
+# --quick (run by the tests, so the bench keeps working; writes no results file): every tick
+# program, and one schedule without and one with split backward and two chunks, at m = 4, on
+# a model small enough to compile in seconds, LLVM at -O0.
+QUICK_MICROBATCHES = (4,)
+QUICK_SCHEDULES = (("1f1b", 1), ("zb-v", 2))
+QUICK_MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.d_ff=64",
+               "model.seq_len=16", "train.global_batch=16", "data.source=synthetic"]
 TICKS = 8  # ticks of the single-action programs
 TICK_M = 8  # microbatches (so microbatch size) of the single-action programs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,11 +124,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipeline.json"))
+    ap.add_argument("--out", help="results JSON (default bench/results/pipeline.json; "
+                                  "none with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, two schedules at m=4, one repetition: checks the bench "
+                         "runs")
     args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
+    elif args.out is None:
+        args.out = os.path.join(REPO, "bench", "results", "pipeline.json")
+    microbatches = QUICK_MICROBATCHES if args.quick else MICROBATCHES
+    schedules = QUICK_SCHEDULES if args.quick else SCHEDULES
 
     sys.path.insert(0, REPO)
     from jax_overlap.parallel.mesh import force_host_devices
+
+    if args.quick:
+        from _quick import fast_cpu_compiles
+
+        fast_cpu_compiles()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     force_host_devices(DEVICES)
@@ -132,7 +155,7 @@ def main() -> None:
     from jax_overlap.training import data
     from jax_overlap.training import step as steplib
 
-    base = MODEL + list(args.overrides)
+    base = (QUICK_MODEL if args.quick else MODEL) + list(args.overrides)
 
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
@@ -180,8 +203,8 @@ def main() -> None:
     cost = {"F": tick_ms["F"], "B": tick_ms["B"], "W": tick_ms["W"],
             "B+W": tick_ms["B+W (non-split B)"]}
     rows = []
-    for m in MICROBATCHES:
-        for name, chunks in SCHEDULES:
+    for m in microbatches:
+        for name, chunks in schedules:
             cfg, model, mesh, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
                 f"pipeline.virtual_stages={chunks}"])
@@ -223,6 +246,8 @@ def main() -> None:
         lines.append(f"  {k:<30} {v:>8.2f}")
     print("\n".join(lines))
 
+    if args.out is None:
+        return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"devices": jax.device_count(), "platform": jax.devices()[0].platform,
