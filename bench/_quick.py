@@ -14,6 +14,14 @@ import os
 # benches that only do those leave it alone.
 FAST_CPU_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
+# Overrides of configs/gpt_1p3b.yaml for the quick deviceless GPU compiles (overlap.py --goal,
+# gpu.py's analysis): 2 layers of small widths (~0.2 MiB of gradients per layer, so 0.05 MiB
+# buckets make several). A GPT step's GPU compile still costs ~10 s of CPU: XLA's passes,
+# not the sizes, dominate.
+SMALL_GPT = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.d_ff=256",
+             "model.vocab=256", "model.seq_len=32", "train.global_batch=16",
+             "pipeline.microbatches=2", "overlap.grad_bucket_mb=0.05"]
+
 
 def fast_cpu_compiles(environ: dict | None = None) -> None:
     """Adds `FAST_CPU_COMPILE_FLAG` to XLA_FLAGS (before JAX starts), unless a level is set."""

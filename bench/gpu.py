@@ -40,11 +40,6 @@ SIZES = {  # name: (layers, d_model, heads, d_ff, seq_len, global_batch, microba
 # --quick: one size, small enough to compile and run in seconds on the CPU backend.
 QUICK_SIZES = {"gpt-tiny": (2, 64, 4, 256, 64, 8, 1)}
 QUICK_VOCAB = 512
-# --quick's analysis: the dp8 step of a 2-layer GPT of small widths, 8 H100s, deviceless.
-QUICK_ANALYZE = {"dp8": ["model.layers=2", "model.d_model=256", "model.heads=4",
-                         "model.d_ff=1024", "model.vocab=1024", "model.seq_len=128",
-                         "train.global_batch=16", "pipeline.microbatches=2",
-                         "overlap.grad_bucket_mb=0.5"]}
 
 
 def overrides_for(name: str) -> list[str]:
@@ -169,8 +164,13 @@ def main() -> int:
     elif args.quick and not deviceless.plugin_available():
         print(f"8x{target} analysis skipped: {deviceless.unavailable_reason()}")
     else:
-        result["analyze_8gpu_1p3b"] = analyze_8gpu(target, QUICK_ANALYZE if args.quick
-                                                   else ANALYZE)
+        if args.quick:  # the dp8 step of a 2-layer GPT
+            from _quick import SMALL_GPT
+
+            labels = {"dp8": SMALL_GPT}
+        else:
+            labels = ANALYZE
+        result["analyze_8gpu_1p3b"] = analyze_8gpu(target, labels)
         model = "2-layer GPT" if args.quick else "1.3B"
         for label, a in result["analyze_8gpu_1p3b"].items():
             print(f"8x{target} {model} {label}: async {a['async_fraction']:.2f}, under GEMMs "

@@ -87,10 +87,6 @@ QUICK_ROWS: list[tuple[str, str, list[str]]] = [
     ("fsdp window 2 dp8", "baseline dp8",
      DP8 + ["overlap.param_sharding=fsdp", "overlap.window=2"]),
 ]
-# --goal --quick: the goal's meshes and both steps, on a 2-layer GPT of small widths.
-QUICK_GOAL = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.d_ff=1024",
-              "model.vocab=1024", "model.seq_len=128", "train.global_batch=16",
-              "pipeline.microbatches=2", "overlap.grad_bucket_mb=0.5"]
 
 
 def collective_summary(text: str, mesh) -> dict:
@@ -308,8 +304,10 @@ def main() -> None:
         print(json.dumps(goal_one(args.goal_one, args.goal_set)))
         return
     if args.goal:
-        if args.quick:
-            goal(QUICK_GOAL + args.goal_set, args.out)
+        if args.quick:  # the goal's meshes and both steps, on a 2-layer GPT
+            from _quick import SMALL_GPT
+
+            goal(SMALL_GPT + args.goal_set, args.out)
         else:
             goal(args.goal_set, args.out or ("bench/results/overlap_goal.json" if not
                                              args.goal_set else

@@ -157,11 +157,16 @@ def main() -> None:
 
     base = (QUICK_MODEL if args.quick else MODEL) + list(args.overrides)
 
+    inits = {}  # every row has the same model: initialised once (eagerly: ~100 small ops)
+
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
         model = model_api.build_model(cfg)
         mesh = meshlib.mesh_from_config(cfg, jax.devices()[:DEVICES])
-        params = layout.to_staged(model.init(jax.random.key(0)), layout.layer_permutation(cfg))
+        key = repr(cfg.model)
+        if key not in inits:
+            inits[key] = model.init(jax.random.key(0))
+        params = layout.to_staged(inits[key], layout.layer_permutation(cfg))
         params = jax.device_put(params, steplib.param_shardings(model, mesh))
         batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
         return cfg, model, mesh, params, batch

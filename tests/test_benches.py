@@ -156,7 +156,7 @@ def test_overlap_quick():
     assert float(fsdp[col["x_peak"]]) < 1.0  # sharded params and optimizer state
 
 
-@pytest.mark.slow  # four deviceless GPU compiles (~60 s of CPU)
+@pytest.mark.slow  # four deviceless GPU compiles (~75 s of CPU)
 def test_overlap_goal_quick():
     from jax_overlap.analysis import deviceless
 
@@ -166,8 +166,9 @@ def test_overlap_goal_quick():
     _, rows = table_rows(out, "mesh ", 4)
     assert [r[:2] for r in rows] == [["dp8", "ours"], ["dp8", "gspmd"], ["dp2xtp4", "ours"],
                                      ["dp2xtp4", "gspmd"]]
-    for r in rows:
-        fraction(r[2]), fraction(r[3]), positive(r[5])
+    for r in rows:  # mesh step async under-GEMMs exposed-ms GiB/step (0.00 at this size)
+        fraction(r[2]), fraction(r[3]), float(r[4])
+        assert float(r[5]) >= 0
 
 
 def test_step_time_quick():
