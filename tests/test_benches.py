@@ -1,7 +1,8 @@
 """Benches are code too: every script under bench/ runs in its `--quick` mode (tiny model, one
 repetition) as a user runs it, in a fresh process, and its table must hold real numbers.
 
-A quick run writes no results file: bench/results/ and docs/ must be untouched afterwards.
+A quick run writes no results file: bench/results/, docs/ and runs/profile_gpu/ must be
+untouched afterwards.
 The deviceless GPU compiles of `overlap.py --goal` and of `gpu.py`'s 8-GPU analysis cost
 ~15 s of CPU each even for a 2-layer GPT; they run in `make test-slow`
 (`pipeline_overlap.py --quick`, one such compile, stays in the default run).
@@ -33,7 +34,7 @@ TESTED = {
     "simulator_validation.py": "test_simulator_validation_quick",
     "step_time.py": "test_step_time_quick",
 }
-WRITABLE = ("bench/results", "docs", "runs")
+WRITABLE = ("bench/results", "docs", "runs/profile_gpu")  # what the full runs write
 
 
 def _snapshot() -> dict[str, tuple[int, int]]:
@@ -200,7 +201,7 @@ def test_fault_drill_quick():
     _, rows = table_rows(out, "kill ", 1)
     (r,) = rows
     kill, killed_after, resumed, lost = map(int, r)
-    assert kill == 1 and 1 <= killed_after <= 6 and 0 <= resumed <= killed_after
+    assert kill == 1 and 1 <= killed_after < 8 and 0 <= resumed <= killed_after
     assert lost == killed_after - resumed
     assert "final params equal to the uninterrupted run: yes (whole state: yes)" in out
 
