@@ -27,6 +27,14 @@ and dp=2 x tp=4, once as jax_overlap's step and once as plain jit + GSPMD, and p
 of collective bytes under GEMMs side by side (about 15 minutes on 2 cores):
 
     python bench/overlap.py --goal [--goal-set model.layers=4 ...]
+
+`--quick` (with or without `--goal`) checks that the bench runs: a tiny model, one row per
+kind of collective the table sorts (dp buckets with bf16 wire bytes, TP ring permutes of
+collective matmul, FSDP gathers on dp8) and one timed step, LLVM at -O0; or the goal's four
+compiles of a 2-layer GPT. It writes no results file.
+
+    python bench/overlap.py --quick
+    python bench/overlap.py --goal --quick
 """
 
 from __future__ import annotations
@@ -65,6 +73,22 @@ ROWS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+# --quick: the tiny model (configs/tiny.yaml's, synthetic data; ~0.1 MiB of gradients, so
+# 0.02 MiB buckets make several) and one row of each kind the table has.
+QUICK_MODEL = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.d_ff=64",
+               "model.seq_len=16", "train.global_batch=16", "data.source=synthetic"]
+QUICK_ROWS: list[tuple[str, str, list[str]]] = [
+    ("baseline dp2xtp4", "baseline dp2xtp4", []),
+    ("bf16 comm, buckets 0.02MB", "baseline dp2xtp4",
+     ["overlap.grad_bucket_mb=0.02", "overlap.grad_comm_dtype=bf16"]),
+    ("tp collective_matmul bi", "baseline dp2xtp4",
+     ["overlap.tp_comm=collective_matmul", "overlap.collective_matmul_direction=bi"]),
+    ("baseline dp8", "baseline dp8", DP8),
+    ("fsdp window 2 dp8", "baseline dp8",
+     DP8 + ["overlap.param_sharding=fsdp", "overlap.window=2"]),
+]
+
+
 def collective_summary(text: str, mesh) -> dict:
     """DP / TP collective counts and bytes per step from compiled HLO text."""
     import numpy as np
@@ -94,7 +118,8 @@ def collective_summary(text: str, mesh) -> dict:
 
 
 def measure(overrides: list[str], steps: int) -> dict:
-    """Compile and time the train step of the default config with these overrides."""
+    """Compile and time the train step of the default config with these overrides (the
+    model's own come first: `QUICK_MODEL` in quick mode)."""
     import jax
 
     from jax_overlap import config, model_api
@@ -170,17 +195,19 @@ def lower_gspmd_step(cfg, devices):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_overlap.analysis.analyze import abstract_inputs
+    from jax_overlap.analysis.analyze import abstract_inputs, target_of
     from jax_overlap.model_api import build_model
     from jax_overlap.parallel.mesh import DP, make_mesh
+    from jax_overlap.plan import ParallelPlan
     from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
 
     mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
     model = build_model(cfg)
+    plan = ParallelPlan.build(cfg, model, target_of("h100"))
     optimizer = steplib.make_optimizer(cfg.train)
-    state, batch = abstract_inputs(cfg, model, mesh, optimizer)
-    m = cfg.pipeline.microbatches
+    state, batch = abstract_inputs(cfg, plan, model, mesh, optimizer)
+    m = plan.microbatches
 
     dp_rows = NamedSharding(mesh, P(None, DP))
 
@@ -230,7 +257,7 @@ def goal_one(kind: str, overrides: list[str]) -> dict:
             "compile_s": time.perf_counter() - t0}
 
 
-def goal(extra: list[str], out: str) -> None:
+def goal(extra: list[str], out: str | None) -> None:
     import subprocess
 
     rows = []
@@ -256,6 +283,8 @@ def goal(extra: list[str], out: str) -> None:
                      f"{exposed * 1e3 if exposed is not None else float('nan'):10.1f} "
                      f"{r['collective_bytes'] / 2**30:8.2f}")
     print("\n".join(lines))
+    if out is None:
+        return
     with open(out, "w") as f:
         json.dump({"config": GOAL_CONFIG, "extra": extra, "rows": rows, "table": lines}, f,
                   indent=2)
@@ -264,8 +293,12 @@ def goal(extra: list[str], out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default="bench/results/overlap.json")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--out", help="results JSON (default bench/results/overlap.json, or "
+                                  "overlap_goal*.json with --goal; none with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, a few rows (or a 2-layer goal), one timed step, no "
+                         "results file: checks the bench runs")
     ap.add_argument("--only", nargs="*", help="row names to run (default: all)")
     ap.add_argument("--goal", action="store_true",
                     help="the GPT-1.3B overlap goal on 8 H100s, ours vs GSPMD (deviceless)")
@@ -276,20 +309,33 @@ def main() -> None:
         print(json.dumps(goal_one(args.goal_one, args.goal_set)))
         return
     if args.goal:
-        goal(args.goal_set, "bench/results/overlap_goal.json" if not args.goal_set
-             else "bench/results/overlap_goal_custom.json")
+        if args.quick:  # the goal's meshes and both steps, on a 2-layer GPT
+            from _quick import SMALL_GPT
+
+            goal(SMALL_GPT + args.goal_set, args.out)
+        else:
+            goal(args.goal_set, args.out or ("bench/results/overlap_goal.json" if not
+                                             args.goal_set else
+                                             "bench/results/overlap_goal_custom.json"))
         return
+    steps = args.steps or (1 if args.quick else 5)
+    if not args.quick:
+        args.out = args.out or "bench/results/overlap.json"
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jax_overlap.parallel.mesh import force_host_devices
 
     force_host_devices(8)
+    if args.quick:
+        from _quick import fast_cpu_compiles
+
+        fast_cpu_compiles()
     rows, by_name = [], {}
-    for name, base, overrides in ROWS:
+    for name, base, overrides in QUICK_ROWS if args.quick else ROWS:
         if args.only and name not in args.only and name != base:
             continue
         r = {"option": name, "baseline": base, "overrides": overrides,
-             **measure(overrides, args.steps)}
+             **measure((QUICK_MODEL if args.quick else []) + overrides, steps)}
         ref = by_name.get(base, r)
         r["x_step"] = r["step_ms"] / ref["step_ms"]
         r["x_peak"] = r["peak_mb"] / ref["peak_mb"]
@@ -299,13 +345,15 @@ def main() -> None:
               flush=True)
     text = table(rows)
     print(text)
+    if args.out is None:
+        return
     import jax
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": f"{jax.device_count()} forced CPU devices "
                              f"({os.cpu_count()} cores), jax {jax.__version__}",
-                   "config": "configs/default.yaml", "steps_timed": args.steps,
+                   "config": "configs/default.yaml", "steps_timed": steps,
                    "note": "CPU collectives are synchronous: step time shows extra work, not "
                            "overlap; bytes are per device per step (hlo_collectives.BYTES_CONVENTION).",
                    "rows": rows, "table": text.splitlines()}, f, indent=2)

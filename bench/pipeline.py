@@ -8,6 +8,7 @@ run the same action on every stage for K ticks: a W-only tick costs a W, an idle
 its two ppermutes.
 
     python bench/pipeline.py [--reps 5] [--set model.d_model=64 ...]
+    python bench/pipeline.py --quick   # tiny model, 1f1b and zb-v at m=4, one repetition
 
 Prints one aligned table and writes bench/results/pipeline.json. Columns: `bubble` is the
 fraction of idle stage-ticks of the table the executor ran (unit-cost theory); `w-bubble` is
@@ -37,6 +38,13 @@ MICROBATCHES = (4, 8, 16)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 MODEL = ["model.layers=8", "model.d_model=128", "model.heads=4", "model.d_ff=512",
          "model.seq_len=64", "train.global_batch=32", "data.source=synthetic"]
+# --quick (run by the tests, so the bench keeps working; writes no results file): every tick
+# program, and one schedule without and one with split backward and two chunks, at m = 4, on
+# a model small enough to compile in seconds, LLVM at -O0.
+QUICK_MICROBATCHES = (4,)
+QUICK_SCHEDULES = (("1f1b", 1), ("zb-v", 2))
+QUICK_MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.d_ff=64",
+               "model.seq_len=16", "train.global_batch=16", "data.source=synthetic"]
 TICKS = 8  # ticks of the single-action programs
 TICK_M = 8  # microbatches (so microbatch size) of the single-action programs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,22 +85,21 @@ def single_action_program(kind: str, microbatches: int, split: bool):
     from jax_overlap.pipeline import program as tick_program
     from jax_overlap.pipeline import schedules
 
-    branches = () if kind == "idle" else (("F", "mid"), ("B", "mid"), ("W", "mid"))
-    if not split:
-        branches = branches[:2]
+    kinds = () if kind == "idle" else ("F", "B", "W") if split else ("F", "B")
+    branches = tuple(tick_program.Branch(k, "mid") for k in kinds)
     grid = tuple(tuple(None if kind == "idle" else schedules.Action(kind, t % microbatches)
                        for t in range(TICKS)) for _ in range(STAGES))
     schedule = schedules.Schedule(f"only-{kind}", STAGES, microbatches, 1, split,
                                   schedules.linear_placement(STAGES), grid)
     table = np.zeros((TICKS, STAGES, len(tick_program.FIELDS)), np.int32)
     col = tick_program.COL
-    table[:, :, col["branch"]] = (0 if kind == "idle"
-                                  else 1 + [k for k, _ in branches].index(kind))
+    table[:, :, col["branch"]] = (tick_program.IDLE if kind == "idle"
+                                  else 1 + kinds.index(kind))
     table[:, :, col["microbatch"]] = np.arange(TICKS)[:, None] % microbatches
     table[:, :, [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
     down = tuple((s, s + 1) for s in range(STAGES - 1))
     return tick_program.TickProgram(schedule, branches, table, 1, down,
-                                tuple((b, a) for a, b in down), False)
+                                    tuple((b, a) for a, b in down), False)
 
 
 def weighted_bubble(program, cost: dict[str, float]) -> float:
@@ -117,11 +124,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "pipeline.json"))
+    ap.add_argument("--out", help="results JSON (default bench/results/pipeline.json; "
+                                  "none with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, two schedules at m=4, one repetition: checks the bench "
+                         "runs")
     args = ap.parse_args()
+    if args.quick:
+        args.reps = 1
+    elif args.out is None:
+        args.out = os.path.join(REPO, "bench", "results", "pipeline.json")
+    microbatches = QUICK_MICROBATCHES if args.quick else MICROBATCHES
+    schedules = QUICK_SCHEDULES if args.quick else SCHEDULES
 
     sys.path.insert(0, REPO)
     from jax_overlap.parallel.mesh import force_host_devices
+
+    if args.quick:
+        from _quick import fast_cpu_compiles
+
+        fast_cpu_compiles()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     force_host_devices(DEVICES)
@@ -134,13 +156,18 @@ def main() -> None:
     from jax_overlap.training import data
     from jax_overlap.training import step as steplib
 
-    base = MODEL + list(args.overrides)
+    base = (QUICK_MODEL if args.quick else MODEL) + list(args.overrides)
+
+    inits = {}  # every row has the same model: initialised once (eagerly: ~100 small ops)
 
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
         model = model_api.build_model(cfg)
         mesh = plan_lib.mesh_from_config(cfg, jax.devices()[:DEVICES])
-        params = layout.to_staged(model.init(jax.random.key(0)), ParallelPlan.build(cfg).layer_perm)
+        key = repr(cfg.model)
+        if key not in inits:
+            inits[key] = model.init(jax.random.key(0))
+        params = layout.to_staged(inits[key], ParallelPlan.build(cfg).layer_perm)
         params = jax.device_put(params, steplib.param_shardings(model, mesh))
         batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
         return cfg, model, mesh, params, batch
@@ -182,8 +209,8 @@ def main() -> None:
     cost = {"F": tick_ms["F"], "B": tick_ms["B"], "W": tick_ms["W"],
             "B+W": tick_ms["B+W (non-split B)"]}
     rows = []
-    for m in MICROBATCHES:
-        for name, chunks in SCHEDULES:
+    for m in microbatches:
+        for name, chunks in schedules:
             cfg, model, mesh, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
                 f"pipeline.virtual_stages={chunks}"])
@@ -225,6 +252,8 @@ def main() -> None:
         lines.append(f"  {k:<30} {v:>8.2f}")
     print("\n".join(lines))
 
+    if args.out is None:
+        return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"devices": jax.device_count(), "platform": jax.devices()[0].platform,

@@ -9,6 +9,10 @@ loop (the executor sends tick t-1's output beside tick t's action). With `grad_b
 each chunk's last backward also reduces its layers' gradients over dp inside the loop.
 
     python bench/pipeline_overlap.py [--preset gpu_overlap] [--out bench/results/pipeline_overlap.json]
+    python bench/pipeline_overlap.py --quick
+
+`--quick` checks that the bench runs: one row (1f1b, the skewed loop) of a 4-layer model of
+tiny widths, still dp2 x pp4 compiled for 8 GPUs without one; it writes no results file.
 """
 
 from __future__ import annotations
@@ -18,7 +22,19 @@ import json
 import os
 import sys
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 16  # 4 per stage: a chunk has layers left to hide its buckets' reductions under
+MODEL = ["model.d_model=256", "model.heads=4", "model.d_ff=1024", "model.seq_len=128",
+         "train.global_batch=32", "pipeline.microbatches=8"]
+ROWS = [(name, v, latency, bucket_mb)
+        for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
+        for latency, bucket_mb in ((1, 0), (2, 0), (2, 1))]
+# --quick: one row (a GPU compile of a pipelined step costs ~15 s of CPU even this small) on
+# the smallest model that has a layer per stage.
+QUICK_LAYERS = 4
+QUICK_MODEL = ["model.d_model=32", "model.heads=4", "model.d_ff=64", "model.seq_len=16",
+               "train.global_batch=16", "pipeline.microbatches=4", "data.source=synthetic"]
+QUICK_ROWS = [("1f1b", 1, 2, 0)]
 
 
 def bytes_of(ops: list[dict], kind: str) -> tuple[int, float, float]:
@@ -33,8 +49,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="gpu_overlap")
     ap.add_argument("--target", default="h100")
-    ap.add_argument("--out", default="bench/results/pipeline_overlap.json")
+    ap.add_argument("--out", help="results JSON (default bench/results/pipeline_overlap.json; "
+                                  "none with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one row of a 4-layer tiny model: checks the bench runs")
     args = ap.parse_args()
+    if not args.quick:
+        args.out = args.out or "bench/results/pipeline_overlap.json"
+    layers, model = (QUICK_LAYERS, QUICK_MODEL) if args.quick else (LAYERS, MODEL)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.preset != "none":
         from jax_overlap.overlap import xla_flags
@@ -45,32 +67,30 @@ def main() -> int:
     from jax_overlap.plan import ParallelPlan
 
     rows = []
-    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]:
-        for latency, bucket_mb in ((1, 0), (2, 0), (2, 1)):
-            cfg = config.load("configs/tiny.yaml", [
-                "mesh.dp=2", "mesh.pp=4", "mesh.tp=1", f"model.layers={LAYERS}",
-                "model.d_model=256", "model.heads=4", "model.d_ff=1024", "model.seq_len=128",
-                "train.global_batch=32", f"pipeline.schedule={name}", "pipeline.microbatches=8",
-                f"pipeline.virtual_stages={v}", f"pipeline.transfer_latency={latency}",
-                f"overlap.grad_bucket_mb={bucket_mb}"])
-            program = ParallelPlan.build(cfg).program
-            data = analyze.analyze(cfg, args.target).to_json()
-            permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
-            _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
-            rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,
-                         "grad_bucket_mb": bucket_mb,
-                         "dp_bytes_per_step": dp_total,
-                         "dp_bytes_under_gemm_fraction": dp_under / dp_total if dp_total else 0.0,
-                         "ticks": program.ticks, "bubble": program.idle_fraction(),
-                         "stash_slots": program.slots, "permute_ops": permute_ops,
-                         "permute_bytes_per_step": total,
-                         "permute_bytes_under_gemm_fraction": under / total if total else 0.0,
-                         "all_bytes_under_gemm_fraction":
-                             data["collective_bytes_under_gemm_fraction"]})
-            print(f"compiled {name} latency {latency} buckets {bucket_mb}", file=sys.stderr,
-                  flush=True)
-    print(f"dp2 x pp4, {LAYERS} layers d256, 8 microbatches, compiled for 8x{args.target} "
-          f"(preset {args.preset}); fractions = bytes with a GEMM between start and done")
+    for name, v, latency, bucket_mb in QUICK_ROWS if args.quick else ROWS:
+        cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), [
+            "mesh.dp=2", "mesh.pp=4", "mesh.tp=1", f"model.layers={layers}", *model,
+            f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}",
+            f"pipeline.transfer_latency={latency}", f"overlap.grad_bucket_mb={bucket_mb}"])
+        program = ParallelPlan.build(cfg).program
+        data = analyze.analyze(cfg, args.target).to_json()
+        permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
+        _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
+        rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,
+                     "grad_bucket_mb": bucket_mb,
+                     "dp_bytes_per_step": dp_total,
+                     "dp_bytes_under_gemm_fraction": dp_under / dp_total if dp_total else 0.0,
+                     "ticks": program.ticks, "bubble": program.idle_fraction(),
+                     "stash_slots": program.slots, "permute_ops": permute_ops,
+                     "permute_bytes_per_step": total,
+                     "permute_bytes_under_gemm_fraction": under / total if total else 0.0,
+                     "all_bytes_under_gemm_fraction":
+                         data["collective_bytes_under_gemm_fraction"]})
+        print(f"compiled {name} latency {latency} buckets {bucket_mb}", file=sys.stderr,
+              flush=True)
+    print(f"dp2 x pp4, {layers} layers d{cfg.model.d_model}, {program.schedule.microbatches} "
+          f"microbatches, compiled for 8x{args.target} (preset {args.preset}); fractions = "
+          f"bytes with a GEMM between start and done")
     print(f"{'schedule':12s} {'latency':>7s} {'buckets':>7s} {'ticks':>5s} {'bubble':>6s} "
           f"{'slots':>5s} {'permute MiB':>11s} {'under':>5s} {'dp MiB':>6s} {'under':>5s} "
           f"{'all':>5s}")
@@ -81,6 +101,8 @@ def main() -> int:
               f"{r['permute_bytes_under_gemm_fraction']:5.2f} "
               f"{r['dp_bytes_per_step'] / 2**20:6.1f} {r['dp_bytes_under_gemm_fraction']:5.2f} "
               f"{r['all_bytes_under_gemm_fraction']:5.2f}")
+    if args.out is None:
+        return 0
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"preset": args.preset, "target": args.target, "rows": rows}, f, indent=2)

@@ -15,8 +15,11 @@ Two predictions are reported: `predicted` from the pieces timed in the same pair
 `jax-overlap tune` uses -- to show what interpolating between shapes costs.
 
     python bench/simulator_validation.py [--rounds 3] [--steps 3]
+    python bench/simulator_validation.py --quick
 
-Writes bench/results/simulator_validation.json and docs/simulator_validation.md.
+Writes bench/results/simulator_validation.json and docs/simulator_validation.md. `--quick`
+checks that the bench runs: `QUICK_PLANS` (one pipelined plan, so dp and pp links) of a
+tiny model, one round of one pair, LLVM at -O0; it prints the table and writes neither file.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ PLANS = [
     (4, 1, 2, 4, "gpipe", 1),
     (2, 1, 4, 4, "1f1b", 1),
 ]
+
+# --quick: configs/tiny.yaml's model with 4 layers (4 stages), synthetic data.
+QUICK_PLANS = [(2, 1, 4, 4, "1f1b", 1)]
+QUICK_MODEL = ["model.layers=4", "data.source=synthetic"]
 
 
 def summarise(label: str, pairs: list[tuple[float, float]], fit) -> dict:
@@ -84,20 +91,39 @@ def _time_steps(step, args, steps: int) -> tuple[list[float], tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "default.yaml"))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3,
-                    help="(step, calibration) pairs per plan per round")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
-                                                   "simulator_validation.json"))
-    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "simulator_validation.md"))
+    ap.add_argument("--config", help="default configs/default.yaml (configs/tiny.yaml with "
+                                     "4 layers with --quick)")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--steps", type=int,
+                    help="(step, calibration) pairs per plan per round (default 3)")
+    ap.add_argument("--out", help="results JSON (default bench/results/"
+                                  "simulator_validation.json; none with --quick)")
+    ap.add_argument("--doc", help="markdown page (default docs/simulator_validation.md; none "
+                                  "with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one plan of a tiny model, one pair: checks the bench runs")
     args = ap.parse_args()
+    overrides = []
+    if args.quick:
+        args.config = args.config or os.path.join(ROOT, "configs", "tiny.yaml")
+        args.rounds, args.steps = args.rounds or 1, args.steps or 1
+        overrides = QUICK_MODEL
+    else:
+        args.config = args.config or os.path.join(ROOT, "configs", "default.yaml")
+        args.rounds, args.steps = args.rounds or 3, args.steps or 3
+        args.out = args.out or os.path.join(ROOT, "bench", "results",
+                                            "simulator_validation.json")
+        args.doc = args.doc or os.path.join(ROOT, "docs", "simulator_validation.md")
 
     from jax_overlap import config
     from jax_overlap.parallel.mesh import force_host_devices
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     force_host_devices(8)
+    if args.quick:
+        from _quick import fast_cpu_compiles
+
+        fast_cpu_compiles()
     import jax
 
     from jax_overlap.analysis import calibrate as cal_lib
@@ -106,12 +132,12 @@ def main() -> int:
     from jax_overlap.analysis.profile import build_step
 
     load_start = os.getloadavg()[0]
-    base = config.load(args.config)
+    base = config.load(args.config, overrides)
     hw = load_profile("cpu_here")
     devices = jax.devices()[:8]
     have_executor = os.path.exists(os.path.join(ROOT, "jax_overlap", "pipeline", "executor.py"))
     plans = []
-    for dp, tp, pp, m, schedule, v in PLANS:
+    for dp, tp, pp, m, schedule, v in QUICK_PLANS if args.quick else PLANS:
         if pp > 1 and not have_executor:
             continue
         cand = tune.Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1)
@@ -196,14 +222,16 @@ def main() -> int:
         "rows": rows,
         "within_target": sum(abs(r["error"]) <= TARGET for r in rows),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=2)
     table = markdown_table(rows)
     print(table)
-    os.makedirs(os.path.dirname(args.doc), exist_ok=True)
-    with open(args.doc, "w") as f:
-        f.write(markdown_page(doc, table))
+    if args.doc:
+        os.makedirs(os.path.dirname(args.doc), exist_ok=True)
+        with open(args.doc, "w") as f:
+            f.write(markdown_page(doc, table))
     return 0
 
 

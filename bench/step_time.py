@@ -5,6 +5,7 @@ the GSPMD version is what a user would otherwise write: the model applied to glo
 parameters and batch annotated with NamedShardings, XLA choosing every collective.
 
     python bench/step_time.py [--config configs/default.yaml] [--steps 10] [--set k=v ...]
+    python bench/step_time.py --quick   # configs/tiny.yaml, 2 timed steps, no results file
 """
 
 from __future__ import annotations
@@ -16,20 +17,39 @@ import statistics
 import sys
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/default.yaml")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--config", help="default configs/default.yaml (configs/tiny.yaml with "
+                                     "--quick)")
+    ap.add_argument("--steps", type=int)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out", default="bench/results/step_time.json")
+    ap.add_argument("--out", help="results JSON (default bench/results/step_time.json; none "
+                                  "with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the tiny model (same dp2 x tp4 mesh), 2 timed steps, LLVM at -O0: "
+                         "checks the bench runs")
     args = ap.parse_args()
+    if args.quick:
+        args.config = args.config or os.path.join(REPO, "configs", "tiny.yaml")
+        args.steps = args.steps or 2
+    else:
+        args.config = args.config or "configs/default.yaml"
+        args.steps = args.steps or 10
+        args.out = args.out or "bench/results/step_time.json"
 
     from jax_overlap import config, model_api
     from jax_overlap.cli import prepare_backend
 
-    cfg = config.load(args.config, args.overrides)
+    cfg = config.load(args.config, (["data.source=synthetic"] if args.quick else [])
+                      + args.overrides)
     prepare_backend(cfg)
+    if args.quick:
+        from _quick import fast_cpu_compiles
+
+        fast_cpu_compiles()
     import jax
     import optax
 
@@ -87,6 +107,8 @@ def main() -> None:
         print(f"{name:32s} {t:10.4f} {tps:10.0f} {ratio:12.2f}")
     max_diff = max(abs(a - b) / abs(b) for a, b in zip(l_ours, l_gspmd))
     print(f"max relative loss difference over the run: {max_diff:.2e}")
+    if args.out is None:
+        return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"rows": [dict(name=n, median_step_s=t, tokens_per_s=tps, ratio_to_ours=r)

@@ -1,0 +1,238 @@
+"""Benches are code too: every script under bench/ runs in its `--quick` mode (tiny model, one
+repetition) as a user runs it, in a fresh process, and its table must hold real numbers.
+
+A quick run writes no results file: bench/results/, docs/ and runs/profile_gpu/ must be
+untouched afterwards.
+The deviceless GPU compiles of `overlap.py --goal` and of `gpu.py`'s 8-GPU analysis cost
+~15 s of CPU each even for a 2-layer GPT; they run in `make test-slow`
+(`pipeline_overlap.py --quick`, one such compile, stays in the default run).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import REPO
+
+ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+       "PYTHONUNBUFFERED": "1"}
+# Every bench/*.py and the test that runs it (a new bench without a test fails below).
+TESTED = {
+    "fault_drill.py": "test_fault_drill_quick",
+    "gpu.py": "test_gpu_quick_on_cpu",
+    "overlap.py": "test_overlap_quick",
+    "pipeline.py": "test_pipeline_quick",
+    "pipeline_overlap.py": "test_pipeline_overlap_quick",
+    "simulator_validation.py": "test_simulator_validation_quick",
+    "step_time.py": "test_step_time_quick",
+}
+WRITABLE = ("bench/results", "docs", "runs/profile_gpu")  # what the full runs write
+
+
+def _snapshot() -> dict[str, tuple[int, int]]:
+    out = {}
+    for top in WRITABLE:
+        for path in glob.glob(os.path.join(REPO, top, "**"), recursive=True):
+            if os.path.isfile(path):
+                st = os.stat(path)
+                out[os.path.relpath(path, REPO)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_bench(script: str, *args: str, timeout: float = 600) -> str:
+    """`<python> bench/<script> --quick <args>` from the repo root; its stdout."""
+    env = {**os.environ, **ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    before = _snapshot()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    proc = subprocess.run([sys.executable, os.path.join("bench", script), "--quick", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
+    print(f"bench/{script} --quick {' '.join(args)}: {wall:.1f} s wall, {cpu:.1f} s CPU")
+    assert proc.returncode == 0, (f"bench/{script} --quick exited {proc.returncode}\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    after = _snapshot()
+    changed = sorted(p for p in after if before.get(p) != after[p])
+    assert not changed, f"--quick wrote into the repo: {changed}"
+    return proc.stdout
+
+
+def table_rows(out: str, header_start: str, n: int) -> tuple[list[str], list[list[str]]]:
+    """(header words, the `n` rows split on whitespace) of the first table whose header line
+    starts with `header_start`; dashed rules are skipped."""
+    lines = out.splitlines()
+    i = next((i for i, line in enumerate(lines) if line.startswith(header_start)), None)
+    assert i is not None, f"no table header {header_start!r} in:\n{out}"
+    body = [line.split() for line in lines[i + 1:] if set(line.strip()) != {"-"}][:n]
+    assert len(body) == n and all(body), f"expected {n} rows under {lines[i]!r} in:\n{out}"
+    return lines[i].split(), body
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    assert value > 0, text
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    assert 0.0 <= value <= 1.0, text
+    return value
+
+
+def test_every_bench_has_a_quick_test():
+    scripts = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "bench", "*.py"))
+               if not os.path.basename(p).startswith("_")}
+    assert scripts == set(TESTED)
+    assert all(name in globals() for name in TESTED.values())
+
+
+def test_pipeline_quick():
+    # The single-action tick programs (the per-kind cost rows) are hand-built TickPrograms
+    # run through the executor: they broke when the executor started reading Branch.sync.
+    out = run_bench("pipeline.py")
+    _, rows = table_rows(out, "schedule ", 2)
+    # schedule p m v ticks bubble w-bubble slots step-ms /pp1dp8 /dp2xtp4
+    assert [r[0] for r in rows] == ["1f1b", "zb-v"]
+    for r in rows:
+        assert r[1:3] == ["4", "4"]
+        assert int(r[4]) > 0 and int(r[7]) > 0
+        fraction(r[5])
+        positive(r[8]), positive(r[9]), positive(r[10])
+    assert rows[1][3] == "2"  # zb-v: two chunks per stage
+    assert float(rows[1][5]) < float(rows[0][5])  # zero bubble beats 1f1b's idle ticks
+    ticks = dict(re.findall(r"^  (.+?)\s+(-?\d+\.\d+)$", out, re.MULTILINE))
+    assert set(ticks) == {"idle (whole program / ticks)", "F", "B", "W", "B+W (non-split B)"}
+    positive(ticks["idle (whole program / ticks)"])
+
+
+def test_pipeline_overlap_quick():
+    out = run_bench("pipeline_overlap.py")
+    header, rows = table_rows(out, "schedule ", 1)
+    assert header[:6] == ["schedule", "latency", "buckets", "ticks", "bubble", "slots"]
+    (r,) = rows
+    assert r[:3] == ["1f1b", "2", "0"]
+    assert int(r[3]) > 0 and int(r[5]) > 0
+    fraction(r[4])
+    positive(r[6])  # permute MiB
+    assert fraction(r[7]) > 0  # the skewed loop sends beside a tick's GEMMs
+    fraction(r[9]), fraction(r[10])
+
+
+def test_overlap_quick():
+    out = run_bench("overlap.py")
+    header, rows = table_rows(out, "option ", 5)
+    assert header[:3] == ["option", "step_ms", "x_step"]
+    # Names have spaces: the 11 numeric columns are the last ones.
+    by_name = {" ".join(r[:-11]): r[-11:] for r in rows}
+    assert list(by_name) == ["baseline dp2xtp4", "bf16 comm, buckets 0.02MB",
+                             "tp collective_matmul bi", "baseline dp8", "fsdp window 2 dp8"]
+    for vals in by_name.values():
+        positive(vals[0]), positive(vals[1]), positive(vals[10])  # step_ms, x_step, x_peak
+    col = {name: i for i, name in enumerate(["step_ms", "x_step", "dp_ops", "dp_MiB", "wire",
+                                              "tp_ops", "tp_MiB", "bkts", "temp", "peak",
+                                              "x_peak"])}
+    base, bf16 = by_name["baseline dp2xtp4"], by_name["bf16 comm, buckets 0.02MB"]
+    assert float(base[col["x_step"]]) == 1.0
+    assert int(bf16[col["bkts"]]) > 1
+    assert float(bf16[col["wire"]]) < float(bf16[col["dp_MiB"]])  # bf16 on the wire
+    cm = by_name["tp collective_matmul bi"]
+    assert int(cm[col["tp_ops"]]) > int(base[col["tp_ops"]])  # the ring's permutes
+    fsdp, dp8 = by_name["fsdp window 2 dp8"], by_name["baseline dp8"]
+    assert int(fsdp[col["dp_ops"]]) > int(dp8[col["dp_ops"]])  # gathers + reduce-scatters
+    assert float(fsdp[col["x_peak"]]) < 1.0  # sharded params and optimizer state
+
+
+@pytest.mark.slow  # four deviceless GPU compiles (~75 s of CPU)
+def test_overlap_goal_quick():
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason())
+    out = run_bench("overlap.py", "--goal")
+    _, rows = table_rows(out, "mesh ", 4)
+    assert [r[:2] for r in rows] == [["dp8", "ours"], ["dp8", "gspmd"], ["dp2xtp4", "ours"],
+                                     ["dp2xtp4", "gspmd"]]
+    for r in rows:  # mesh step async under-GEMMs exposed-ms GiB/step (0.00 at this size)
+        fraction(r[2]), fraction(r[3]), float(r[4])
+        assert float(r[5]) >= 0
+
+
+def test_step_time_quick():
+    out = run_bench("step_time.py")
+    assert "mesh dp2 pp1 tp4 on 8 cpu devices" in out
+    header, rows = table_rows(out, "step ", 2)
+    assert header == ["step", "median", "s", "tokens/s", "time", "/", "ours"]
+    # name words, median s, tokens/s, time / ours
+    by_name = {" ".join(r[:-3]): [positive(x) for x in r[-3:]] for r in rows}
+    assert list(by_name) == ["jax_overlap shard_map", "jit + NamedSharding (GSPMD)"]
+    assert by_name["jax_overlap shard_map"][2] == 1.0
+    diff = float(re.search(r"max relative loss difference over the run: (\S+)", out)[1])
+    assert diff < 1e-4  # the same model and batches: the same losses
+
+
+def test_simulator_validation_quick():
+    out = run_bench("simulator_validation.py")
+    rows = [line.strip("|").split("|") for line in out.splitlines()
+            if line.startswith("| dp")]
+    assert [r[0].strip() for r in rows] == ["dp2 tp1 pp4 m4 1f1b b0 repl"]
+    _, measured, predicted, error, fit, error_fit = (c.strip() for c in rows[0])
+    positive(measured), positive(predicted), positive(fit)
+    assert error.endswith("%") and error_fit.endswith("%")
+    float(error[:-1]), float(error_fit[:-1])
+
+
+def test_fault_drill_quick():
+    out = run_bench("fault_drill.py")
+    _, rows = table_rows(out, "kill ", 1)
+    (r,) = rows
+    kill, killed_after, resumed, lost = map(int, r)
+    assert kill == 1 and 1 <= killed_after < 8 and 0 <= resumed <= killed_after
+    assert lost == killed_after - resumed
+    assert "final params equal to the uninterrupted run: yes (whole state: yes)" in out
+
+
+def _check_gpu_table(out: str) -> None:
+    header, rows = table_rows(out, "model ", 1)
+    assert header[:7] == ["model", "params", "step", "s", "tokens/s", "MFU", "peak"]
+    (r,) = rows
+    assert r[0] == "gpt-tiny"
+    positive(r[2]), positive(r[3])  # step s, tokens/s
+    compute = re.search(r"profiled gpt-tiny step: compute (\S+) ms", out)
+    assert compute, out
+    positive(compute[1])
+
+
+def test_gpu_quick_on_cpu():
+    # On the CPU backend (MFU nan); the deviceless 8-GPU analysis is the slow test below.
+    out = run_bench("gpu.py", "--skip-analyze")
+    _check_gpu_table(out)
+    assert "(cpu, jax" in out
+
+
+@pytest.mark.slow  # one deviceless GPU compile (~15 s of CPU)
+def test_gpu_quick_with_analysis():
+    out = run_bench("gpu.py")
+    _check_gpu_table(out)
+    from jax_overlap.analysis import deviceless
+
+    if deviceless.plugin_available():
+        m = re.search(r"2-layer GPT dp8: async (\S+), under GEMMs (\S+)", out)
+        assert m, out
+        fraction(m[1]), fraction(m[2])
+    else:
+        assert "analysis skipped" in out
