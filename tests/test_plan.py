@@ -131,3 +131,17 @@ def test_train_writes_the_resolved_config(tmp_path):
     assert written["overlap"]["collective_matmul_direction"] == "uni"
     assert written["pipeline"]["microbatches"] == 1
     assert np.isfinite(last_json_line(proc.stdout)["last_loss"])
+
+
+def test_analyze_names_the_knobs_that_would_hide_more():
+    from jax_overlap.analysis.analyze import overlap_hints
+
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4", "overlap.tp_comm=plain",
+                                 "pipeline.microbatches=8", "overlap.xla_preset=none"])
+    plan = ParallelPlan.build(cfg, target=H100)
+    hints = overlap_hints(cfg, plan, 0.056)  # what XLA gave this step (README)
+    keys = [h.split(":")[0].split(" ")[0] for h in hints]
+    assert keys == ["overlap.tp_comm=collective_matmul", "overlap.xla_preset=gpu_overlap",
+                    "pipeline.microbatches=32"]
+    assert overlap_hints(cfg, plan, 0.97) == []  # enough already hides
+    assert overlap_hints(cfg, ParallelPlan.build(cfg), 0.05) == []  # CPU: nothing overlaps
