@@ -102,6 +102,16 @@ def single_action_program(kind: str, microbatches: int, split: bool):
                                     tuple((b, a) for a, b in down), False)
 
 
+def peak_bytes(compiled) -> int | None:
+    """Per-device bytes the compiled step holds at once (XLA's memory analysis: arguments,
+    outputs and temporaries, less what is aliased), or None where the backend has none."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+               - ma.alias_size_in_bytes)
+
+
 def weighted_bubble(program, cost: dict[str, float]) -> float:
     """Idle device-time fraction of the lockstep run when actions take their measured time.
 
@@ -126,6 +136,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", help="results JSON (default bench/results/pipeline.json; "
                                   "none with --quick)")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (action_ms, rows) instead of the table")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, two schedules at m=4, one repetition: checks the bench "
                          "runs")
@@ -182,7 +194,7 @@ def main() -> None:
         baselines[name] = {"step_s": step_s, "compile_s": compile_s}
         again[name] = (compiled, (params, batch))
         print(f"pp=1 {name}: {step_s * 1e3:.1f} ms/step (compile {compile_s:.1f} s)",
-              flush=True)
+              flush=True, file=sys.stderr if args.json else sys.stdout)
 
     def retime_baselines():
         # Re-timed between groups: the best over the whole run is robust to load bursts.
@@ -215,15 +227,25 @@ def main() -> None:
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
                 f"pipeline.virtual_stages={chunks}"])
             fn = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
-            compile_s, step_s, _ = timed(fn, (params, batch), args.reps)
+            compile_s, step_s, compiled = timed(fn, (params, batch), args.reps)
             program = fn.program
+            plan = ParallelPlan.build(cfg, model)
+            micro = batch["inputs"].shape[0] // 2 // m  # sequences per microbatch (dp = 2)
+            act = micro * cfg.model.seq_len * cfg.model.d_model * 4  # one fp32 activation
+            stash = (program.slots + 1) * act + sum(
+                v for k, v in executor.residual_bytes(model, plan, mesh).items() if k != "slot")
             rows.append({"schedule": name, "stages": STAGES, "microbatches": m,
+                         "bubble": program.idle_fraction(),
+                         "weighted_bubble": weighted_bubble(program, cost),
+                         "step_ms": step_s * 1e3, "stash_bytes": int(stash),
+                         "peak_bytes": peak_bytes(compiled), "remat": plan.remat,
                          "virtual_stages": program.schedule.virtual_stages,
                          "ticks": program.ticks, "bubble_fraction": program.idle_fraction(),
                          "bubble_at_measured_costs": weighted_bubble(program, cost),
                          "stash_slots": program.slots, "step_s": step_s,
                          "compile_s": compile_s})
-            print(f"{name} m={m}: {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s)", flush=True)
+            print(f"{name} m={m}: {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s)", flush=True,
+                  file=sys.stderr if args.json else sys.stdout)
         retime_baselines()
     ref_s = baselines["dp8"]["step_s"]
     for r in rows:
@@ -250,7 +272,11 @@ def main() -> None:
                  f"tick):")
     for k, v in tick_ms.items():
         lines.append(f"  {k:<30} {v:>8.2f}")
-    print("\n".join(lines))
+    if args.json:
+        print(json.dumps({"action_ms": cost, "rows": rows,
+                          "baselines_ms": {k: v["step_s"] * 1e3 for k, v in baselines.items()}}))
+    else:
+        print("\n".join(lines))
 
     if args.out is None:
         return

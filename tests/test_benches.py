@@ -11,6 +11,7 @@ The deviceless GPU compiles of `overlap.py --goal` and of `gpu.py`'s 8-GPU analy
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import resource
@@ -104,20 +105,17 @@ def test_every_bench_has_a_quick_test():
 def test_pipeline_quick():
     # The single-action tick programs (the per-kind cost rows) are hand-built TickPrograms
     # run through the executor: they broke when the executor started reading Branch.sync.
-    out = run_bench("pipeline.py")
-    _, rows = table_rows(out, "schedule ", 2)
-    # schedule p m v ticks bubble w-bubble slots step-ms /pp1dp8 /dp2xtp4
-    assert [r[0] for r in rows] == ["1f1b", "zb-v"]
+    out = json.loads(run_bench("pipeline.py", "--json").strip().splitlines()[-1])
+    assert set(out["action_ms"]) == {"F", "B", "W", "B+W"}
+    assert all(v > 0 for v in out["action_ms"].values())
+    rows = out["rows"]
+    assert [r["schedule"] for r in rows] == ["1f1b", "zb-v"]
     for r in rows:
-        assert r[1:3] == ["4", "4"]
-        assert int(r[4]) > 0 and int(r[7]) > 0
-        fraction(r[5])
-        positive(r[8]), positive(r[9]), positive(r[10])
-    assert rows[1][3] == "2"  # zb-v: two chunks per stage
-    assert float(rows[1][5]) < float(rows[0][5])  # zero bubble beats 1f1b's idle ticks
-    ticks = dict(re.findall(r"^  (.+?)\s+(-?\d+\.\d+)$", out, re.MULTILINE))
-    assert set(ticks) == {"idle (whole program / ticks)", "F", "B", "W", "B+W (non-split B)"}
-    positive(ticks["idle (whole program / ticks)"])
+        assert r["stages"] == 4 and r["microbatches"] == 4 and r["ticks"] > 0
+        assert 0 <= r["bubble"] < 1 and 0 <= r["weighted_bubble"] < 1
+        assert r["step_ms"] > 0 and r["stash_bytes"] > 0 and r["peak_bytes"] > 0
+    assert rows[1]["virtual_stages"] == 2  # zb-v: two chunks per stage
+    assert rows[1]["bubble"] < rows[0]["bubble"]  # zero bubble beats 1f1b's idle ticks
 
 
 def test_pipeline_overlap_quick():
