@@ -516,3 +516,35 @@ def test_plot_bubble_vs_microbatches():
     assert list(lines[1].get_xdata()) == [4, 8]  # interleaved needs a multiple of p
     assert list(lines[2].get_ydata())[-1] == pytest.approx(3 / 27)
     matplotlib.pyplot.close("all")
+
+
+@pytest.mark.parametrize("name,v,split", [("1f1b", 1, False), ("zb-h1", 1, True),
+                                          ("zb-v", 2, True), ("interleaved", 2, False)])
+def test_residual_slots_never_overlap_while_live(name, v, split):
+    """What an F keeps for its backward stays in its slot until the last backward action of
+    the same (microbatch, chunk) has read it: no other F of the stage writes it meanwhile."""
+    from jax_overlap.pipeline.program import COL, compile_program
+
+    s = make_schedule(name, 4, 8, v)
+    assert s.split_backward == split
+    program = compile_program(s)
+    last = "W" if split else "B"
+    for d, row in enumerate(s.grid):
+        owner = {}  # (pool, slot) -> (mb, chunk) whose residuals it holds
+        for t, a in enumerate(row):
+            if a is None:
+                continue
+            vs = s.virtual_stage(d, a.chunk)
+            r, e = program.table[t, d, COL["r_slot"]], program.table[t, d, COL["e_slot"]]
+            pools = [("chunk", r)] + ([("edge", (vs, e))] if vs in (0, 4 * v - 1) else [])
+            for key in pools:
+                if a.kind == "F":
+                    assert key not in owner, (name, d, t, key)
+                    owner[key] = (a.microbatch, a.chunk)
+                else:
+                    assert owner[key] == (a.microbatch, a.chunk), (name, d, t, key)
+                    if a.kind == last:
+                        del owner[key]
+        assert not owner  # every residual freed by its last backward
+    sizes = dict(program.res_slots)
+    assert sizes["chunk"] >= max(sizes["first"], sizes["last"]) >= 1
