@@ -222,9 +222,9 @@ def lower_gspmd_step(cfg, devices):
         def one(acc, mb):
             loss, grads = jax.value_and_grad(
                 lambda p: gradslib.reference_loss(model, p, mb) / m)(state.params)
-            return (acc[0] + loss, steplib.tree_add(acc[1], grads)), None
+            return (acc[0] + loss, gradslib.tree_add(acc[1], grads)), None
 
-        zero = (0.0, steplib.tree_zeros_like(state.params))
+        zero = (0.0, gradslib.tree_zeros_like(state.params))
         (loss, grads), _ = jax.lax.scan(one, zero, mbs)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         return state._replace(params=optax.apply_updates(state.params, updates),
