@@ -33,7 +33,8 @@ class Parallel:
 
     @property
     def active(self) -> bool:
-        # A size-1 axis still types values as varying, so its (free) collectives stay.
+        # A size-1 axis still types values as varying, so its collectives stay for values
+        # that vary over it (see `needs_tp`).
         return self.tp_axis is not None
 
     @property
@@ -42,8 +43,18 @@ class Parallel:
         return self.active and self.tp_comm in ("sequence_parallel", "collective_matmul")
 
 
+def needs_tp(x: jax.Array, par: Parallel) -> bool:
+    """Whether a reduction of `x` over TP does anything. On a size-1 axis it only changes
+    the type of a value varying over it; one that does not (the pp=1 step leaves tp=1 out
+    of every spec, `step.dp_layout`) skips it rather than emit a one-rank all-reduce, which
+    XLA keeps (a launch and a copy)."""
+    return par.active and (par.tp > 1 or par.tp_axis in varying_axes(x))
+
+
 def tp_index(par: Parallel) -> jax.Array:
-    return jax.lax.axis_index(par.tp_axis) if par.active else jnp.zeros((), jnp.int32)
+    # On a size-1 axis the index is 0, and as a constant it leaves values tp-invariant.
+    return (jax.lax.axis_index(par.tp_axis) if par.active and par.tp > 1
+            else jnp.zeros((), jnp.int32))
 
 
 def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.Array:
@@ -55,7 +66,7 @@ def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.
 
 
 def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
-    return jax.lax.psum(x, par.tp_axis) if par.active else x
+    return jax.lax.psum(x, par.tp_axis) if needs_tp(x, par) else x
 
 
 def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Array:
@@ -114,7 +125,8 @@ def vocab_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, par: Paral
     v_local = logits_btv.shape[-1]
     # The max only stabilises the exponentials; it needs no gradient.
     local_max_bt = jax.lax.stop_gradient(logits_btv.max(-1))
-    max_bt = jax.lax.pmax(local_max_bt, par.tp_axis) if par.active else local_max_bt
+    max_bt = (jax.lax.pmax(local_max_bt, par.tp_axis) if needs_tp(local_max_bt, par)
+              else local_max_bt)
     sum_exp_bt = psum_tp(jnp.exp(logits_btv - max_bt[..., None]).sum(-1), par)
     local_t = targets_bt - tp_index(par) * v_local
     inside = (local_t >= 0) & (local_t < v_local)

@@ -140,10 +140,13 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
     split = [None] * len(leaves)
     grad_specs = list(spec_leaves)
     plan = None
+    # pp=1 with tp=1: the size-1 tp axis splits nothing; the step leaves it out (below).
+    drop_tp = pp == 1 and axis_sizes.get(TP, 1) == 1
     if overlap.grad_bucket_mb > 0 and pp == 1:
         # In-backward buckets: TP-replicated leaves are reduced over (dp, tp) (see buckets).
         plan = buckets.plan_for_params(abstract, specs, axis_sizes, overlap, DP,
-                                       model.num_layers, fsdp_leaves, replicated_axes=(TP,),
+                                       model.num_layers, fsdp_leaves,
+                                       replicated_axes=() if drop_tp else (TP,),
                                        use_rank=_block_use_order(model, abstract))
         for u in plan.units:
             if u.split_dim is not None:
@@ -160,8 +163,27 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
             if dim is not None:
                 split[i] = dim + lead
                 grad_specs[i] = buckets.with_axes(spec, dim + lead, (DP,), len(arr.shape))
-    return DpLayout(specs, jax.tree.unflatten(treedef, grad_specs),
-                    jax.tree.unflatten(treedef, split), block_layout, plan)
+    grad_specs = jax.tree.unflatten(treedef, grad_specs)
+    if drop_tp:
+        # Named in a spec, even a size-1 axis makes a value vary over it inside shard_map,
+        # and each TP psum then stays in the program as a real (one-rank) all-reduce. Left
+        # out (after the split dims were chosen, so they do not change), nothing varies over
+        # tp and the TP collectives drop out (`collectives.psum_tp`). The shardings are the
+        # same as with 'tp' named.
+        specs, grad_specs = without_axis(specs, TP), without_axis(grad_specs, TP)
+    return DpLayout(specs, grad_specs, jax.tree.unflatten(treedef, split), block_layout, plan)
+
+
+def without_axis(specs: Any, axis: str) -> Any:
+    """Every PartitionSpec of a tree with mesh `axis` left out of its entries."""
+
+    def entry(e):
+        kept = tuple(a for a in (() if e is None else e if isinstance(e, tuple) else (e,))
+                     if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(entry(e) for e in s)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def _block_use_order(model, abstract: dict) -> dict[int, int] | None:
@@ -250,7 +272,8 @@ def make_loss_and_grads(model, cfg, mesh) -> Callable:
         layers = fsdp.windowed_blocks(lambda p, x: model.block(p, x, par), layout.fsdp,
                                       ov.window, DP, dp, ov.grad_comm_dtype)
     fsdp_leaves = _leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
-    marked = (DP, TP) if layout.plan is not None else (DP,)
+    # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
+    marked = (DP, TP) if layout.plan is not None and axis_sizes[TP] > 1 else (DP,)
 
     def per_device(params, batch):
         # Global divisor first, so every partial loss is already scaled to the global mean.
