@@ -277,7 +277,7 @@ def make_loss_and_grads(model, cfg, mesh) -> Callable:
 
     def per_device(params, batch):
         # Global divisor first, so every partial loss is already scaled to the global mean.
-        count = jax.lax.psum(model.loss_count(batch["targets"]), DP)
+        count = _global_count(model, batch["targets"], dp)
         # Marked varying, parameters get per-device gradients and no implicit reduction:
         # over dp always; over tp too for in-backward buckets (TP-replicated leaves then
         # get partial sums that their bucket reduces over (dp, tp)).
@@ -316,6 +316,15 @@ def make_loss_and_grads(model, cfg, mesh) -> Callable:
     batch_in = {"inputs": P(DP), "targets": P(DP)}
     return shard_map(per_device, mesh, in_specs=(layout.param_specs, batch_in),
                      out_specs=(P(), layout.grad_specs))
+
+
+def _global_count(model, targets, dp: int) -> jax.Array:
+    """`model.loss_count` summed over dp. A count the data does not decide (tokens per
+    batch) is a constant: dp times it, not an all-reduce that every rank waits on before its
+    first loss; a data-dependent one (masked tokens) is psum'd."""
+    with jax.ensure_compile_time_eval():
+        local = model.loss_count(targets)
+    return jax.lax.psum(local, DP) if isinstance(local, jax.core.Tracer) else local * dp
 
 
 def _bucketed_last_microbatch(model, par, layout: DpLayout, layers, params, acc, mb, count,
