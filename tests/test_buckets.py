@@ -265,6 +265,24 @@ def test_zero1_without_buckets(reference):
     assert grads["blocks"]["w_in"].addressable_shards[0].data.shape[1:] == (32 // 8, 64)
 
 
+@pytest.mark.parametrize("overrides", [[], ["overlap.grad_bucket_mb=0.004"]])
+def test_tp1_step_has_dp_reductions_only(reference, overrides):
+    """dp=8, tp=1: no one-rank TP all-reduces (the size-1 tp axis is left out of the
+    specs), and no all-reduce of the (constant) loss count: only the gradient reductions,
+    with the loss folded into one of them."""
+    _, _, _, ref_loss, ref_grads = reference
+    compiled, args, layout, _ = _compile(reference, overrides, dp=8, tp=1)
+    loss, grads = compiled(*args)
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+    report = hlo.analyze_hlo(compiled.as_text())
+    ops = [op for op in report.ops if op.kind in ("all-reduce", "reduce-scatter")]
+    assert ops and all("dp" in op.replica_groups.mesh_axes for op in ops)
+    grad_bytes = layout.plan.total_bytes if layout.plan else 4 * sum(
+        g.size for g in jax.tree.leaves(ref_grads))
+    assert sum(op.bytes for op in ops) == grad_bytes + 4  # + the loss
+
+
 def test_buckets_and_bf16_with_the_pipeline(reference):
     """pp=2 (1F1B): with buckets the executor reduces each chunk's block gradients over dp in
     its last backward, inside the tick loop, optionally in bf16 (embedding and head after
