@@ -2,7 +2,9 @@
 
 Both run the default model on 8 (forced CPU) devices with the same mesh, parameters and batch;
 the GSPMD version is what a user would otherwise write: the model applied to global arrays,
-parameters and batch annotated with NamedShardings, XLA choosing every collective.
+parameters and batch annotated with NamedShardings, XLA choosing every collective. The two are
+timed step by step in alternation (ours, GSPMD, GSPMD, ours, ...), so that the load of a shared
+machine falls on both alike; each keeps its own state.
 
     python bench/step_time.py [--config configs/default.yaml] [--steps 10] [--set k=v ...]
     python bench/step_time.py --quick   # configs/tiny.yaml, 2 timed steps, no results file
@@ -81,19 +83,20 @@ def main() -> None:
                     donate_argnums=(0,))
     state_g = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
 
-    def timed(fn, st):
-        st, m = fn(st, batches[0])  # compile + warm-up
+    fns, states = {"ours": ours, "gspmd": gspmd}, {"ours": state, "gspmd": state_g}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    losses: dict[str, list[float]] = {k: [] for k in fns}
+    for k, fn in fns.items():  # compile + warm-up
+        states[k], m = fn(states[k], batches[0])
         float(m["loss"])
-        times, losses = [], []
-        for b in batches[1:]:
+    for i, b in enumerate(batches[1:]):
+        for k in (("ours", "gspmd") if i % 2 == 0 else ("gspmd", "ours")):
             t0 = time.perf_counter()
-            st, m = fn(st, b)
-            losses.append(float(m["loss"]))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), losses
-
-    t_ours, l_ours = timed(ours, state)
-    t_gspmd, l_gspmd = timed(gspmd, state_g)
+            states[k], m = fns[k](states[k], b)
+            losses[k].append(float(m["loss"]))
+            times[k].append(time.perf_counter() - t0)
+    t_ours, l_ours = statistics.median(times["ours"]), losses["ours"]
+    t_gspmd, l_gspmd = statistics.median(times["gspmd"]), losses["gspmd"]
     tokens = cfg.train.global_batch * cfg.model.seq_len
     rows = [("jax_overlap shard_map", t_ours, tokens / t_ours, 1.0),
             ("jit + NamedSharding (GSPMD)", t_gspmd, tokens / t_gspmd, t_gspmd / t_ours)]

@@ -196,7 +196,8 @@ class ParallelPlan:
 
         dtype = jnp.bfloat16 if self.compute_dtype == "bf16" else jnp.float32
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
-                        tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction)
+                        tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
+                        explicit_wgrad=not self.pipelined)
 
     def with_program(self, program: TickProgram) -> "ParallelPlan":
         """The same plan running another tick program (benchmarks time hand-made tables)."""

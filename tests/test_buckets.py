@@ -207,16 +207,16 @@ def test_buckets_match_reference_and_show_in_hlo(reference, bucket_mb, embed_fir
 
     plan = layout.plan
     ops = dp_collectives(compiled.as_text())
-    # Two scalar psums over dp besides the buckets: the loss count and the loss (XLA may
-    # fold the loss into a bucket's all-reduce, so they are counted by bytes). A detached
-    # (embedding) bucket has no data path to the first layer's, so the CPU backend's
-    # combiner may merge it into one of them (on GPU the preset's 64 MiB threshold keeps
-    # the 1.3B model's apart); every other bucket is one collective.
+    # One scalar psum over dp besides the buckets: the loss (XLA may fold it into a bucket's
+    # all-reduce, so it is counted by bytes; the GPT's loss count is a constant, not a
+    # collective). A detached (embedding) bucket has no data path to the first layer's, so
+    # the CPU backend's combiner may merge it into one of them (on GPU the preset's 64 MiB
+    # threshold keeps the 1.3B model's apart); every other bucket is one collective.
     big = [op for op in ops if op.bytes > 8]
     chained = [b for b in plan.buckets if not b.detached]
     assert len(chained) <= len(big) <= len(plan.buckets)
     assert embed_first or len(chained) == len(plan.buckets)
-    assert sum(op.bytes for op in ops) == plan.total_bytes + 8
+    assert sum(op.bytes for op in ops) == plan.total_bytes + 4
     assert len(plan.buckets) >= (2 if bucket_mb == 1.0 else 3)
 
 
@@ -265,6 +265,24 @@ def test_zero1_without_buckets(reference):
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
     assert grads["blocks"]["w_in"].addressable_shards[0].data.shape[1:] == (32 // 8, 64)
+
+
+@pytest.mark.parametrize("overrides", [[], ["overlap.grad_bucket_mb=0.004"]])
+def test_tp1_step_has_dp_reductions_only(reference, overrides):
+    """dp=8, tp=1: no one-rank TP all-reduces (the size-1 tp axis is left out of the
+    specs), and no all-reduce of the (constant) loss count: only the gradient reductions,
+    with the loss folded into one of them."""
+    _, _, _, ref_loss, ref_grads = reference
+    compiled, args, layout, _ = _compile(reference, overrides, dp=8, tp=1)
+    loss, grads = compiled(*args)
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+    report = analyze_hlo(compiled.as_text())
+    ops = [op for op in report.ops if op.kind in ("all-reduce", "reduce-scatter")]
+    assert ops and all("dp" in op.replica_groups.mesh_axes for op in ops)
+    grad_bytes = layout.plan.total_bytes if layout.plan else 4 * sum(
+        g.size for g in jax.tree.leaves(ref_grads))
+    assert sum(op.bytes for op in ops) == grad_bytes + 4  # + the loss
 
 
 def test_buckets_and_bf16_with_the_pipeline(reference):

@@ -58,10 +58,13 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
     split = [None] * len(leaves)
     grad_specs = list(spec_leaves)
     plan = None
+    # pp=1 with tp=1: the size-1 tp axis splits nothing; the step leaves it out (below).
+    drop_tp = pp == 1 and axis_sizes.get(TP, 1) == 1
     if overlap.grad_bucket_bytes > 0 and pp == 1:
         # In-backward buckets: TP-replicated leaves are reduced over (dp, tp) (see buckets).
         plan = buckets.plan_for_params(abstract, specs, axis_sizes, overlap, DP,
-                                       model.num_layers, fsdp_leaves, replicated_axes=(TP,),
+                                       model.num_layers, fsdp_leaves,
+                                       replicated_axes=() if drop_tp else (TP,),
                                        use_rank=block_use_order(model, abstract))
         for u in plan.units:
             if u.split_dim is not None:
@@ -78,8 +81,27 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
             if dim is not None:
                 split[i] = dim + lead
                 grad_specs[i] = buckets.with_axes(spec, dim + lead, (DP,), len(arr.shape))
-    return DpLayout(specs, jax.tree.unflatten(treedef, grad_specs),
-                    jax.tree.unflatten(treedef, split), block_layout, plan)
+    grad_specs = jax.tree.unflatten(treedef, grad_specs)
+    if drop_tp:
+        # Named in a spec, even a size-1 axis makes a value vary over it inside shard_map,
+        # and each TP psum then stays in the program as a real (one-rank) all-reduce. Left
+        # out (after the split dims were chosen, so they do not change), nothing varies over
+        # tp and the TP collectives drop out (`collectives.psum_tp`). The shardings are the
+        # same as with 'tp' named.
+        specs, grad_specs = without_axis(specs, TP), without_axis(grad_specs, TP)
+    return DpLayout(specs, grad_specs, jax.tree.unflatten(treedef, split), block_layout, plan)
+
+
+def without_axis(specs: Any, axis: str) -> Any:
+    """Every PartitionSpec of a tree with mesh `axis` left out of its entries."""
+
+    def entry(e):
+        kept = tuple(a for a in (() if e is None else e if isinstance(e, tuple) else (e,))
+                     if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(entry(e) for e in s)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def block_use_order(model, abstract: dict) -> dict[int, int] | None:

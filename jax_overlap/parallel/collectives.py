@@ -30,10 +30,15 @@ class Parallel:
     compute_dtype: Any = jnp.float32
     tp_comm: str = "plain"  # plain | sequence_parallel | collective_matmul
     cm_direction: str = "uni"  # collective matmul ring: uni | bi
+    # Weight matmuls with their backward written out (`local_matmul`). The pipeline turns it
+    # off: its B/W split (`pipeline.weight_grads`) must see the weight matmuls in the jaxpr,
+    # which a custom derivative would hide.
+    explicit_wgrad: bool = True
 
     @property
     def active(self) -> bool:
-        # A size-1 axis still types values as varying, so its (free) collectives stay.
+        # A size-1 axis still types values as varying, so its collectives stay for values
+        # that vary over it (see `needs_tp`).
         return self.tp_axis is not None
 
     @property
@@ -42,8 +47,18 @@ class Parallel:
         return self.active and self.tp_comm in ("sequence_parallel", "collective_matmul")
 
 
+def needs_tp(x: jax.Array, par: Parallel) -> bool:
+    """Whether a reduction of `x` over TP does anything. On a size-1 axis it only changes
+    the type of a value varying over it; one that does not (the pp=1 step leaves tp=1 out
+    of every spec, `step.dp_layout`) skips it rather than emit a one-rank all-reduce, which
+    XLA keeps (a launch and a copy)."""
+    return par.active and (par.tp > 1 or par.tp_axis in varying_axes(x))
+
+
 def tp_index(par: Parallel) -> jax.Array:
-    return jax.lax.axis_index(par.tp_axis) if par.active else jnp.zeros((), jnp.int32)
+    # On a size-1 axis the index is 0, and as a constant it leaves values tp-invariant.
+    return (jax.lax.axis_index(par.tp_axis) if par.active and par.tp > 1
+            else jnp.zeros((), jnp.int32))
 
 
 def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.Array:
@@ -55,7 +70,54 @@ def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.
 
 
 def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
-    return jax.lax.psum(x, par.tp_axis) if par.active else x
+    return jax.lax.psum(x, par.tp_axis) if needs_tp(x, par) else x
+
+
+def local_matmul(x_bk: jax.Array, w_kn: jax.Array, par: Parallel) -> jax.Array:
+    """x (..., K) @ w (K, N) on this device. Inside the step (`par.active`) the backward is
+    written out: dx = dy w^T, and the weight gradient as ONE GEMM x^T dy contracting the
+    leading dims, whose (K, N) output is already w's layout. Each cotangent is summed over
+    the mesh axes it varies over and its input does not (exactly what autodiff does for the
+    implicit pvary: the backward TP psum of a column-parallel input).
+
+    Autodiff instead computes dy^T x (N, K) and transposes it. With nothing between the two
+    (under GSPMD the per-layer dp all-reduce is; the step reduces over dp after the
+    backward) XLA folds the transpose into the GEMM, and its CPU backend (jaxlib 0.12) runs it with
+    both operands transposed (4 per layer, no YNNPACK kernel) after copying dy^T: ~10% of
+    the default dp2 x tp4 step on CPU. Written as x^T dy it gets a YNNPACK GEMM, as GSPMD's
+    do. A GPU GEMM takes either operand order, so there both spellings are one cuBLAS call.
+    Outside the step (reference, GSPMD) this is the plain einsum.
+    """
+    if not par.active:
+        return jnp.einsum("...k,kn->...n", x_bk, w_kn)
+    if not par.explicit_wgrad:
+        return jnp.einsum("...k,kn->...n", x_bk, w_kn)
+    return _matmul(x_bk, w_kn)
+
+
+@jax.custom_vjp
+def _matmul(x_bk, w_kn):
+    return jnp.einsum("...k,kn->...n", x_bk, w_kn)
+
+
+def _matmul_fwd(x_bk, w_kn):
+    return _matmul(x_bk, w_kn), (x_bk, w_kn)
+
+
+def _matmul_bwd(residuals, dy_bn):
+    x_bk, w_kn = residuals
+    dx_bk = jnp.einsum("...n,kn->...k", dy_bn, w_kn)
+    lead = tuple(range(x_bk.ndim - 1))
+    dw_kn = jax.lax.dot_general(x_bk, dy_bn, ((lead, lead), ((), ())))  # x^T dy: (K, N)
+    return _sum_to_type(dx_bk, x_bk), _sum_to_type(dw_kn, w_kn)
+
+
+def _sum_to_type(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Array:
@@ -69,7 +131,7 @@ def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Arr
             return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction)
         # (B, T/tp, D) -> (B, T, D) over tp
         x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
-    return jnp.einsum("btd,dn->btn", x_btd, w_dn)
+    return local_matmul(x_btd, w_dn, par)
 
 
 def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
@@ -81,9 +143,9 @@ def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
     if par.sequence_sharded:
         if par.tp_comm == "collective_matmul":
             return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction)
-        partial_btd = jnp.einsum("btn,nd->btd", h_btn, w_nd)
+        partial_btd = local_matmul(h_btn, w_nd, par)
         return jax.lax.psum_scatter(partial_btd, par.tp_axis, scatter_dimension=1, tiled=True)
-    partial_btd = jnp.einsum("btn,nd->btd", h_btn, w_nd)
+    partial_btd = local_matmul(h_btn, w_nd, par)
     return psum_tp(partial_btd, par)  # (B, T, D) over tp
 
 
@@ -114,7 +176,8 @@ def vocab_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, par: Paral
     v_local = logits_btv.shape[-1]
     # The max only stabilises the exponentials; it needs no gradient.
     local_max_bt = jax.lax.stop_gradient(logits_btv.max(-1))
-    max_bt = jax.lax.pmax(local_max_bt, par.tp_axis) if par.active else local_max_bt
+    max_bt = (jax.lax.pmax(local_max_bt, par.tp_axis) if needs_tp(local_max_bt, par)
+              else local_max_bt)
     sum_exp_bt = psum_tp(jnp.exp(logits_btv - max_bt[..., None]).sum(-1), par)
     local_t = targets_bt - tp_index(par) * v_local
     inside = (local_t >= 0) & (local_t < v_local)

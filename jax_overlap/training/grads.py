@@ -109,11 +109,12 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         layers = fsdp.windowed_blocks(block, layout.fsdp,
                                       ov.window, DP, dp, ov.grad_comm_dtype)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
-    marked = (DP, TP) if layout.plan is not None else (DP,)
+    # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
+    marked = (DP, TP) if layout.plan is not None and axis_sizes[TP] > 1 else (DP,)
 
     def per_device(params, batch):
         # Global divisor first, so every partial loss is already scaled to the global mean.
-        count = jax.lax.psum(model.loss_count(batch["targets"]), DP)
+        count = _global_count(model, batch["targets"], dp)
         # Marked varying, parameters get per-device gradients and no implicit reduction:
         # over dp always; over tp too for in-backward buckets (TP-replicated leaves then
         # get partial sums that their bucket reduces over (dp, tp)).
@@ -153,6 +154,15 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     batch_in = {"inputs": P(DP), "targets": P(DP)}
     return shard_map(per_device, mesh, in_specs=(layout.param_specs, batch_in),
                      out_specs=(P(), layout.grad_specs))
+
+
+def _global_count(model, targets, dp: int) -> jax.Array:
+    """`model.loss_count` summed over dp. A count the data does not decide (tokens per
+    batch) is a constant: dp times it, not an all-reduce that every rank waits on before its
+    first loss; a data-dependent one (masked tokens) is psum'd."""
+    with jax.ensure_compile_time_eval():
+        local = model.loss_count(targets)
+    return jax.lax.psum(local, DP) if isinstance(local, jax.core.Tracer) else local * dp
 
 
 def _bucketed_last_microbatch(model, par, block, layout: DpLayout, layers, params, acc, mb,
