@@ -29,8 +29,9 @@ def _split_grads(block, p, x, dy):
         lambda x_, z_, po: split.forward(merged(po, other, leaves), x_, z_), x, z0,
         [leaves[i] for i in other], has_aux=True)
     dx, dz, d_other = pull_b(dy)
-    _, pull_w = jax.vjp(lambda pd: split.weight_matmuls(merged(pd, split.dot_leaves, leaves),
-                                                        acts), [leaves[i] for i in split.dot_leaves])
+    dot = split.dot_leaves
+    _, pull_w = jax.vjp(lambda pd: split.weight_matmuls(merged(pd, dot, leaves), acts),
+                        [leaves[i] for i in dot])
     (d_dot,) = pull_w(dz)
     grads = list(leaves)
     for i, g in zip(other, d_other):
