@@ -54,3 +54,14 @@ def axis_size(axis: str) -> int:
     if hasattr(jax.lax, "axis_size"):
         return jax.lax.axis_size(axis)
     return jax.lax.psum(1, axis)
+
+
+def bind_eqn(eqn, invals):
+    """Binds one jaxpr equation's primitive to `invals`, as `jax.core.eval_jaxpr` does
+    (`get_bind_params` returns the params on 0.12, `(subfuns, params)` on 0.11)."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = []
+    if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[1], dict):
+        subfuns, bound = bound
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*subfuns, *invals, **bound)

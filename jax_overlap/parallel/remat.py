@@ -32,7 +32,7 @@ def checkpoint_policy(name: str):
 
 
 def remat_block(block: Callable, name: str) -> Callable:
-    """`block(p, x)` under the named policy (unchanged for `none`)."""
+    """`block(...)` under the named policy (unchanged for `none`); any arguments."""
     policy = checkpoint_policy(name)
     if policy is None:
         return block

@@ -80,6 +80,7 @@ DP reduction of the blocks, by `overlap`:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -96,10 +97,12 @@ from jax_overlap.parallel.compat import shard_map, to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DP, PP, TP
 from jax_overlap.parallel.remat import remat_block
-from jax_overlap.pipeline import residuals
+from jax_overlap.pipeline import residuals, weight_grads
 from jax_overlap.pipeline.program import COL, TickProgram
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.training.grads import microbatched
+
+_log = logging.getLogger("jax_overlap")
 
 # ----------------------------------------------------------------------- varying types
 
@@ -126,16 +129,21 @@ class StagePieces(NamedTuple):
       chunk: `(w_chunk, x) -> y`, the chunk's layers (a scan), each block under the remat
         policy.
       head: `(w_embed, w_head, y, targets) -> loss / global count` (the last virtual stage).
+      block: `(p_layer, x) -> x`, one block without remat (what `weight_grads` splits).
+      remat: the remat policy name.
     """
 
     embed: Callable
     chunk: Callable
     head: Callable
+    block: Callable
+    remat: str
 
 
 def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
     """The `StagePieces` of a model with its TP context, loss divisor and remat policy."""
-    block = remat_block(lambda p, x: model.block(p, x, par), remat)
+    raw = partial(_apply_block, model, par)
+    block = remat_block(raw, remat)
 
     def chunk(w_chunk, x_btd):
         return jax.lax.scan(lambda h, p: (block(p, h), None), x_btd, w_chunk)[0]
@@ -146,7 +154,58 @@ def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
     def head(w_embed, w_head, y_btd, targets_bt):
         return model.head_loss(w_embed, w_head, y_btd, targets_bt, par) / count
 
-    return StagePieces(embed, chunk, head)
+    return StagePieces(embed, chunk, head, raw, remat)
+
+
+def _apply_block(model, par, p, x):
+    return model.block(p, x, par)
+
+
+class ChunkSplit(NamedTuple):
+    """A chunk's backward split into B and W (`weight_grads.SplitBlock` over its layers).
+
+    Attributes:
+      split: the block's `SplitBlock`.
+      treedef: one layer's parameter structure; n_leaves: its leaf count.
+    """
+
+    split: Any
+    treedef: Any
+    n_leaves: int
+
+    def parts(self, w_chunk) -> tuple[list, list]:
+        """(W's leaves, B's leaves) of the chunk's stacked parameters."""
+        leaves = jax.tree.leaves(w_chunk)
+        other = self.split.other_leaves(self.n_leaves)
+        return [leaves[i] for i in self.split.dot_leaves], [leaves[i] for i in other]
+
+    def _layer(self, w_dot, w_other):
+        leaves = [None] * self.n_leaves
+        for i, v in zip(self.split.dot_leaves, w_dot):
+            leaves[i] = v
+        for i, v in zip(self.split.other_leaves(self.n_leaves), w_other):
+            leaves[i] = v
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def forward(self, remat: str) -> Callable:
+        """`(x, z, w_other, w_dot) -> (y, acts)`: the chunk with the matmul addends, every
+        layer under the remat policy; `z`, `acts` stacked over the chunk's layers."""
+        layer = remat_block(self.split.forward, remat)
+
+        def run(x, z, w_other, w_dot):
+            def step(h, xs):
+                z_l, wo_l, wd_l = xs
+                return layer(self._layer(wd_l, wo_l), h, list(z_l))
+            return jax.lax.scan(step, x, (tuple(z), w_other, w_dot))
+
+        return run
+
+    def weight_matmuls(self, w_dot, w_other, acts) -> list:
+        """Every layer's weight matmuls on the saved activation operands (one batch of
+        independent GEMMs: no layer waits for another)."""
+        def one(wd_l, wo_l, acts_l):
+            return self.split.weight_matmuls(self._layer(wd_l, wo_l), list(acts_l))
+        return jax.vmap(one)(w_dot, w_other, tuple(acts))
 
 
 def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
@@ -185,6 +244,9 @@ class StepContext:
       split: whether the schedule splits B and W.
       pieces: the virtual stage's `StagePieces`.
       layouts: the residual `Layout` of the "embed", "chunk" and "head" vjps.
+      chunk_split: with a split backward, the chunk's `ChunkSplit` (W = the weight matmuls
+        only); None otherwise, or for a block `weight_grads` cannot split.
+      z0: the zero addends of the chunk's weight matmuls (stacked over its layers).
       overlap: the plan's overlap choices; axis_sizes: the mesh's.
       chunk_buckets: the bucket plan of one chunk (in-loop buckets), else None.
       tp_share: per bucketed leaf, the tp ranks its bucket sums over (1 for tp-split leaves).
@@ -207,6 +269,8 @@ class StepContext:
     axis_sizes: dict
     chunk_buckets: Any = None
     tp_share: Any = None
+    chunk_split: Any = None
+    z0: Any = None
 
     @property
     def layers_per_chunk(self) -> int:
@@ -233,11 +297,13 @@ class StepContext:
         return _like((res, grads, loss, out), (res0, self.grads0, self.loss0, self.zeros_btd))
 
 
-def _accumulate(grads: dict, dw: dict, chunk) -> dict:
-    """Adds one action's weight gradients: the chunk's layers at `chunk`, embed/head whole."""
+def _accumulate(grads: dict, dw: dict, chunk, blocks: bool = True) -> dict:
+    """Adds one action's weight gradients: the chunk's layers at `chunk` (unless `blocks` is
+    False), embed/head whole."""
     grads = dict(grads)
-    grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
-                                   dw["chunk"])
+    if blocks:
+        grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
+                                       dw["chunk"])
     for part in ("embed", "head"):
         if part in dw:
             grads[part] = jax.tree.map(jnp.add, grads[part], dw[part])
@@ -319,6 +385,122 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             out = forward(pool, res, grads, loss, row)
         elif kind == "B" and ctx.split and role == "first":
             out = (res, grads, loss, ctx.zeros_btd)  # split B of vs 0: W does the work
+        else:
+            out = backward(pool, res, grads, loss, row)
+        return ctx.typed(*out, res)
+
+    return branch
+
+
+def _add_leaves(grads: dict, chunk, idx, values) -> dict:
+    """Adds per-leaf block gradients (`values` for the leaves `idx`) at `chunk`."""
+    leaves, treedef = jax.tree.flatten(grads["blocks"])
+    for i, g in zip(idx, values):
+        leaves[i] = leaves[i].at[chunk].add(g)
+    return {**grads, "blocks": jax.tree.unflatten(treedef, leaves)}
+
+
+def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+    """A split-backward schedule's branch with W only the weight-gradient matmuls.
+
+    F runs the chunk with a zero addend on every weight matmul's output and keeps, besides the
+    residuals, each weight matmul's activation operand. B pulls back to the chunk's input,
+    the addends (= every weight matmul's output gradient, kept in a "dz" slot until W) and
+    the small parameters (biases, norms); W multiplies the kept output gradients with the kept
+    activation operands. Virtual stage 0 has no input gradient to send, so its W does B's
+    part too (its B is empty, as without the split).
+    """
+    pieces, lay, cs = ctx.pieces, ctx.layouts, ctx.chunk_split
+    run = cs.forward(pieces.remat)
+    dot, other = cs.split.dot_leaves, cs.split.other_leaves(cs.n_leaves)
+    n_stash = len(lay["chunk"].avals)
+
+    def chunk_pull(res, r_slot, w_chunk, x):
+        w_dot, w_other = cs.parts(w_chunk)
+        return residuals.pullback(lay["chunk"], res["chunk"][:n_stash], r_slot,
+                                  (w_dot, w_other, x))
+
+    def weight_part(w_chunk, acts, dz):
+        w_dot, w_other = cs.parts(w_chunk)
+        _, pull = jax.vjp(lambda wd: cs.weight_matmuls(wd, w_other, acts), w_dot)
+        (d_dot,) = pull(dz)
+        return d_dot
+
+    def forward(pool, res, grads, loss, row):
+        mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
+        w = ctx.weights(role, chunk)
+        res, out = dict(res), ctx.zeros_btd
+        if role == "first":
+            x, _, got, leaves = vjp_with_layout(
+                lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
+            _checked(got, lay["embed"], "embedding")
+            res["first"] = residuals.store(res["first"], e_slot, leaves + [x])
+        else:
+            x = pool[row[COL["x_slot"]]]
+        w_dot, w_other = cs.parts(w["chunk"])
+        (y, acts), _, got, leaves = vjp_with_layout(
+            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, ctx.z0, w_other),
+            (w_dot, w_other, x), has_aux=True)
+        _checked(got, lay["chunk"], "chunk")
+        res["chunk"] = residuals.store(res["chunk"], r_slot, leaves + jax.tree.leaves(acts))
+        if role == "last":
+            part, _, got, leaves = vjp_with_layout(
+                lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
+                (w["embed"], w["head"], y), (w["embed"], w["head"]))
+            _checked(got, lay["head"], "head")
+            res["last"] = residuals.store(res["last"], e_slot, leaves)
+            loss = loss + part
+        else:
+            out = y
+        return res, grads, loss, out
+
+    def head_pull(res, e_slot, w):
+        pull = residuals.pullback(lay["head"], res["last"], e_slot, (w["embed"], w["head"]))
+        return pull(residuals.ones_cotangent(lay["head"]))
+
+    def input_grads(pool, res, grads, row):
+        """B: the input gradient, each weight matmul's output gradient, the small params'."""
+        chunk, r_slot, e_slot = row[COL["chunk"]], row[COL["r_slot"]], row[COL["e_slot"]]
+        w = ctx.weights(role, chunk)
+        if role == "last":
+            _, _, dy = head_pull(res, e_slot, w)
+        else:
+            dy = pool[row[COL["g_slot"]]]
+        x = res["first"][-1][e_slot] if role == "first" else pool[row[COL["x_slot"]]]
+        dx, dz, d_other = chunk_pull(res, r_slot, w["chunk"], x)(dy)
+        return dx, list(dz), _add_leaves(grads, chunk, other, d_other)
+
+    def backward(pool, res, grads, loss, row):
+        chunk, r_slot, e_slot = row[COL["chunk"]], row[COL["r_slot"]], row[COL["e_slot"]]
+        w = ctx.weights(role, chunk)
+        res, out = dict(res), ctx.zeros_btd
+        if kind == "B":
+            dx, dz, grads = input_grads(pool, res, grads, row)
+            res["dz"] = residuals.store(res["dz"], row[COL["z_slot"]], dz)
+            out = dx
+        else:  # W
+            if role == "first":
+                dh, dz, grads = input_grads(pool, res, grads, row)
+                pull = residuals.pullback(lay["embed"], res["first"][:-1], e_slot,
+                                          (w["embed"],))
+                (d_embed,) = pull(dh)
+                grads = {**grads, "embed": jax.tree.map(jnp.add, grads["embed"], d_embed)}
+            else:
+                dz = [p[row[COL["z_slot"]]] for p in res["dz"]]
+            acts = [p[r_slot] for p in res["chunk"][n_stash:]]
+            grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
+            if role == "last":
+                d_embed, d_head, _ = head_pull(res, e_slot, w)
+                grads = _accumulate(grads, {"chunk": None, "embed": d_embed, "head": d_head},
+                                    chunk, blocks=False)
+        return res, grads, loss, out
+
+    def branch(pool, res, grads, loss, row):
+        if kind == "F":
+            out = forward(pool, res, grads, loss, row)
+        elif kind == "B" and role == "first":
+            out = (res, grads, loss, ctx.zeros_btd)  # vs 0: W does the work
         else:
             out = backward(pool, res, grads, loss, row)
         return ctx.typed(*out, res)
@@ -548,8 +730,8 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
         params, blocks_vn, mbs, count = _prologue(params, batch, model, program,
                                                   dict(mesh.shape), plan.layout.fsdp)
         pieces = stage_pieces(model, plan.parallel(), count, plan.remat)
-        _, res0 = _residual_pools(pieces, params, blocks_vn, mbs, program)
-        found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in res0.items()})
+        pools = _residual_pools(pieces, params, blocks_vn, mbs, program).pools
+        found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
         found["slot"] = found["chunk"] // program.residual_slots("chunk")
         return count
 
@@ -564,6 +746,33 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
     return found
 
 
+class Residuals(NamedTuple):
+    """The residual layouts and empty pools of a step (see `_residual_pools`)."""
+
+    layouts: dict
+    pools: dict
+    chunk_split: Any = None
+    z0: Any = None
+
+
+def _chunk_split(pieces: StagePieces, w_chunk, x, program: TickProgram):
+    """The chunk's `ChunkSplit` for a split-backward schedule, or None (with a one-line notice
+    when the block cannot be split: W then runs the whole backward)."""
+    if not program.schedule.split_backward:
+        return None
+    if any(b.sync for b in program.branches):
+        # In-loop buckets: the chunk's last W recomputes and reduces this microbatch's whole
+        # gradient, which B's share of it would then count twice.
+        _log.info("pipeline: in-loop buckets: W runs the whole chunk backward")
+        return None
+    layer = jax.tree.map(lambda b: b[0], w_chunk)
+    split, why = weight_grads.split_block(pieces.block, layer, x)
+    if split is None:
+        _log.warning("pipeline: W runs the whole chunk backward: %s", why)
+        return None
+    return ChunkSplit(split, jax.tree.structure(layer), len(jax.tree.leaves(layer)))
+
+
 def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickProgram):
     """The residual layouts of the embedding, chunk and head vjps (traced once on the first
     microbatch and chunk; the probe is dead code after tracing) and their empty slot pools."""
@@ -571,7 +780,26 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     ids, targets = mbs["inputs"][0], mbs["targets"][0]
     x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
                                             (params["embed"],), (params["embed"],))
-    y, _, chunk_layout, _ = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
+    cs = _chunk_split(pieces, w_chunk, x, program)
+    n_chunk = program.residual_slots("chunk")
+    z0 = extra = None
+    if cs is None:
+        y, _, chunk_layout, _ = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
+        chunk_pool = residuals.empty_pool(chunk_layout, n_chunk)
+    else:
+        layers = jax.tree.leaves(w_chunk)[0].shape[0]
+        z0 = [_vary(jnp.zeros((layers, *shape), dtype), axes)
+              for shape, dtype, axes in cs.split.z_avals]
+        w_dot, w_other = cs.parts(w_chunk)
+        run = cs.forward(pieces.remat)
+        (y, acts), _, chunk_layout, _ = vjp_with_layout(
+            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, z0, w_other), (w_dot, w_other, x),
+            has_aux=True)
+        chunk_pool = residuals.empty_pool(chunk_layout, n_chunk) + [
+            _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
+            for a in jax.tree.leaves(acts)]
+        extra = [_vary(jnp.zeros((program.residual_slots("dz"), *z.shape), z.dtype),
+                       sorted(_varying_axes(z))) for z in z0]
     _, _, head_layout, _ = vjp_with_layout(
         lambda we, wh, y_: pieces.head(we, wh, y_, targets), (params["embed"], params["head"], y),
         (params["embed"], params["head"]))
@@ -579,10 +807,11 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     first = residuals.empty_pool(embed_layout, program.residual_slots("first"))
     first.append(_vary(jnp.zeros((program.residual_slots("first"), *x.shape), x.dtype),
                        sorted(_varying_axes(x))))
-    res0 = {"first": first,
-            "chunk": residuals.empty_pool(chunk_layout, program.residual_slots("chunk")),
-            "last": residuals.empty_pool(head_layout, program.residual_slots("last"))}
-    return layouts, res0
+    pools = {"first": first, "chunk": chunk_pool,
+             "last": residuals.empty_pool(head_layout, program.residual_slots("last"))}
+    if extra is not None:
+        pools["dz"] = extra
+    return Residuals(layouts, pools, cs, z0)
 
 
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
@@ -614,18 +843,19 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
     pieces = stage_pieces(model, par, count, remat)
-    layouts, res0 = _residual_pools(pieces, params, blocks_vn, mbs, program)
+    found = _residual_pools(pieces, params, blocks_vn, mbs, program)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
                       loss0=_vary(jnp.zeros((), jnp.float32), (DP, PP)),
-                      split=s.split_backward, pieces=pieces, layouts=layouts,
+                      split=s.split_backward, pieces=pieces, layouts=found.layouts,
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
-                      tp_share=tp_share)
+                      tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0)
+    action = split_action_branch if found.chunk_split is not None else action_branch
     branches = [idle_branch(ctx)] + [sync_branch(ctx, b.kind, b.role) if b.sync
-                                     else action_branch(ctx, b.kind, b.role)
+                                     else action(ctx, b.kind, b.role)
                                      for b in program.branches]
-    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, res0)
+    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools)
     loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
 

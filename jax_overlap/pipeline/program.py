@@ -23,7 +23,7 @@ KIND_ORDER = ("F", "B", "W")
 ROLE_ORDER = ("first", "mid", "last")
 # Columns of the per-(tick, stage) table.
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
-          "file_self", "r_slot", "e_slot")
+          "file_self", "r_slot", "e_slot", "z_slot")
 COL = {name: i for i, name in enumerate(FIELDS)}
 ROUTES = ("down", "up", "self")
 
@@ -61,6 +61,8 @@ class TickProgram:
         residuals under the remat policy) lives from the F's tick to its last backward
         action's, the chunk's in slot `r_slot` of the "chunk" pool, the embedding's (virtual
         stage 0) and the head's (the last) in slot `e_slot` of the "first" / "last" pool.
+        With a split backward, each weight matmul's output gradient lives from B to W in
+        slot `z_slot` of the "dz" pool (so W is only the weight-gradient matmuls).
     """
 
     schedule: Schedule
@@ -193,6 +195,9 @@ def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int]) -> dict[tuple[int
             role = _role(vs, n_vs)
             if role != "mid":
                 out.setdefault((d, role), []).append(life)
+        elif kind == "B" and s.split_backward:
+            d = s.placement[vs][0]
+            out.setdefault((d, "dz"), []).append((t, tick_of[Task("W", mb, vs)], ("z", mb, vs)))
     return out
 
 
@@ -254,7 +259,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
     table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
     table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
-                 COL["e_slot"]]] = 0  # idle
+                 COL["e_slot"], COL["z_slot"]]] = 0  # idle
     for (d, a), role in roles.items():
         entry = table[tick_of[s.task(d, a)], d]
         vs = s.virtual_stage(d, a.chunk)
@@ -265,6 +270,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         key = ("r", a.microbatch, vs)
         entry[COL["r_slot"]] = res_slot[(d, "chunk", key)]
         entry[COL["e_slot"]] = res_slot.get((d, role, key), 0)
+        entry[COL["z_slot"]] = res_slot.get((d, "dz", ("z", a.microbatch, vs)), 0)
     for (t, d, route), key in arrivals.items():
         table[t, d, COL["file_" + route]] = slot_of[(d, key)]
     return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),

@@ -56,18 +56,22 @@ def _aval(x) -> tuple:
     return tuple(x.shape), x.dtype, tuple(sorted(varying_axes(x)))
 
 
-def vjp_with_layout(f: Callable, args: tuple, reuse: Any) -> tuple[Any, Any, Layout, list]:
+def vjp_with_layout(f: Callable, args: tuple, reuse: Any, has_aux: bool = False
+                    ) -> tuple[Any, Any, Layout, list]:
     """`jax.vjp(f, *args)` plus the residuals' layout and the leaves to stash.
 
     Args:
-      f, args: as for `jax.vjp`.
+      f, args, has_aux: as for `jax.vjp` (with `has_aux`, the output is `(y, aux)`).
       reuse: a pytree of values the backward will pass again (`pullback(..., reuse)`);
         residuals that are one of them are not stashed.
 
     Returns:
       (output, pullback, layout, stashed leaves).
     """
-    y, pull = jax.vjp(f, *args)
+    if has_aux:
+        y, pull, aux = jax.vjp(f, *args, has_aux=True)
+    else:
+        y, pull = jax.vjp(f, *args)
     leaves, treedef = jax.tree.flatten(pull)
     inputs = jax.tree.leaves(reuse)
     kinds, stash = [], []
@@ -79,7 +83,7 @@ def vjp_with_layout(f: Callable, args: tuple, reuse: Any) -> tuple[Any, Any, Lay
         else:
             kinds.append(("in", k))
     layout = Layout(treedef, tuple(kinds), tuple(_aval(x) for x in stash), _aval(y))
-    return y, pull, layout, stash
+    return ((y, aux) if has_aux else y), pull, layout, stash
 
 
 def empty_pool(layout: Layout, slots: int) -> list:
