@@ -338,18 +338,18 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             x, _, got, leaves = vjp_with_layout(
                 lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
             _checked(got, lay["embed"], "embedding")
-            res["first"] = residuals.store(res["first"], e_slot, leaves + [x])
+            res["first"] = list(leaves + [x])
         else:
             x = pool[row[COL["x_slot"]]]
         y, _, got, leaves = vjp_with_layout(pieces.chunk, (w["chunk"], x), (w["chunk"], x))
         _checked(got, lay["chunk"], "chunk")
-        res["chunk"] = residuals.store(res["chunk"], r_slot, leaves)
+        res["chunk"] = list(leaves)
         if role == "last":
             part, _, got, leaves = vjp_with_layout(
                 lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
                 (w["embed"], w["head"], y), (w["embed"], w["head"]))
             _checked(got, lay["head"], "head")
-            res["last"] = residuals.store(res["last"], e_slot, leaves)
+            res["last"] = list(leaves)
             loss = loss + part
         else:
             out = y
@@ -363,16 +363,16 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         want_x = kind == "B" and role != "first"  # token ids have no gradient
         out, dw = ctx.zeros_btd, {}
         if role == "last":
-            pull = residuals.pullback(lay["head"], res["last"], e_slot, (w["embed"], w["head"]))
+            pull = residuals.pullback(lay["head"], res["last"], (w["embed"], w["head"]))
             d_embed, d_head, dy = pull(residuals.ones_cotangent(lay["head"]))
             dw.update(embed=d_embed, head=d_head)
         else:
             dy = pool[row[COL["g_slot"]]]
-        x = res["first"][-1][e_slot] if role == "first" else pool[row[COL["x_slot"]]]
-        pull = residuals.pullback(lay["chunk"], res["chunk"], r_slot, (w["chunk"], x))
+        x = res["first"][-1] if role == "first" else pool[row[COL["x_slot"]]]
+        pull = residuals.pullback(lay["chunk"], res["chunk"], (w["chunk"], x))
         dw["chunk"], dx = pull(dy)
         if role == "first":
-            pull = residuals.pullback(lay["embed"], res["first"][:-1], e_slot, (w["embed"],))
+            pull = residuals.pullback(lay["embed"], res["first"][:-1], (w["embed"],))
             (dw["embed"],) = pull(dx)
         if want_x:
             out = dx
@@ -417,8 +417,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 
     def chunk_pull(res, r_slot, w_chunk, x):
         w_dot, w_other = cs.parts(w_chunk)
-        return residuals.pullback(lay["chunk"], res["chunk"][:n_stash], r_slot,
-                                  (w_dot, w_other, x))
+        return residuals.pullback(lay["chunk"], res["chunk"][:n_stash], (w_dot, w_other, x))
 
     def weight_part(w_chunk, acts, dz):
         w_dot, w_other = cs.parts(w_chunk)
@@ -435,7 +434,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             x, _, got, leaves = vjp_with_layout(
                 lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
             _checked(got, lay["embed"], "embedding")
-            res["first"] = residuals.store(res["first"], e_slot, leaves + [x])
+            res["first"] = list(leaves + [x])
         else:
             x = pool[row[COL["x_slot"]]]
         w_dot, w_other = cs.parts(w["chunk"])
@@ -443,20 +442,20 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, ctx.z0, w_other),
             (w_dot, w_other, x), has_aux=True)
         _checked(got, lay["chunk"], "chunk")
-        res["chunk"] = residuals.store(res["chunk"], r_slot, leaves + jax.tree.leaves(acts))
+        res["chunk"] = list(leaves + jax.tree.leaves(acts))
         if role == "last":
             part, _, got, leaves = vjp_with_layout(
                 lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
                 (w["embed"], w["head"], y), (w["embed"], w["head"]))
             _checked(got, lay["head"], "head")
-            res["last"] = residuals.store(res["last"], e_slot, leaves)
+            res["last"] = list(leaves)
             loss = loss + part
         else:
             out = y
         return res, grads, loss, out
 
     def head_pull(res, e_slot, w):
-        pull = residuals.pullback(lay["head"], res["last"], e_slot, (w["embed"], w["head"]))
+        pull = residuals.pullback(lay["head"], res["last"], (w["embed"], w["head"]))
         return pull(residuals.ones_cotangent(lay["head"]))
 
     def input_grads(pool, res, grads, row):
@@ -467,7 +466,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             _, _, dy = head_pull(res, e_slot, w)
         else:
             dy = pool[row[COL["g_slot"]]]
-        x = res["first"][-1][e_slot] if role == "first" else pool[row[COL["x_slot"]]]
+        x = res["first"][-1] if role == "first" else pool[row[COL["x_slot"]]]
         dx, dz, d_other = chunk_pull(res, r_slot, w["chunk"], x)(dy)
         return dx, list(dz), _add_leaves(grads, chunk, other, d_other)
 
@@ -477,18 +476,17 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         res, out = dict(res), ctx.zeros_btd
         if kind == "B":
             dx, dz, grads = input_grads(pool, res, grads, row)
-            res["dz"] = residuals.store(res["dz"], row[COL["z_slot"]], dz)
+            res["dz"] = list(dz)
             out = dx
         else:  # W
             if role == "first":
                 dh, dz, grads = input_grads(pool, res, grads, row)
-                pull = residuals.pullback(lay["embed"], res["first"][:-1], e_slot,
-                                          (w["embed"],))
+                pull = residuals.pullback(lay["embed"], res["first"][:-1], (w["embed"],))
                 (d_embed,) = pull(dh)
                 grads = {**grads, "embed": jax.tree.map(jnp.add, grads["embed"], d_embed)}
             else:
-                dz = [p[row[COL["z_slot"]]] for p in res["dz"]]
-            acts = [p[r_slot] for p in res["chunk"][n_stash:]]
+                dz = list(res["dz"])
+            acts = list(res["chunk"][n_stash:])
             grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
             if role == "last":
                 d_embed, d_head, _ = head_pull(res, e_slot, w)
@@ -612,6 +610,19 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     """
     stage = jax.lax.axis_index(PP)
     zeros = ctx.zeros_btd
+    writes = _pool_writes(program, res0)
+
+    def act(pool, res, grads, loss, row):
+        # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
+        # returns is written back to the slots its branch fills and to each pool's trash
+        # slot otherwise. Handing the switch whole pools would copy them every tick.
+        branch = row[COL["branch"]]
+        index = {name: row[COL[_POOL_SLOT[name]]] for name in res}
+        mine = {name: [p[index[name]] for p in leaves] for name, leaves in res.items()}
+        mine, grads, loss, out = jax.lax.switch(branch, branches, pool, mine, grads, loss, row)
+        res = {name: [p.at[jnp.where(writes[name][branch], index[name], p.shape[0] - 1)].set(v)
+                      for p, v in zip(res[name], mine[name])] for name in res}
+        return res, grads, loss, out
 
     def tick(carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
@@ -623,8 +634,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             pool = _file(pool, row, "up", inbox_up)
         if program.local_handoff:
             pool = _file(pool, row, "self", inbox_self)
-        res, grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, res, grads,
-                                               loss, row)
+        res, grads, loss, out = act(pool, res, grads, loss, row)
         inbox_down = _ring(out, program.down_pairs, zeros)
         inbox_up = _ring(out, program.up_pairs, zeros)
         inbox_self = out if program.local_handoff else inbox_self
@@ -642,8 +652,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         arrival_up = _ring(pending, program.up_pairs, zeros)
         if program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
-        res, grads, loss, out = jax.lax.switch(row[COL["branch"]], branches, pool, res, grads,
-                                               loss, row)
+        res, grads, loss, out = act(pool, res, grads, loss, row)
         if program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
         if program.up_pairs:
@@ -661,6 +670,26 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         carry0 = (pool_sbtd, res0, zeros, zeros, zeros, ctx.grads0, ctx.loss0)
         (_, _, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
     return grads, loss
+
+
+# Which table column names an action's slot in each residual pool.
+_POOL_SLOT = {"first": "e_slot", "last": "e_slot", "chunk": "r_slot", "dz": "z_slot"}
+
+
+def _pool_writes(program: TickProgram, pools: dict) -> dict:
+    """Per pool, per branch id (idle first): whether that branch fills its slot (F: the
+    chunk's and, on the first / last virtual stage, the embedding's / head's; a split B with
+    a B/W-split chunk: the matmuls' output gradients)."""
+    out = {}
+    for name in pools:
+        flags = [False]
+        for b in program.branches:
+            if name == "dz":
+                flags.append(b.kind == "B" and b.role != "first" and not b.sync)
+            else:
+                flags.append(b.kind == "F" and name in ("chunk", b.role))
+        out[name] = jnp.asarray(flags)
+    return out
 
 
 def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) -> dict:
@@ -781,7 +810,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
                                             (params["embed"],), (params["embed"],))
     cs = _chunk_split(pieces, w_chunk, x, program)
-    n_chunk = program.residual_slots("chunk")
+    n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `run_ticks`)
     z0 = extra = None
     if cs is None:
         y, _, chunk_layout, _ = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
@@ -798,17 +827,17 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk) + [
             _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
             for a in jax.tree.leaves(acts)]
-        extra = [_vary(jnp.zeros((program.residual_slots("dz"), *z.shape), z.dtype),
+        extra = [_vary(jnp.zeros((program.residual_slots("dz") + 1, *z.shape), z.dtype),
                        sorted(_varying_axes(z))) for z in z0]
     _, _, head_layout, _ = vjp_with_layout(
         lambda we, wh, y_: pieces.head(we, wh, y_, targets), (params["embed"], params["head"], y),
         (params["embed"], params["head"]))
     layouts = {"embed": embed_layout, "chunk": chunk_layout, "head": head_layout}
-    first = residuals.empty_pool(embed_layout, program.residual_slots("first"))
-    first.append(_vary(jnp.zeros((program.residual_slots("first"), *x.shape), x.dtype),
-                       sorted(_varying_axes(x))))
+    n_first = program.residual_slots("first") + 1
+    first = residuals.empty_pool(embed_layout, n_first)
+    first.append(_vary(jnp.zeros((n_first, *x.shape), x.dtype), sorted(_varying_axes(x))))
     pools = {"first": first, "chunk": chunk_pool,
-             "last": residuals.empty_pool(head_layout, program.residual_slots("last"))}
+             "last": residuals.empty_pool(head_layout, program.residual_slots("last") + 1)}
     if extra is not None:
         pools["dz"] = extra
     return Residuals(layouts, pools, cs, z0)

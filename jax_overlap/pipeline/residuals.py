@@ -87,20 +87,17 @@ def vjp_with_layout(f: Callable, args: tuple, reuse: Any, has_aux: bool = False
 
 
 def empty_pool(layout: Layout, slots: int) -> list:
-    """Zeroed slot arrays for `slots` residual sets of this layout (typed like the leaves)."""
+    """Zeroed slot arrays for `slots` residual sets of this layout (typed like the leaves).
+    The executor keeps the pools in its loop carry and hands an action only its slot."""
     return [to_varying(jnp.zeros((slots, *shape), dtype), axes)
             for shape, dtype, axes in layout.avals]
 
 
-def store(pool: list, slot, leaves: list) -> list:
-    """The pool with `leaves` written into `slot`."""
-    return [p.at[slot].set(x) for p, x in zip(pool, leaves)]
-
-
-def pullback(layout: Layout, pool: list, slot, reuse: Any) -> Callable:
-    """The pullback an F stashed in `slot`, rebuilt with the same `reuse` values."""
+def pullback(layout: Layout, stashed: list, reuse: Any) -> Callable:
+    """The pullback an F stashed (`stashed`: its slot's leaves), rebuilt with the same
+    `reuse` values."""
     inputs = jax.tree.leaves(reuse)
-    leaves = [inputs[k] if kind == "in" else pool[k][slot] for kind, k in layout.kinds]
+    leaves = [inputs[k] if kind == "in" else stashed[k] for kind, k in layout.kinds]
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
