@@ -330,7 +330,6 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 
     def forward(pool, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
         w = ctx.weights(role, chunk)
         res = dict(res)
         out = ctx.zeros_btd
@@ -357,7 +356,6 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 
     def backward(pool, res, grads, loss, row):
         chunk = row[COL["chunk"]]
-        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
         w = ctx.weights(role, chunk)
         want_w = kind == "W" or not ctx.split
         want_x = kind == "B" and role != "first"  # token ids have no gradient
@@ -415,7 +413,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     dot, other = cs.split.dot_leaves, cs.split.other_leaves(cs.n_leaves)
     n_stash = len(lay["chunk"].avals)
 
-    def chunk_pull(res, r_slot, w_chunk, x):
+    def chunk_pull(res, w_chunk, x):
         w_dot, w_other = cs.parts(w_chunk)
         return residuals.pullback(lay["chunk"], res["chunk"][:n_stash], (w_dot, w_other, x))
 
@@ -427,7 +425,6 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 
     def forward(pool, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-        r_slot, e_slot = row[COL["r_slot"]], row[COL["e_slot"]]
         w = ctx.weights(role, chunk)
         res, out = dict(res), ctx.zeros_btd
         if role == "first":
@@ -454,24 +451,24 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             out = y
         return res, grads, loss, out
 
-    def head_pull(res, e_slot, w):
+    def head_pull(res, w):
         pull = residuals.pullback(lay["head"], res["last"], (w["embed"], w["head"]))
         return pull(residuals.ones_cotangent(lay["head"]))
 
     def input_grads(pool, res, grads, row):
         """B: the input gradient, each weight matmul's output gradient, the small params'."""
-        chunk, r_slot, e_slot = row[COL["chunk"]], row[COL["r_slot"]], row[COL["e_slot"]]
+        chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         if role == "last":
-            _, _, dy = head_pull(res, e_slot, w)
+            _, _, dy = head_pull(res, w)
         else:
             dy = pool[row[COL["g_slot"]]]
         x = res["first"][-1] if role == "first" else pool[row[COL["x_slot"]]]
-        dx, dz, d_other = chunk_pull(res, r_slot, w["chunk"], x)(dy)
+        dx, dz, d_other = chunk_pull(res, w["chunk"], x)(dy)
         return dx, list(dz), _add_leaves(grads, chunk, other, d_other)
 
     def backward(pool, res, grads, loss, row):
-        chunk, r_slot, e_slot = row[COL["chunk"]], row[COL["r_slot"]], row[COL["e_slot"]]
+        chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         res, out = dict(res), ctx.zeros_btd
         if kind == "B":
@@ -489,7 +486,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             acts = list(res["chunk"][n_stash:])
             grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
             if role == "last":
-                d_embed, d_head, _ = head_pull(res, e_slot, w)
+                d_embed, d_head, _ = head_pull(res, w)
                 grads = _accumulate(grads, {"chunk": None, "embed": d_embed, "head": d_head},
                                     chunk, blocks=False)
         return res, grads, loss, out

@@ -1,9 +1,9 @@
 """The training loop: config in, metrics.jsonl and a one-line JSON summary out.
 
-`run(cfg, run_dir)` is what the CLI and the notebooks call. It builds the `ParallelPlan` once; the
-step lives in `jax_overlap.training.step`, its guards, fault injection, rollback arithmetic and watchdog in `jax_overlap.resilience`; this
-module owns the loop around them: data, checkpoints, rollbacks, pre-emption, progress, metrics
-and summary.
+`run(cfg, run_dir)` is what the CLI and the notebooks call. It builds the `ParallelPlan` once;
+the step lives in `jax_overlap.training.step`, its guards, fault injection, rollback arithmetic
+and watchdog in `jax_overlap.resilience`; this module owns the loop around them: data,
+checkpoints, rollbacks, pre-emption, progress, metrics and summary.
 
 Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir>/checkpoints):
 
