@@ -316,6 +316,35 @@ def _checked(layout: Layout, want: Layout, what: str) -> None:
                            f"branch than in the probe; the model's functions must be pure")
 
 
+def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, pool, res, loss,
+                    row):
+    """An F: embedding (virtual stage 0), chunk and head (the last) under `jax.vjp`, each
+    one's residuals returned for this (microbatch, chunk)'s slots. `chunk_residuals(w_chunk,
+    x) -> (y, leaves)` runs the chunk (plainly, or B/W-split)."""
+    pieces, lay = ctx.pieces, ctx.layouts
+    mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
+    w = ctx.weights(role, chunk)
+    res, out = dict(res), ctx.zeros_btd
+    if role == "first":
+        x, _, got, leaves = vjp_with_layout(
+            lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
+        _checked(got, lay["embed"], "embedding")
+        res["first"] = list(leaves + [x])
+    else:
+        x = pool[row[COL["x_slot"]]]
+    y, res["chunk"] = chunk_residuals(w["chunk"], x)
+    if role == "last":
+        part, _, got, leaves = vjp_with_layout(
+            lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
+            (w["embed"], w["head"], y), (w["embed"], w["head"]))
+        _checked(got, lay["head"], "head")
+        res["last"] = list(leaves)
+        loss = loss + part
+    else:
+        out = y
+    return res, loss, out
+
+
 def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     """The `lax.switch` branch of one (kind, role).
 
@@ -328,30 +357,13 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     """
     pieces, lay = ctx.pieces, ctx.layouts
 
-    def forward(pool, res, grads, loss, row):
-        mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-        w = ctx.weights(role, chunk)
-        res = dict(res)
-        out = ctx.zeros_btd
-        if role == "first":
-            x, _, got, leaves = vjp_with_layout(
-                lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
-            _checked(got, lay["embed"], "embedding")
-            res["first"] = list(leaves + [x])
-        else:
-            x = pool[row[COL["x_slot"]]]
-        y, _, got, leaves = vjp_with_layout(pieces.chunk, (w["chunk"], x), (w["chunk"], x))
+    def chunk_residuals(w_chunk, x):
+        y, _, got, leaves = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
         _checked(got, lay["chunk"], "chunk")
-        res["chunk"] = list(leaves)
-        if role == "last":
-            part, _, got, leaves = vjp_with_layout(
-                lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
-                (w["embed"], w["head"], y), (w["embed"], w["head"]))
-            _checked(got, lay["head"], "head")
-            res["last"] = list(leaves)
-            loss = loss + part
-        else:
-            out = y
+        return y, list(leaves)
+
+    def forward(pool, res, grads, loss, row):
+        res, loss, out = _forward_action(ctx, role, chunk_residuals, pool, res, loss, row)
         return res, grads, loss, out
 
     def backward(pool, res, grads, loss, row):
@@ -423,32 +435,16 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         (d_dot,) = pull(dz)
         return d_dot
 
-    def forward(pool, res, grads, loss, row):
-        mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-        w = ctx.weights(role, chunk)
-        res, out = dict(res), ctx.zeros_btd
-        if role == "first":
-            x, _, got, leaves = vjp_with_layout(
-                lambda we: pieces.embed(we, ctx.ids_mbt[mb]), (w["embed"],), (w["embed"],))
-            _checked(got, lay["embed"], "embedding")
-            res["first"] = list(leaves + [x])
-        else:
-            x = pool[row[COL["x_slot"]]]
-        w_dot, w_other = cs.parts(w["chunk"])
+    def chunk_residuals(w_chunk, x):
+        w_dot, w_other = cs.parts(w_chunk)
         (y, acts), _, got, leaves = vjp_with_layout(
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, ctx.z0, w_other),
             (w_dot, w_other, x), has_aux=True)
         _checked(got, lay["chunk"], "chunk")
-        res["chunk"] = list(leaves + jax.tree.leaves(acts))
-        if role == "last":
-            part, _, got, leaves = vjp_with_layout(
-                lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
-                (w["embed"], w["head"], y), (w["embed"], w["head"]))
-            _checked(got, lay["head"], "head")
-            res["last"] = list(leaves)
-            loss = loss + part
-        else:
-            out = y
+        return y, list(leaves + jax.tree.leaves(acts))
+
+    def forward(pool, res, grads, loss, row):
+        res, loss, out = _forward_action(ctx, role, chunk_residuals, pool, res, loss, row)
         return res, grads, loss, out
 
     def head_pull(res, w):
