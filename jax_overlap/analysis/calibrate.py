@@ -953,10 +953,9 @@ def stash_bytes(cfg: Config, plan, vs: int) -> float:
 
 def layer_residual_bytes(cfg: Config, plan) -> float:
     """Residual bytes one layer keeps for its backward, for one microbatch on one rank."""
-    m, tp = cfg.model, plan.tp
-    tokens = micro_batch_size(cfg, plan) * m.seq_len
-    width = 4 * m.d_model + (4 * m.d_model + 2 * m.d_ff + m.heads * m.seq_len) / tp
-    return tokens * dtype_bytes(cfg) * width
+    from jax_overlap.analysis.memory import layer_residual_bytes as per_layer
+
+    return per_layer(cfg.model, micro_batch_size(cfg, plan), plan.tp, cfg.train.precision)
 
 
 def transient_bytes(cfg: Config, plan) -> float:
