@@ -72,3 +72,11 @@ def build_model(cfg) -> StagedModel:
         raise ValueError(f"model.kind: no installed model is registered as {kind!r}; "
                          f"registered: {names}")
     return known[kind].load()(cfg)
+
+
+def batch_shapes(model, batch: int, seq_len: int) -> dict[str, tuple]:
+    """`(shape, dtype)` per batch key for `batch` examples: the model's own
+    `example_batch_shapes`, else token ids and targets of `(batch, seq_len)`."""
+    if hasattr(model, "example_batch_shapes"):
+        return model.example_batch_shapes(batch)
+    return {"inputs": ((batch, seq_len), "int32"), "targets": ((batch, seq_len), "int32")}

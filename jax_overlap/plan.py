@@ -337,6 +337,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target
+                    ) -> tuple[bool, float]:
+    """Whether `micro_batch` sequences per microbatch suit a GPU: at most `MICROBATCH_TOKENS`
+    GEMM rows, and the estimated step (`analysis.memory.step_bytes`, bytes returned too)
+    within `MEMORY_BUDGET` of the target's memory where it is known."""
+    from jax_overlap.analysis.memory import step_bytes
+
+    m = cfg.mesh
+    need = step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
+                      zero1=overlap.zero1, fsdp=overlap.fsdp)
+    within = not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
+    return micro_batch * cfg.model.seq_len <= MICROBATCH_TOKENS and within, need
+
+
 def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                           choices: dict[str, Choice]) -> int:
     """`pipeline.microbatches`, `auto` resolved (an explicit count is returned as is)."""
@@ -360,14 +374,11 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                + (" that fill the pipeline twice" if m.pp > 1 else ""))
         choices["pipeline.microbatches"] = Choice(n, why)
         return n
-    from jax_overlap.analysis.memory import step_bytes
-
     budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
     for n in valid:
         b = per_replica // n
-        need = step_bytes(cfg.model, b, m.tp, m.pp, m.dp, cfg.train.precision,
-                          zero1=overlap.zero1, fsdp=overlap.fsdp)
-        if b * cfg.model.seq_len <= MICROBATCH_TOKENS and (budget is None or need <= budget):
+        fits, need = microbatch_fits(cfg, b, overlap, target)
+        if fits:
             why = (f"{b} sequences x {cfg.model.seq_len} positions per microbatch: GEMMs of "
                    f"{b * cfg.model.seq_len} rows, ~{need / 1e9:.0f} GB per device estimated")
             if budget is not None:

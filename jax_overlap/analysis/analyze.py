@@ -16,6 +16,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap.model_api import batch_shapes
 from jax_overlap.parallel.mesh import DP, make_mesh
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import new_state
@@ -44,9 +45,7 @@ def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, shardings)
     batch_sharding = NamedSharding(mesh, P(DP))
-    b, t = cfg.train.global_batch, cfg.model.seq_len
-    example = model.example_batch_shapes(b) if hasattr(model, "example_batch_shapes") else {
-        "inputs": ((b, t), "int32"), "targets": ((b, t), "int32")}
+    example = batch_shapes(model, cfg.train.global_batch, cfg.model.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
              for k, (shape, dtype) in example.items()}
     return state, batch
@@ -108,8 +107,6 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
     when the fraction is already high."""
     if not plan.target.accelerator or fraction >= LOW_OVERLAP:
         return []
-    from jax_overlap.analysis.memory import step_bytes
-
     hints: list[str] = []
     ov = plan.overlap
     if plan.tp > 1 and ov.tp_comm != "collective_matmul":
@@ -120,23 +117,19 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
                      "last microbatch's backward instead of after it")
     if ov.xla_preset == "none":
         hints.append("overlap.xla_preset=gpu_overlap: XLA's latency-hiding scheduler flags")
-    from jax_overlap.plan import MEMORY_BUDGET, MICROBATCH_TOKENS
+    from jax_overlap.plan import microbatch_fits
 
-    def need(micro_batch):
-        return step_bytes(cfg.model, micro_batch, plan.tp, plan.pp, plan.dp,
-                          cfg.train.precision, zero1=ov.zero1, fsdp=ov.fsdp)
-
-    budget = MEMORY_BUDGET * (plan.target.memory_bytes or float("inf"))
     seq = cfg.model.seq_len
-    if need(plan.micro_batch) > budget or plan.micro_batch * seq > MICROBATCH_TOKENS:
+    fits, need = microbatch_fits(cfg, plan.micro_batch, ov, plan.target)
+    if not fits:
         per_replica = plan.micro_batch * plan.microbatches
-        fits = [n for n in range(plan.microbatches + 1, per_replica + 1)
-                if per_replica % n == 0 and need(per_replica // n) <= budget
-                and per_replica // n * seq <= MICROBATCH_TOKENS]
-        if fits:
+        more = [n for n in range(plan.microbatches + 1, per_replica + 1)
+                if per_replica % n == 0 and microbatch_fits(cfg, per_replica // n, ov,
+                                                            plan.target)[0]]
+        if more:
             hints.append(
-                f"pipeline.microbatches={fits[0]} (what auto picks): {plan.micro_batch} x {seq} "
-                f"tokens per microbatch, ~{need(plan.micro_batch) / 1e9:.0f} GB per device "
+                f"pipeline.microbatches={more[0]} (what auto picks): {plan.micro_batch} x {seq} "
+                f"tokens per microbatch, ~{need / 1e9:.0f} GB per device "
                 f"estimated; a step short of memory makes XLA serialise its collectives")
     return hints
 

@@ -91,6 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap.model_api import batch_shapes
 from jax_overlap.overlap import buckets, fsdp
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
@@ -759,9 +760,8 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
 
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     b = plan.micro_batch * plan.microbatches * plan.dp
-    shapes = (model.example_batch_shapes(b) if hasattr(model, "example_batch_shapes") else
-              {"inputs": ((b, model.seq_len), "int32"), "targets": ((b, model.seq_len), "int32")})
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype)
+             for k, (shape, dtype) in batch_shapes(model, b, model.seq_len).items()}
     mapped = shard_map(probe, mesh, in_specs=(plan.layout.param_specs,
                                               {k: P(DP) for k in batch}), out_specs=P())
     jax.eval_shape(mapped, abstract, batch)
