@@ -52,7 +52,8 @@ def _scan_layers(model, par: Parallel, remat: str = "none") -> Callable:
     return run
 
 
-def _loss_sum(model, params, batch, par: Parallel, layers: Callable | None = None):
+def loss_sum(model, params, batch, par: Parallel, layers: Callable | None = None):
+    """Sum of the per-example losses of `batch` (embed, the layer stack, head)."""
     x = model.embed(params["embed"], batch["inputs"], par)
     x = (layers or _scan_layers(model, par))(params["blocks"], x)
     return model.head_loss(params["embed"], params["head"], x, batch["targets"], par)
@@ -60,7 +61,7 @@ def _loss_sum(model, params, batch, par: Parallel, layers: Callable | None = Non
 
 def reference_loss(model, params, batch) -> jax.Array:
     """Mean loss on one device, no collectives: the ground truth every mesh must reproduce."""
-    return _loss_sum(model, params, batch, Parallel()) / model.loss_count(batch["targets"])
+    return loss_sum(model, params, batch, Parallel()) / model.loss_count(batch["targets"])
 
 
 def _mark_varying(tree: Any, specs: Any, axes: tuple[str, ...], dp_only=frozenset()) -> Any:
@@ -123,7 +124,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         def microbatch_step(carry, mb):
             loss_acc, grads_acc = carry
             loss, grads = jax.value_and_grad(
-                lambda p: _loss_sum(model, p, mb, par, layers) / count)(local_params)
+                lambda p: loss_sum(model, p, mb, par, layers) / count)(local_params)
             return (loss_acc + loss, tree_add(grads_acc, grads)), None
 
         zero = (to_varying(jnp.zeros((), jnp.float32), (DP,)), tree_zeros_like(local_params))
