@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual", type=int, default=1)
     p.add_argument("--transfer-latency", type=int, default=1,
                    help="ticks between stages: 2 overlaps transfers with the next tick")
+    p.add_argument("--paired", action="store_true",
+                   help="paired F+B ticks: a stage runs a forward and a backward per tick")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
@@ -117,7 +119,8 @@ def cmd_schedule(args) -> int:
     from jax_overlap.pipeline.schedules import schedule_command
 
     print(schedule_command(args.schedule, args.stages, args.microbatches, args.virtual,
-                           as_json=args.json, transfer_latency=args.transfer_latency))
+                           as_json=args.json, transfer_latency=args.transfer_latency,
+                           paired=args.paired))
     return 0
 
 

@@ -86,6 +86,11 @@ class PipelineConfig:
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
     # at the price of a longer ramp (bubble L(p-1)/(m+L(p-1)) for 1F1B) and more activations.
     transfer_latency: int = 1
+    # Paired ticks: a stage may run one forward and one backward (of other microbatches) in
+    # the same tick, so steady-state ticks cost alike on every stage and each stage-to-stage
+    # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
+    # twice the unpaired schedule's activations per stage.
+    paired: bool = False
 
 
 @dataclass
@@ -354,6 +359,10 @@ def validate(cfg: Config) -> None:
     if pl.transfer_latency not in (1, 2):
         p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
                  f"to overlap stage-to-stage transfers with compute")
+    if pl.paired and pl.transfer_latency != 1:
+        p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
+                 f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "
+                 f"pipeline.transfer_latency=1 or pipeline.paired=false")
     if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v"):
         p.append(f"pipeline.virtual_stages: {pl.virtual_stages} needs pipeline.schedule "
                  f"interleaved or zb-v (got {pl.schedule}); set it to 1")

@@ -221,6 +221,7 @@ class ParallelPlan:
             "microbatches": self.microbatches,
             "schedule": self.schedule.name,
             "transfer_latency": self.transfer_latency,
+            "paired": self.schedule.paired,
             "overlap": dataclasses.asdict(self.overlap),
             "target": self.target.name,
             "choices": {k: {"value": c.value, "why": c.why} for k, c in self.choices.items()},
@@ -262,7 +263,7 @@ class ParallelPlan:
         try:
             # One stage runs the plain microbatch loop whatever schedule is named.
             schedule = (cached_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
-                                        pl.transfer_latency) if m.pp > 1
+                                        pl.transfer_latency, pl.paired) if m.pp > 1
                         else cached_schedule("1f1b", 1, microbatches))
         except ValueError as e:
             raise ConfigError([str(e)]) from None
@@ -289,10 +290,10 @@ class ParallelPlan:
 
 @functools.lru_cache(maxsize=1024)
 def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1,
-                    transfer_latency: int = 1) -> Schedule:
+                    transfer_latency: int = 1, paired: bool = False) -> Schedule:
     """`make_schedule`, memoised: the tuner plans hundreds of configs and a large table takes a
     while to build. Schedules are immutable, so sharing one is safe."""
-    return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency)
+    return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency, paired)
 
 
 def _layer_permutation(num_layers: int, schedule: Schedule) -> np.ndarray | None:

@@ -126,6 +126,34 @@ def test_remat_policies_match_single_device_sweep(references, name, pp, dp, tp, 
     check_equivalence(references, name, pp, dp, tp, m, tied, [f"model.remat={remat}"])
 
 
+# Paired F+B ticks (two lanes per tick): default run, a split and a plain schedule on two
+# meshes and one remat policy; the sweep: every schedule x remat {none, full, save_dots} x
+# mesh {pp4 x dp2, pp2 x dp2 x tp2, pp2 x dp4}.
+PAIRED_CASES = [
+    ("zb-v", 4, 2, 1, 4, True, "none"),
+    ("1f1b", 2, 2, 2, 4, False, "full"),
+    ("interleaved", 2, 4, 1, 4, True, "save_dots"),
+]
+PAIRED_SWEEP = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
+                for i, (name, (pp, dp, tp), policy) in enumerate(
+                    (name, mesh, policy) for name in schedules.SCHEDULES
+                    for mesh in [(4, 2, 1), (2, 2, 2), (2, 4, 1)]
+                    for policy in ("none", "full", "save_dots"))]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_CASES)
+def test_paired_ticks_match_single_device(references, name, pp, dp, tp, m, tied, remat):
+    check_equivalence(references, name, pp, dp, tp, m, tied,
+                      ["pipeline.paired=true", f"model.remat={remat}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_SWEEP)
+def test_paired_ticks_match_single_device_sweep(references, name, pp, dp, tp, m, tied, remat):
+    check_equivalence(references, name, pp, dp, tp, m, tied,
+                      ["pipeline.paired=true", f"model.remat={remat}"])
+
+
 def test_remat_policy_sets_what_an_f_keeps():
     """`full` keeps less per microbatch than `none` (the stash the executor files)."""
     from jax_overlap.pipeline import executor

@@ -518,24 +518,27 @@ def test_plot_bubble_vs_microbatches():
     matplotlib.pyplot.close("all")
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("name,v,split", [("1f1b", 1, False), ("zb-h1", 1, True),
                                           ("zb-v", 2, True), ("interleaved", 2, False)])
-def test_residual_slots_never_overlap_while_live(name, v, split):
+def test_residual_slots_never_overlap_while_live(name, v, split, paired):
     """What an F keeps for its backward stays in its slot until the last backward action of
-    the same (microbatch, chunk) has read it: no other F of the stage writes it meanwhile."""
-    from jax_overlap.pipeline.program import COL, compile_program
+    the same (microbatch, chunk) has read it: no other F of the stage writes it meanwhile
+    (paired ticks: the forward's lane runs before the backward's)."""
+    from jax_overlap.pipeline.program import COL, compile_program, lane_of
 
-    s = make_schedule(name, 4, 8, v)
-    assert s.split_backward == split
+    s = make_schedule(name, 4, 8, v, paired=paired)
+    assert s.split_backward == split and s.paired == paired
     program = compile_program(s)
+    assert program.lanes == (2 if paired else 1)
     last = "W" if split else "B"
-    for d, row in enumerate(s.grid):
+    for d in range(s.stages):
         owner = {}  # (pool, slot) -> (mb, chunk) whose residuals it holds
-        for t, a in enumerate(row):
-            if a is None:
-                continue
+        for _, t, a in sorted((x for x in s.actions() if x[0] == d),
+                              key=lambda x: (x[1], lane_of(x[2].kind, s))):
             vs = s.virtual_stage(d, a.chunk)
-            r, e = program.table[t, d, COL["r_slot"]], program.table[t, d, COL["e_slot"]]
+            entry = program.table[t, d, lane_of(a.kind, s)]
+            r, e = entry[COL["r_slot"]], entry[COL["e_slot"]]
             pools = [("chunk", r)] + ([("edge", (vs, e))] if vs in (0, 4 * v - 1) else [])
             for key in pools:
                 if a.kind == "F":
@@ -548,3 +551,83 @@ def test_residual_slots_never_overlap_while_live(name, v, split):
         assert not owner  # every residual freed by its last backward
     sizes = dict(program.res_slots)
     assert sizes["chunk"] >= max(sizes["first"], sizes["last"]) >= 1
+
+
+# ------------------------------------------------------------------------ paired ticks
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                     ("zb-h1", 1), ("zb-v", 2)])
+def test_paired_schedules_are_valid_and_round_trip(name, v):
+    from jax_overlap.pipeline.schedules import Pair, Schedule, peak_activations
+
+    for m in (4, 8):
+        base = make_schedule(name, 4, m, v)
+        s = make_schedule(name, 4, m, v, paired=True)
+        validate(s)
+        assert s.paired and any(isinstance(c, Pair) for row in s.grid for c in row)
+        # Every action of the step runs exactly once, as in the unpaired table.
+        assert sorted(s.task(d, a) for d, _, a in s.actions()) == sorted(
+            base.task(d, a) for d, _, a in base.actions())
+        # The cap: at most twice the unpaired peak per stage.
+        assert all(p2 <= 2 * p1 for p1, p2 in zip(peak_activations(base), peak_activations(s)))
+        data = json.loads(json.dumps(s.to_json()))
+        assert data["paired"] is True and Schedule.from_json(data).grid == s.grid
+        assert any("+" in e for row in data["table"] for e in row if e)
+
+
+def test_paired_entry_spelling():
+    from jax_overlap.pipeline.schedules import Action, Pair, format_entry, parse_entry
+
+    pair = Pair(Action("F", 3), Action("B", 1))
+    assert format_entry(pair, 1) == "F3+B1"
+    assert parse_entry("F3+B1") == pair
+    assert parse_entry("F3.1+W0.0") == Pair(Action("F", 3, 1), Action("W", 0, 0))
+    for bad in ("B1+F3", "F1+F2", "F1+B2+W3"):
+        with pytest.raises(ValueError, match="paired entry"):
+            parse_entry(bad)
+
+
+def test_paired_1f1b_steady_state_pairs_every_stage():
+    """In the steady state each stage runs one forward and one backward per tick, so a
+    lockstep tick costs F + B on every stage and the weighted bubble falls to the table's."""
+    from jax_overlap.pipeline.schedules import Pair, weighted_bubble_fraction
+
+    s = make_schedule("1f1b", 4, 16, paired=True)
+    steady = [t for t in range(s.ticks) if all(isinstance(row[t], Pair) for row in s.grid)]
+    assert len(steady) >= 16 - 2 * 4
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0}  # non-split B costs B + W = 2F
+    unpaired = make_schedule("1f1b", 4, 16)
+    assert weighted_bubble_fraction(s, cost) < weighted_bubble_fraction(unpaired, cost) - 0.1
+    assert bubble_fraction(s) == pytest.approx(bubble_fraction(unpaired))
+
+
+def test_validator_names_bad_pairs():
+    from jax_overlap.pipeline.schedules import Action, Pair, Schedule, linear_placement
+
+    def table(cells):
+        return Schedule("hand", 1, 2, 1, False, linear_placement(1), (tuple(cells),))
+
+    same = table([Action("F", 0), Pair(Action("F", 1), Action("B", 1)), Action("B", 0)])
+    with pytest.raises(ScheduleError, match=r"tick 1, stage 0: pair F1\+B1 runs the forward and the backward of one"):
+        validate(same)
+    swapped = table([Action("F", 0), Pair(Action("B", 0), Action("F", 1)), Action("B", 1)])
+    with pytest.raises(ScheduleError, match="forward then a backward"):
+        validate(swapped)
+    ok = table([Action("F", 0), Pair(Action("F", 1), Action("B", 0)), Action("B", 1)])
+    validate(ok)
+    assert bubble_fraction(ok) == pytest.approx(1 - 4 / 4)  # 1 + 2 + 1 units, all busy
+
+
+def test_paired_program_idle_fraction_is_the_table_bubble():
+    from jax_overlap.pipeline.program import compile_program
+
+    for name, v in (("1f1b", 1), ("zb-v", 2), ("interleaved", 2)):
+        s = make_schedule(name, 4, 8, v, paired=True)
+        program = compile_program(s)
+        assert program.idle_fraction() == pytest.approx(bubble_fraction(s), abs=1e-12)
+
+
+def test_paired_refuses_latency_2():
+    with pytest.raises(ValueError, match="pipeline.transfer_latency"):
+        make_schedule("1f1b", 4, 8, transfer_latency=2, paired=True)

@@ -598,6 +598,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
     Latency 2 (skewed): a tick sends the previous tick's output before its action and files
     the arrivals after it, so the transfers run under the action.
+    Paired (two lanes): a tick runs its forward, sends it, runs its backward, sends that;
+    each lane files the arrivals of the neighbours' same lane just before it runs.
 
     Returns:
       (grads, loss) accumulated over the step on this device.
@@ -620,7 +622,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
 
     def tick(carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)[0]
         # File last tick's arrivals.
         if program.down_pairs:
             pool = _file(pool, row, "down", inbox_down)
@@ -640,8 +642,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
         pool, res, pending, inbox_self, grads, loss = carry
         rows, rows_next = rows_now_next
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
+        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)[0]
+        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)[0]
         arrival_down = _ring(pending, program.down_pairs, zeros)
         arrival_up = _ring(pending, program.up_pairs, zeros)
         if program.local_handoff:  # same stage: readable one tick after it was made
@@ -653,8 +655,42 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             pool = _file(pool, row_next, "up", arrival_up)
         return (pool, res, out, out, grads, loss), None
 
+    def file_all(pool, row, inboxes):
+        down, up, own = inboxes
+        if program.down_pairs:
+            pool = _file(pool, row, "down", down)
+        if program.up_pairs:
+            pool = _file(pool, row, "up", up)
+        if program.local_handoff:
+            pool = _file(pool, row, "self", own)
+        return pool
+
+    def send(out, inboxes):
+        return (_ring(out, program.down_pairs, zeros), _ring(out, program.up_pairs, zeros),
+                out if program.local_handoff else inboxes[2])
+
+    def paired_tick(carry, rows):
+        # Lane 0 runs the forward, lane 1 the backward. The forward's output is sent
+        # before the backward runs and filed at the next tick's start, the backward's is
+        # sent at the end and filed after the next tick's forward: each transfer has the
+        # other lane's compute, with no data dependency on it, to hide under.
+        pool, res, inbox_f, inbox_b, grads, loss = carry
+        lanes = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
+        row_f, row_b = lanes[0], lanes[1]
+        pool = file_all(pool, row_f, inbox_f)
+        res, grads, loss, out_f = act(pool, res, grads, loss, row_f)
+        inbox_f = send(out_f, inbox_f)
+        pool = file_all(pool, row_b, inbox_b)
+        res, grads, loss, out_b = act(pool, res, grads, loss, row_b)
+        inbox_b = send(out_b, inbox_b)
+        return (pool, res, inbox_f, inbox_b, grads, loss), None
+
     table = jnp.asarray(program.table)
-    if program.skewed:
+    if program.lanes == 2:
+        nothing = (zeros, zeros, zeros)
+        carry0 = (pool_sbtd, res0, nothing, nothing, ctx.grads0, ctx.loss0)
+        (_, _, _, _, grads, loss), _ = jax.lax.scan(paired_tick, carry0, table)
+    elif program.skewed:
         # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
         nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
         table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))

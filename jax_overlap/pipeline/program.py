@@ -51,7 +51,10 @@ class TickProgram:
     Attributes:
       schedule: the schedule it was compiled from.
       branches: the `Branch` of branch 1, 2, ...; branch 0 is idle.
-      table: int32 `(ticks, stages, len(FIELDS))`; unused slot columns hold `trash`.
+      table: int32 `(ticks, stages, lanes, len(FIELDS))`; unused slot columns hold `trash`.
+        One lane per action a stage runs in a tick: 1, or 2 for a paired schedule (lane 0
+        the forward, lane 1 the backward, B or W). A lane's `file_*` columns say where the
+        arrivals sent by the neighbours' same lane go.
       slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
         absorbs writes of arrivals that carry nothing.
       down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.
@@ -83,13 +86,18 @@ class TickProgram:
         return self.slots
 
     @property
+    def lanes(self) -> int:
+        """Actions per stage per tick: 2 for a paired schedule, else 1."""
+        return self.table.shape[2]
+
+    @property
     def skewed(self) -> bool:
         """Whether each tick sends the previous tick's output (`transfer_latency` 2)."""
         return self.schedule.transfer_latency == 2
 
     def column(self, name: str) -> np.ndarray:
-        """One field of the table, `(ticks, stages)`."""
-        return self.table[:, :, COL[name]]
+        """One field of the table, `(ticks, stages, lanes)`."""
+        return self.table[:, :, :, COL[name]]
 
     def branch_frequencies(self) -> list[float]:
         """Per switch branch (idle first), the share of (tick, stage) entries that take it:
@@ -102,8 +110,12 @@ class TickProgram:
         return max(1, dict(self.res_slots).get(pool, 0))
 
     def idle_fraction(self) -> float:
-        """Idle stage-ticks / (stages x ticks) of the table the executor runs."""
-        return float(np.mean(self.column("branch") == IDLE))
+        """Idle stage-ticks / (stages x ticks) of the table the executor runs, with each
+        action one unit and a tick as long as its busiest stage (2 units where one pairs)."""
+        busy = (self.column("branch") != IDLE).sum(axis=2)  # (ticks, stages)
+        width = busy.max(axis=1, initial=0)
+        total = width.sum() * busy.shape[1]
+        return float((total - busy.sum()) / total) if total else 0.0
 
 
 def _role(virtual_stage: int, num_virtual_stages: int) -> str:
@@ -157,8 +169,8 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
     receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
 
     Returns:
-      (arrivals: (tick, stage, route) -> key, per-stage lifetimes [(first, last, key)],
-       route -> set of (src, dst) stage pairs used).
+      (arrivals: (tick, stage, route, sender's lane) -> key, per-stage lifetimes
+       [(first, last, key)], route -> set of (src, dst) stage pairs used).
     """
     p, n_vs = s.stages, s.stages * s.virtual_stages
     last_kind = "W" if s.split_backward else "B"
@@ -176,9 +188,15 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
         route = _route(src, dst, p)
         pairs[route].add((src, dst))
         readable = t + dependency_gap(src, dst, s.transfer_latency)
-        arrivals[(readable, dst, route)] = key
+        arrivals[(readable, dst, route, lane_of(kind, s))] = key
         lifetimes[dst].append((readable, tick_of[Task(last_kind, mb, target)], key))
     return arrivals, lifetimes, pairs
+
+
+def lane_of(kind: str, schedule: Schedule) -> int:
+    """The lane an action runs in: paired programs run forwards in lane 0 and backwards
+    (B, W) in lane 1; unpaired ones have the one lane."""
+    return int(schedule.paired and kind != "F")
 
 
 def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int]) -> dict[tuple[int, str], list]:
@@ -229,9 +247,12 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
     """
     validate(schedule)
     s = schedule
+    if s.paired and s.transfer_latency != 1:
+        raise ValueError("pipeline.transfer_latency: paired ticks run at latency 1 (each "
+                         "transfer hides under the tick's other action); set it to 1")
     p, n_vs = s.stages, s.stages * s.virtual_stages
-    tick_of = {s.task(d, a): t for d, row in enumerate(s.grid) for t, a in enumerate(row)
-               if a is not None}
+    lanes = 2 if s.paired else 1
+    tick_of = {s.task(d, a): t for d, t, a in s.actions()}
     arrivals, lifetimes, pairs = _messages(s, tick_of)
     slot_of: dict[tuple[int, tuple], int] = {}
     slots = 0
@@ -248,8 +269,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         res_slot.update({(d, pool, key): slot for key, slot in assigned.items()})
         res_slots[pool] = max(res_slots.get(pool, 0), used)
 
-    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs)
-             for d, row in enumerate(s.grid) for a in row if a is not None}
+    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs) for d, _, a in s.actions()}
     syncs = _sync_actions(s, tick_of) if sync_in_loop else set()
     branch_of = {(d, a): Branch(a.kind, role, s.task(d, a) in syncs)
                  for (d, a), role in roles.items()}
@@ -257,11 +277,11 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
     branches = tuple(b for k in KIND_ORDER for r in ROLE_ORDER for sync in (False, True)
                      if (b := Branch(k, r, sync)) in used)
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
-    table = np.full((s.ticks, p, len(FIELDS)), trash, np.int32)
-    table[:, :, [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
-                 COL["e_slot"], COL["z_slot"]]] = 0  # idle
+    table = np.full((s.ticks, p, lanes, len(FIELDS)), trash, np.int32)
+    table[..., [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
+                COL["e_slot"], COL["z_slot"]]] = 0  # idle
     for (d, a), role in roles.items():
-        entry = table[tick_of[s.task(d, a)], d]
+        entry = table[tick_of[s.task(d, a)], d, lane_of(a.kind, s)]
         vs = s.virtual_stage(d, a.chunk)
         entry[COL["branch"]] = branch_id[branch_of[(d, a)]]
         entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk
@@ -271,8 +291,8 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         entry[COL["r_slot"]] = res_slot[(d, "chunk", key)]
         entry[COL["e_slot"]] = res_slot.get((d, role, key), 0)
         entry[COL["z_slot"]] = res_slot.get((d, "dz", ("z", a.microbatch, vs)), 0)
-    for (t, d, route), key in arrivals.items():
-        table[t, d, COL["file_" + route]] = slot_of[(d, key)]
+    for (t, d, route, lane), key in arrivals.items():
+        table[t, d, lane, COL["file_" + route]] = slot_of[(d, key)]
     return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
                        tuple(sorted(pairs["up"])), bool(pairs["self"]),
                        tuple(sorted(res_slots.items())))

@@ -86,6 +86,36 @@ class Task(NamedTuple):
     virtual_stage: int
 
 
+class Pair(NamedTuple):
+    """A paired tick's entry: one forward and one backward action (``B`` or ``W``) of
+    different (microbatch, chunk)s, run by one stage in the same tick, forward first.
+
+    Pairing is what makes a lockstep tick cost alike on every stage in the steady state
+    (each runs an F and a backward), and it gives each transfer compute to hide under: the
+    forward's output travels while the backward runs, and the backward's while the next
+    tick's forward runs (see ``jax_overlap.pipeline.executor``).
+
+    Attributes:
+      forward: the ``F`` action.
+      backward: the ``B`` or ``W`` action.
+    """
+
+    forward: Action
+    backward: Action
+
+
+Cell = Action | Pair | None
+
+
+def cell_actions(cell: Cell) -> tuple[Action, ...]:
+    """The actions of one table entry, in the order a stage runs them (forward first)."""
+    if cell is None:
+        return ()
+    if isinstance(cell, Pair):
+        return (cell.forward, cell.backward)
+    return (cell,)
+
+
 def dependencies(task: Task, num_virtual_stages: int) -> tuple[Task, ...]:
     """The tasks that must finish at an earlier tick before ``task`` may run.
 
@@ -134,36 +164,45 @@ MEMORY_NOTES: dict[str, str] = {
 _ENTRY = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
 
 
-def format_entry(action: Action | None, virtual_stages: int) -> str | None:
+def format_entry(action: Cell, virtual_stages: int) -> str | None:
     """The JSON/text spelling of one table entry.
 
     Args:
-      action: the entry, or ``None`` for idle.
+      action: the entry: an action, a :class:`Pair`, or ``None`` for idle.
       virtual_stages: chunks per stage; the chunk is spelled only when this exceeds 1.
 
     Returns:
-      ``None`` for idle, else e.g. ``"F3"`` or ``"F3.1"``.
+      ``None`` for idle, else e.g. ``"F3"``, ``"F3.1"`` or, paired, ``"F3+B1"``.
     """
     if action is None:
         return None
+    if isinstance(action, Pair):
+        return "+".join(format_entry(a, virtual_stages) for a in action)
     base = f"{action.kind}{action.microbatch}"
     return f"{base}.{action.chunk}" if virtual_stages > 1 else base
 
 
-def parse_entry(entry: str | None) -> Action | None:
-    """Parse a table entry such as ``"F3"``, ``"W0"`` or ``"B3.1"``.
+def parse_entry(entry: str | None) -> Cell:
+    """Parse a table entry such as ``"F3"``, ``"W0"``, ``"B3.1"`` or ``"F3+B1"``.
 
     Args:
       entry: the spelling produced by :func:`format_entry`, or ``None``.
 
     Returns:
-      The :class:`Action` (chunk 0 when omitted) or ``None``.
+      The :class:`Action` (chunk 0 when omitted), a :class:`Pair`, or ``None``.
 
     Raises:
-      ValueError: if the string is not ``<F|B|W><microbatch>[.<chunk>]``.
+      ValueError: if the string is not ``<F|B|W><microbatch>[.<chunk>]``, or a pair is
+        not a forward followed by a backward.
     """
     if entry is None:
         return None
+    if isinstance(entry, str) and "+" in entry:
+        parts = [parse_entry(e) for e in entry.split("+")]
+        if len(parts) != 2 or parts[0].kind != "F" or parts[1].kind not in ("B", "W"):
+            raise ValueError(f"bad paired entry {entry!r}: expected a forward then a backward, "
+                             f"e.g. 'F3+B1' or 'F3.1+W0.0'")
+        return Pair(parts[0], parts[1])
     match = _ENTRY.fullmatch(entry) if isinstance(entry, str) else None
     if match is None:
         raise ValueError(f"bad schedule entry {entry!r}: expected e.g. 'F3', 'W0' or 'B3.1'")
@@ -182,7 +221,8 @@ class Schedule:
       virtual_stages: ``v``, chunks per stage.
       split_backward: whether B and W are separate actions.
       placement: virtual stage (model order) -> (stage, chunk).
-      grid: ``grid[stage][tick]``; ``None`` is idle; rows have equal length.
+      grid: ``grid[stage][tick]``: an :class:`Action`, a :class:`Pair` (paired ticks) or
+        ``None`` for idle; rows have equal length.
       transfer_latency: ticks between a value's producer and a consumer on another
         stage (1: the next tick; 2: the executor overlaps every transfer with a tick).
     """
@@ -193,13 +233,25 @@ class Schedule:
     virtual_stages: int
     split_backward: bool
     placement: tuple[tuple[int, int], ...]
-    grid: tuple[tuple[Action | None, ...], ...]
+    grid: tuple[tuple[Cell, ...], ...]
     transfer_latency: int = 1
 
     @property
     def ticks(self) -> int:
         """Length of the table (ticks from first action to last)."""
         return len(self.grid[0]) if self.grid else 0
+
+    @property
+    def paired(self) -> bool:
+        """Whether any tick runs a forward and a backward on one stage (a :class:`Pair`)."""
+        return any(isinstance(c, Pair) for row in self.grid for c in row)
+
+    def actions(self):
+        """Every ``(stage, tick, action)`` of the table, pairs unpacked forward first."""
+        for d, row in enumerate(self.grid):
+            for t, cell in enumerate(row):
+                for a in cell_actions(cell):
+                    yield d, t, a
 
     @cached_property
     def _inverse_placement(self) -> dict[tuple[int, int], int]:
@@ -224,7 +276,7 @@ class Schedule:
         """The model-order :class:`Task` that ``action`` on ``stage`` performs."""
         return Task(action.kind, action.microbatch, self.virtual_stage(stage, action.chunk))
 
-    def entry(self, action: Action | None) -> str | None:
+    def entry(self, action: Cell) -> str | None:
         """``action`` spelled as in the JSON table (see :func:`format_entry`)."""
         return format_entry(action, self.virtual_stages)
 
@@ -233,9 +285,9 @@ class Schedule:
 
         Returns:
           Keys ``name, stages, microbatches, virtual_stages, split_backward, placement,
-          transfer_latency, ticks, bubble_fraction, peak_activations, table`` and, for schedules with a
-          memory caveat (zb-v), ``memory_note``. ``table[stage][tick]`` is ``None`` or
-          an entry string such as ``"F3"`` / ``"F3.1"``.
+          transfer_latency, paired, ticks, bubble_fraction, peak_activations, table`` and, for
+          schedules with a memory caveat (zb-v), ``memory_note``. ``table[stage][tick]`` is
+          ``None`` or an entry string such as ``"F3"`` / ``"F3.1"`` / paired ``"F3+B1"``.
         """
         out = {
             "name": self.name,
@@ -245,6 +297,7 @@ class Schedule:
             "split_backward": self.split_backward,
             "placement": [list(pos) for pos in self.placement],
             "transfer_latency": self.transfer_latency,
+            "paired": self.paired,
             "ticks": self.ticks,
             "bubble_fraction": bubble_fraction(self),
             "peak_activations": peak_activations(self),
@@ -271,7 +324,7 @@ class Schedule:
         grid = tuple(tuple(parse_entry(e) for e in row) for row in data["table"])
         split = data.get("split_backward")
         if split is None:
-            split = any(a is not None and a.kind == "W" for row in grid for a in row)
+            split = any(a.kind == "W" for row in grid for c in row for a in cell_actions(c))
         if "placement" in data:
             placement = tuple((int(s), int(c)) for s, c in data["placement"])
         else:
@@ -368,6 +421,7 @@ def _list_schedule(
     split_backward: bool,
     policy: _Policy,
     transfer_latency: int = 1,
+    paired: bool = False,
 ) -> Schedule:
     """Lockstep list scheduling of every task of one training step.
 
@@ -379,6 +433,8 @@ def _list_schedule(
       split_backward: emit separate ``W`` tasks.
       policy: priority order, activation cap and selection mode.
       transfer_latency: ticks between stages (see :func:`dependency_gap`).
+      paired: let a stage run one ready forward and one ready backward (``B``/``W``) in the
+        same tick (a :class:`Pair`); in-order programs then keep their order per kind.
 
     Returns:
       The schedule table.
@@ -396,7 +452,7 @@ def _list_schedule(
     caps = [policy.cap(d) for d in range(stages)]
     done: dict[Task, int] = {}
     held = [0] * stages
-    rows: list[list[Action | None]] = [[] for _ in range(stages)]
+    rows: list[list[Cell]] = [[] for _ in range(stages)]
 
     def rank(task: Task, stage: int) -> tuple:
         # The task itself breaks ties so the result never depends on set order.
@@ -408,31 +464,40 @@ def _list_schedule(
         gap = dependency_gap(placement[dep.virtual_stage][0], stage, transfer_latency)
         return done[dep] + gap <= tick
 
+    def pick(candidates, d: int, tick: int) -> Task | None:
+        if policy.in_order and candidates:
+            candidates = [min(candidates, key=lambda t: rank(t, d))]
+        ready = [
+            task
+            for task in candidates
+            if (task.kind != "F" or held[d] < caps[d])
+            and all(arrived(dep, d, tick) for dep in dependencies(task, n_vs))
+        ]
+        return min(ready, key=lambda t: rank(t, d)) if ready else None
+
     tick, stalled = 0, 0
     while any(pending):
-        chosen: list[Task | None] = []
+        chosen: list[tuple[Task, ...]] = []
         for d in range(stages):
-            candidates = pending[d]
-            if policy.in_order and candidates:
-                candidates = [min(candidates, key=lambda t, d=d: rank(t, d))]
-            ready = [
-                task
-                for task in candidates
-                if (task.kind != "F" or held[d] < caps[d])
-                and all(arrived(dep, d, tick) for dep in dependencies(task, n_vs))
-            ]
-            chosen.append(min(ready, key=lambda t, d=d: rank(t, d)) if ready else None)
-        stalled = stalled + 1 if all(task is None for task in chosen) else 0
+            if paired:
+                # One forward and one backward per tick: each lane keeps its own order.
+                lanes = ([t for t in pending[d] if t.kind == "F"],
+                         [t for t in pending[d] if t.kind != "F"])
+                picks = tuple(t for t in (pick(c, d, tick) for c in lanes) if t is not None)
+            else:
+                one = pick(pending[d], d, tick)
+                picks = (one,) if one is not None else ()
+            chosen.append(picks)
+        stalled = stalled + 1 if not any(chosen) else 0
         if stalled >= transfer_latency:  # nothing in flight can make a task ready
             raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
-        for d, task in enumerate(chosen):
-            if task is None:
-                rows[d].append(None)
-                continue
-            pending[d].discard(task)
-            done[task] = tick
-            held[d] += (task.kind == "F") - (task.kind == release)
-            rows[d].append(Action(task.kind, task.microbatch, placement[task.virtual_stage][1]))
+        for d, picks in enumerate(chosen):
+            cell = [Action(t.kind, t.microbatch, placement[t.virtual_stage][1]) for t in picks]
+            for task in picks:
+                pending[d].discard(task)
+                done[task] = tick
+                held[d] += (task.kind == "F") - (task.kind == release)
+            rows[d].append(None if not cell else cell[0] if len(cell) == 1 else Pair(*cell))
         tick += 1
     return Schedule(
         name=name,
@@ -456,10 +521,18 @@ def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
     )
 
 
+def _capped(policy: _Policy, caps: Sequence[int] | None) -> _Policy:
+    """``policy`` with per-stage activation caps replaced by ``caps`` (None: unchanged)."""
+    if caps is None:
+        return policy
+    return _Policy(policy.priority, lambda d: caps[d], policy.in_order)
+
+
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}
 
 
-def gpipe(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
+def gpipe(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
+          caps: Sequence[int] | None = None) -> Schedule:
     """GPipe: all forwards, then all backwards (Huang et al. 2019).
 
     Greedy, forward first: every stage holds all ``m`` activations at the turn-around.
@@ -476,11 +549,12 @@ def gpipe(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule
         priority=lambda t, d: (t.kind != "F", t.microbatch),
         cap=lambda d: microbatches,
     )
-    return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False, policy,
-                          transfer_latency)
+    return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False,
+                          _capped(policy, caps), transfer_latency, paired)
 
 
-def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
+def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1,
+                paired: bool = False, caps: Sequence[int] | None = None) -> Schedule:
     """1F1B / PipeDream-flush (Narayanan et al. 2021).
 
     Greedy, backward first whenever one is ready, stage ``d`` holding at most ``p - d``
@@ -503,8 +577,8 @@ def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1) -> Sc
         priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch),
         cap=lambda d: lat * (stages - d - 1) + 1,
     )
-    return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False, policy,
-                          lat)
+    return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False,
+                          _capped(policy, caps), lat, paired)
 
 
 def megatron_chunk_order(
@@ -536,7 +610,8 @@ def megatron_chunk_order(
 
 
 def interleaved(stages: int, microbatches: int, virtual_stages: int,
-                transfer_latency: int = 1) -> Schedule:
+                transfer_latency: int = 1, paired: bool = False,
+                caps: Sequence[int] | None = None) -> Schedule:
     """Megatron interleaved 1F1B with ``v`` chunks per stage (Narayanan et al. 2021).
 
     Placement is round-robin (virtual stage ``c*p + d`` on stage ``d``, chunk ``c``).
@@ -572,10 +647,12 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int,
             program += [fwd[warmup + k], bwd[k]]
         programs.append(program + bwd[m * v - warmup :])
     placement = round_robin_placement(p, v)
-    return _list_schedule("interleaved", p, m, placement, False, _program_policy(programs), lat)
+    return _list_schedule("interleaved", p, m, placement, False,
+                          _capped(_program_policy(programs), caps), lat, paired)
 
 
-def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
+def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
+          caps: Sequence[int] | None = None) -> Schedule:
     """ZB-H1 zero-bubble schedule (Qi et al. 2023), as the paper's program.
 
     The backward is split into ``B`` (input gradients, on the critical path) and ``W``
@@ -608,11 +685,12 @@ def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule
                 program.append(Task("F", k + warmup, d))
         program += [Task("W", mb, d) for mb in range(max(m - delay, 0), m)]
         programs.append(program)
-    return _list_schedule("zb-h1", p, m, linear_placement(p), True, _program_policy(programs),
-                          lat)
+    return _list_schedule("zb-h1", p, m, linear_placement(p), True,
+                          _capped(_program_policy(programs), caps), lat, paired)
 
 
-def zb_v(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
+def zb_v(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
+         caps: Sequence[int] | None = None) -> Schedule:
     """ZB-V zero-bubble schedule with a V-shaped placement (Qi et al. 2024).
 
     Stage ``d`` holds virtual stages ``d`` (chunk 0) and ``2p-1-d`` (chunk 1), so each
@@ -644,15 +722,20 @@ def zb_v(stages: int, microbatches: int, transfer_latency: int = 1) -> Schedule:
         return (_KIND_RANK[task.kind], task.microbatch, -task.virtual_stage)
 
     policy = _Policy(priority=priority, cap=lambda d: 2 * stages * transfer_latency)
-    return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True, policy,
-                          transfer_latency)
+    return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True,
+                          _capped(policy, caps), transfer_latency, paired)
 
 
 # ------------------------------------------------------------------------- metrics
 
 
 def bubble_fraction(schedule: Schedule) -> float:
-    """Idle stage-ticks over ``stages x ticks``.
+    """Idle stage-ticks over ``stages x ticks``, with every action one unit of work.
+
+    A paired tick is two units long wherever one stage runs a pair (a lockstep tick lasts
+    as long as its longest entry), so a stage running a single action beside it idles one
+    unit. A tick where every stage idles (a transfer in flight) is still one unit. Without
+    pairs this is the plain count of idle entries.
 
     Args:
       schedule: the table.
@@ -660,9 +743,12 @@ def bubble_fraction(schedule: Schedule) -> float:
     Returns:
       A fraction in ``[0, 1]``; 0 for an empty table.
     """
-    total = schedule.stages * schedule.ticks
-    idle = sum(a is None for row in schedule.grid for a in row)
-    return idle / total if total else 0.0
+    total = busy = 0
+    for tick in range(schedule.ticks):
+        counts = [len(cell_actions(row[tick])) for row in schedule.grid]
+        total += max(1, *counts) * schedule.stages
+        busy += sum(counts)
+    return (total - busy) / total if total else 0.0
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
@@ -681,9 +767,7 @@ def peak_activations(schedule: Schedule) -> list[int]:
     peaks = []
     for row in schedule.grid:
         held = peak = 0
-        for action in row:
-            if action is None:
-                continue
+        for action in (a for cell in row for a in cell_actions(cell)):
             if action.kind == "F":
                 held += 1
                 peak = max(peak, held)
@@ -713,16 +797,17 @@ def weighted_bubble_fraction(
     Args:
       schedule: the table.
       cost: time of ``'F'``, ``'B'`` and ``'W'`` (a non-split ``B`` costs ``B + W``);
-        defaults to 1 each.
+        defaults to 1 each. A paired entry costs the sum of its two actions.
 
     Returns:
       Idle device-time over ``stages x`` total time.
     """
     cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    split = schedule.split_backward
     total = busy = 0.0
     for tick in range(schedule.ticks):
         costs = [
-            action_cost(row[tick].kind, schedule.split_backward, cost)
+            sum(action_cost(a.kind, split, cost) for a in cell_actions(row[tick]))
             for row in schedule.grid
             if row[tick] is not None
         ]
@@ -751,7 +836,7 @@ def _require(ok: bool, message: str) -> None:
 
 def make_schedule(
     name: str, stages: int, microbatches: int, virtual_stages: int = 1,
-    transfer_latency: int = 1,
+    transfer_latency: int = 1, paired: bool = False,
 ) -> Schedule:
     """Build a named schedule.
 
@@ -764,6 +849,9 @@ def make_schedule(
       transfer_latency: ticks between stages, 1 or 2 (2: the executor hides every
         transfer under the next tick's compute); interleaved then needs ``m`` to be a
         multiple of ``2p``.
+      paired: paired F+B ticks (:class:`Pair`), capped at twice the unpaired table's
+        per-stage activation peak; 1 is the only latency pairs take: each transfer hides
+        under the tick's other action instead.
 
     Returns:
       The schedule.
@@ -773,6 +861,18 @@ def make_schedule(
         ``pipeline.stages``, ``pipeline.microbatches``, ``pipeline.virtual_stages``)
         and the fix.
     """
+    if paired:
+        _require(transfer_latency == 1,
+                 f"pipeline.transfer_latency: paired ticks hide each transfer under the "
+                 f"tick's other action and take latency 1, got {transfer_latency!r}; set "
+                 f"pipeline.transfer_latency=1 or pipeline.paired=false")
+        # A paired tick runs two actions, so a round trip from a stage takes as many ticks
+        # but keeps twice the work in flight: twice the unpaired peak per stage keeps the
+        # steady state paired (at the unpaired peak, pairs starve for forwards).
+        base = make_schedule(name, stages, microbatches, virtual_stages, 1)
+        return _build(base.name, stages, microbatches, virtual_stages, 1, True,
+                      [min(2 * peak, microbatches * base.virtual_stages)
+                       for peak in peak_activations(base)])
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -810,21 +910,29 @@ def make_schedule(
             f"pipeline.microbatches: interleaved needs a multiple of {what} (at least "
             f"{group}), got {microbatches}; set pipeline.microbatches to {fix}",
         )
-        return interleaved(stages, microbatches, virtual_stages, lat)
+        return _build(key, stages, microbatches, virtual_stages, lat)
     if key == "zb-v":
         _require(
             virtual_stages in (1, 2),
             f"pipeline.virtual_stages: zb-v always uses 2 chunks per stage, got "
             f"{virtual_stages!r}; set pipeline.virtual_stages to 2 (or leave it at 1)",
         )
-        return zb_v(stages, microbatches, lat)
+        return _build(key, stages, microbatches, virtual_stages, lat)
     _require(
         virtual_stages == 1,
         f"pipeline.virtual_stages: {key} uses one chunk per stage, got {virtual_stages!r}; "
         f"set pipeline.virtual_stages to 1 (or use interleaved / zb-v)",
     )
-    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[key]
-    return builder(stages, microbatches, lat)
+    return _build(key, stages, microbatches, virtual_stages, lat)
+
+
+def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: int,
+           paired: bool = False, caps: Sequence[int] | None = None) -> Schedule:
+    """The generator of a checked schedule name."""
+    if key == "interleaved":
+        return interleaved(stages, microbatches, virtual_stages, lat, paired, caps)
+    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v}[key]
+    return builder(stages, microbatches, lat, paired, caps)
 
 
 def summary_line(schedule: Schedule) -> str:
@@ -834,6 +942,7 @@ def summary_line(schedule: Schedule) -> str:
         f"{s.name}: stages={s.stages} microbatches={s.microbatches} "
         f"virtual_stages={s.virtual_stages} "
         + (f"transfer_latency={s.transfer_latency} " if s.transfer_latency != 1 else "")
+        + ("paired " if s.paired else "")
         + f"ticks={s.ticks} "
         f"bubble_fraction={bubble_fraction(s):.4f} peak_activations={peak_activations(s)}"
     )
@@ -846,6 +955,7 @@ def schedule_command(
     virtual: int = 1,
     as_json: bool = False,
     transfer_latency: int = 1,
+    paired: bool = False,
 ) -> str:
     """What ``jax-overlap schedule`` prints.
 
@@ -856,6 +966,7 @@ def schedule_command(
       virtual: ``--virtual`` (chunks per stage).
       as_json: ``--json``: print ``json.dumps(to_json())`` instead of the text grid.
       transfer_latency: ``--transfer-latency``.
+      paired: ``--paired``: paired F+B ticks.
 
     Returns:
       The text grid and a summary line, or the JSON document.
@@ -863,7 +974,7 @@ def schedule_command(
     Raises:
       ValueError: bad arguments, as in :func:`make_schedule`.
     """
-    s = make_schedule(schedule, stages, microbatches, virtual, transfer_latency)
+    s = make_schedule(schedule, stages, microbatches, virtual, transfer_latency, paired)
     if as_json:
         return json.dumps(s.to_json())
     return s.to_text() + "\n" + summary_line(s)

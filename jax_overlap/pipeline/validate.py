@@ -10,8 +10,10 @@ from __future__ import annotations
 from jax_overlap.pipeline.schedules import (
     KINDS,
     Action,
+    Pair,
     Schedule,
     Task,
+    cell_actions,
     dependencies,
     dependency_gap,
     format_entry,
@@ -120,34 +122,63 @@ def validate(schedule: Schedule) -> None:
     first_run: dict[Task, int] = {}
     for tick in range(s.ticks):
         for d, row in enumerate(s.grid):
-            if row[tick] is not None and _field_error(s, row[tick]) is None:
-                first_run.setdefault(s.task(d, row[tick]), tick)
+            for action in cell_actions(row[tick]):
+                if _field_error(s, action) is None:
+                    first_run.setdefault(s.task(d, action), tick)
 
     done: dict[Task, int] = {}
     for tick in range(s.ticks):
         for d, row in enumerate(s.grid):
-            action = row[tick]
-            if action is None:
-                continue
             where = f"tick {tick}, stage {d}"
-            problem = _field_error(s, action)
+            problem = _pair_error(s, row[tick])
             if problem:
                 raise ScheduleError(f"{where}: {problem}")
-            task = s.task(d, action)
-            if task in done:
-                raise ScheduleError(f"{where}: {name(task)} already ran at tick {done[task]}")
-            for dep in dependencies(task, n_vs):
-                gap = dependency_gap(stage_of(dep), d, s.transfer_latency)
-                if dep not in done or done[dep] + gap > tick:
-                    by = f"by tick {tick - gap}" if tick >= gap else "at an earlier tick"
-                    ran = first_run.get(dep)
-                    when = "it never runs" if ran is None else f"it runs at tick {ran}"
-                    raise ScheduleError(
-                        f"{where}: {name(task)} needs {name(dep)} from stage "
-                        f"{stage_of(dep)} {by} ({when})"
-                    )
-            done[task] = tick
+            for action in cell_actions(row[tick]):
+                _check_action(s, d, tick, action, where, done, first_run, name, stage_of)
+    _check_complete(s, done, name, stage_of)
 
+
+def _pair_error(s: Schedule, cell) -> str | None:
+    """Why a paired entry is not a forward then a backward of another (microbatch, chunk)."""
+    if not isinstance(cell, Pair):
+        return None
+    fwd, bwd = cell
+    if not (isinstance(fwd, Action) and isinstance(bwd, Action)):
+        return f"pair {cell!r} does not hold two Actions"
+    spelled = format_entry(cell, max(s.virtual_stages, 2 if fwd.chunk or bwd.chunk else 1))
+    if fwd.kind != "F" or bwd.kind not in ("B", "W"):
+        return f"pair {spelled} must be a forward then a backward (B or W)"
+    if (fwd.microbatch, fwd.chunk) == (bwd.microbatch, bwd.chunk):
+        return (f"pair {spelled} runs the forward and the backward of one (microbatch, chunk) "
+                f"in one tick; the backward needs the forward at an earlier tick")
+    return None
+
+
+def _check_action(s, d, tick, action, where, done, first_run, name, stage_of) -> None:
+    """One entry: legal, runs once, its dependencies done early enough."""
+    n_vs = s.stages * s.virtual_stages
+    problem = _field_error(s, action)
+    if problem:
+        raise ScheduleError(f"{where}: {problem}")
+    task = s.task(d, action)
+    if task in done:
+        raise ScheduleError(f"{where}: {name(task)} already ran at tick {done[task]}")
+    for dep in dependencies(task, n_vs):
+        gap = dependency_gap(stage_of(dep), d, s.transfer_latency)
+        if dep not in done or done[dep] + gap > tick:
+            by = f"by tick {tick - gap}" if tick >= gap else "at an earlier tick"
+            ran = first_run.get(dep)
+            when = "it never runs" if ran is None else f"it runs at tick {ran}"
+            raise ScheduleError(
+                f"{where}: {name(task)} needs {name(dep)} from stage "
+                f"{stage_of(dep)} {by} ({when})"
+            )
+    done[task] = tick
+
+
+def _check_complete(s: Schedule, done, name, stage_of) -> None:
+    """Every F and B -- and W when the backward is split -- appears."""
+    n_vs = s.stages * s.virtual_stages
     kinds = KINDS if s.split_backward else ("F", "B")
     for kind in kinds:
         for mb in range(s.microbatches):
