@@ -631,3 +631,20 @@ def test_paired_program_idle_fraction_is_the_table_bubble():
 def test_paired_refuses_latency_2():
     with pytest.raises(ValueError, match="pipeline.transfer_latency"):
         make_schedule("1f1b", 4, 8, transfer_latency=2, paired=True)
+
+
+def test_plot_draws_pairs_side_by_side_and_ticks_at_their_cost():
+    from jax_overlap.pipeline.plot import tick_spans
+
+    s = make_schedule("1f1b", 4, 8, paired=True)
+    ax = plot_schedule(s)
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(boxes) == sum(1 for _ in s.actions())
+    spans = tick_spans(s)
+    assert spans[-1] == pytest.approx(ax.get_xlim()[1])
+    cost = {"F": 1.0, "B": 2.0, "W": 1.0}
+    ax = plot_schedule(s, cost=cost)
+    widths = sorted({round(p.get_width(), 6) for p in ax.patches if isinstance(p, Rectangle)})
+    assert widths == [1.0, 3.0]  # F, and a non-split B (= B + W)
+    assert "weighted bubble" in ax.get_title()
+    matplotlib.pyplot.close("all")

@@ -42,7 +42,7 @@ from typing import Any
 from jax_overlap.analysis.costs import collective_seconds
 from jax_overlap.analysis.machine import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
-from jax_overlap.pipeline.schedules import Schedule, Task, dependencies
+from jax_overlap.pipeline.schedules import Schedule, Task, cell_actions, dependencies
 
 TP_COMM_MODES: tuple[str, ...] = ("plain", "collective_matmul")
 BUCKET_ISSUE_MODES: tuple[str, ...] = ("during_backward", "after_backward")
@@ -505,7 +505,9 @@ def simulate(
     s = plan.schedule
     p, n_vs, split = s.stages, s.stages * s.virtual_stages, s.split_backward
     stage_of = [pos[0] for pos in s.placement]
-    rows = [[s.task(d, a) for a in row if a is not None] for d, row in enumerate(s.grid)]
+    # A paired tick's two actions run back to back on their stage, forward first.
+    rows = [[s.task(d, a) for cell in row for a in cell_actions(cell)]
+            for d, row in enumerate(s.grid)]
     link = {axis: hw.link(axis) for axis in ("dp", "pp", "tp")}
     release = "W" if split else "B"
     gather = plan.fsdp and plan.dp > 1

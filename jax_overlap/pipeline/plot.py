@@ -9,7 +9,14 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
-from jax_overlap.pipeline.schedules import Schedule, bubble_fraction, make_schedule
+from jax_overlap.pipeline.schedules import (
+    Schedule,
+    action_cost,
+    bubble_fraction,
+    cell_actions,
+    make_schedule,
+    weighted_bubble_fraction,
+)
 
 KIND_COLORS: dict[str, str] = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
 KIND_LABELS: dict[str, str] = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
@@ -31,11 +38,34 @@ def chunk_color(kind: str, chunk: int, virtual_stages: int) -> tuple[float, floa
     return tuple(c + (1.0 - c) * mix for c in to_rgb(KIND_COLORS[kind]))
 
 
-def plot_schedule(schedule: Schedule, ax: Axes | None = None) -> Axes:
+def tick_spans(schedule: Schedule, cost: dict[str, float] | None = None) -> list[float]:
+    """Start of every tick and the end of the last, in the units of ``cost``.
+
+    Without costs a tick is one unit per action of its busiest stage (2 where one pairs, at
+    least 1). With costs it lasts as long as its most expensive entry, as in the lockstep
+    executor (a tick where every stage idles takes no time).
+    """
+    starts = [0.0]
+    for t in range(schedule.ticks):
+        cells = [row[t] for row in schedule.grid]
+        if cost is None:
+            width = max(1, *(len(cell_actions(c)) for c in cells))
+        else:
+            width = max((sum(action_cost(a.kind, schedule.split_backward, cost)
+                             for a in cell_actions(c)) for c in cells), default=0.0)
+        starts.append(starts[-1] + width)
+    return starts
+
+
+def plot_schedule(schedule: Schedule, ax: Axes | None = None,
+                  cost: dict[str, float] | None = None) -> Axes:
     """Draw the table as a timeline: one row per stage, one box per action.
 
     Boxes are coloured by kind and lightened by chunk; each carries its microbatch
-    number; idle ticks stay blank.
+    number; idle ticks stay blank. A paired tick draws its forward then its backward side
+    by side. With ``cost`` (F/B/W times) every box is as wide as its action costs and every
+    tick as long as its slowest entry: the lockstep executor's timeline, whose white space
+    is the weighted bubble.
 
     Args:
       schedule: the table.
@@ -45,28 +75,37 @@ def plot_schedule(schedule: Schedule, ax: Axes | None = None) -> Axes:
       The axes.
     """
     s = schedule
+    spans = tick_spans(s, cost)
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6.0, 0.28 * s.ticks), 0.45 * s.stages + 1.2))
     # Size the microbatch labels to the boxes as drawn, whatever axes we were given.
-    box_points = ax.get_window_extent().width / ax.figure.dpi * 72.0 / max(s.ticks, 1)
+    unit = spans[-1] / max(sum(len(cell_actions(c)) for row in s.grid for c in row)
+                           / max(s.stages, 1), 1)
+    box_points = ax.get_window_extent().width / ax.figure.dpi * 72.0 * unit / max(spans[-1], 1)
     font = max(4.0, min(9.0, 0.45 * box_points))
     kinds_seen: set[str] = set()
     for d, row in enumerate(s.grid):
-        for t, action in enumerate(row):
-            if action is None:
-                continue
-            kinds_seen.add(action.kind)
-            color = chunk_color(action.kind, action.chunk, s.virtual_stages)
-            box = Rectangle((t, d - 0.4), 1.0, 0.8, facecolor=color, edgecolor="white", lw=0.6)
-            ax.add_patch(box)
-            ax.text(t + 0.5, d, str(action.microbatch), ha="center", va="center", fontsize=font)
-    ax.set_xlim(0, max(s.ticks, 1))
+        for t, cell in enumerate(row):
+            x = spans[t]
+            for action in cell_actions(cell):
+                width = 1.0 if cost is None else action_cost(action.kind, s.split_backward, cost)
+                kinds_seen.add(action.kind)
+                color = chunk_color(action.kind, action.chunk, s.virtual_stages)
+                box = Rectangle((x, d - 0.4), width, 0.8, facecolor=color, edgecolor="white",
+                                lw=0.6)
+                ax.add_patch(box)
+                ax.text(x + width / 2, d, str(action.microbatch), ha="center", va="center",
+                        fontsize=font)
+                x += width
+    ax.set_xlim(0, max(spans[-1], 1))
     ax.set_ylim(s.stages - 0.5, -0.5)
     ax.set_yticks(range(s.stages), [f"stage {d}" for d in range(s.stages)])
-    ax.set_xlabel("tick")
+    ax.set_xlabel("tick" if cost is None else "time (lockstep, action costs)")
+    bubble = bubble_fraction(s) if cost is None else weighted_bubble_fraction(s, cost)
     ax.set_title(
-        f"{s.name}: p={s.stages}, m={s.microbatches}, v={s.virtual_stages}, "
-        f"{s.ticks} ticks, bubble {bubble_fraction(s):.1%}",
+        f"{s.name}{' paired' if s.paired else ''}: p={s.stages}, m={s.microbatches}, "
+        f"v={s.virtual_stages}, {s.ticks} ticks, "
+        f"{'bubble' if cost is None else 'weighted bubble'} {bubble:.1%}",
         fontsize=10,
     )
     handles = [
