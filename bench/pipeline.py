@@ -34,7 +34,7 @@ import time
 
 DEVICES = 8
 STAGES = 4
-MICROBATCHES = (4, 8, 16)
+MICROBATCHES = (8, 16)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 MODEL = ["model.layers=8", "model.d_model=128", "model.heads=4", "model.d_ff=512",
          "model.seq_len=64", "train.global_batch=32", "data.source=synthetic"]
@@ -43,6 +43,7 @@ MODEL = ["model.layers=8", "model.d_model=128", "model.heads=4", "model.d_ff=512
 # a model small enough to compile in seconds, LLVM at -O0.
 QUICK_MICROBATCHES = (4,)
 QUICK_SCHEDULES = (("1f1b", 1), ("zb-v", 2))
+PAIRINGS = (False, True)  # every schedule also with paired F+B ticks (`pipeline.paired`)
 QUICK_MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.d_ff=64",
                "model.seq_len=16", "train.global_batch=16", "data.source=synthetic"]
 TICKS = 8  # ticks of the single-action programs
@@ -91,12 +92,12 @@ def single_action_program(kind: str, microbatches: int, split: bool):
                        for t in range(TICKS)) for _ in range(STAGES))
     schedule = schedules.Schedule(f"only-{kind}", STAGES, microbatches, 1, split,
                                   schedules.linear_placement(STAGES), grid)
-    table = np.zeros((TICKS, STAGES, len(tick_program.FIELDS)), np.int32)
+    table = np.zeros((TICKS, STAGES, 1, len(tick_program.FIELDS)), np.int32)
     col = tick_program.COL
-    table[:, :, col["branch"]] = (tick_program.IDLE if kind == "idle"
-                                  else 1 + kinds.index(kind))
-    table[:, :, col["microbatch"]] = np.arange(TICKS)[:, None] % microbatches
-    table[:, :, [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
+    table[..., col["branch"]] = (tick_program.IDLE if kind == "idle"
+                                 else 1 + kinds.index(kind))
+    table[..., col["microbatch"]] = np.arange(TICKS)[:, None, None] % microbatches
+    table[..., [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
     down = tuple((s, s + 1) for s in range(STAGES - 1))
     return tick_program.TickProgram(schedule, branches, table, 1, down,
                                     tuple((b, a) for a, b in down), False)
@@ -115,17 +116,16 @@ def peak_bytes(compiled) -> int | None:
 def weighted_bubble(program, cost: dict[str, float]) -> float:
     """Idle device-time fraction of the lockstep run when actions take their measured time.
 
-    A tick lasts as long as its slowest action; a non-split B costs "B+W".
+    A tick lasts as long as its slowest entry; a non-split B costs the measured "B+W", and a
+    paired entry the sum of its two actions.
     """
     import numpy as np
 
     s = program.schedule
     per_tick = np.zeros((program.ticks, s.stages))
-    for d, row in enumerate(s.grid):
-        for t, action in enumerate(row):
-            if action is not None:
-                kind = "B+W" if action.kind == "B" and not s.split_backward else action.kind
-                per_tick[t, d] = cost[kind]
+    for d, t, action in s.actions():
+        kind = "B+W" if action.kind == "B" and not s.split_backward else action.kind
+        per_tick[t, d] += cost[kind]
     span = per_tick.max(axis=1).sum() * s.stages
     return float(1.0 - per_tick.sum() / span)
 
@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, two schedules at m=4, one repetition: checks the bench "
                          "runs")
+    ap.add_argument("--schedules", default="",
+                    help="comma-separated subset of the schedules, e.g. 1f1b,zb-v")
+    ap.add_argument("--microbatches", default="", help="comma-separated, e.g. 8")
     args = ap.parse_args()
     if args.quick:
         args.reps = 1
@@ -148,6 +151,10 @@ def main() -> None:
         args.out = os.path.join(REPO, "bench", "results", "pipeline.json")
     microbatches = QUICK_MICROBATCHES if args.quick else MICROBATCHES
     schedules = QUICK_SCHEDULES if args.quick else SCHEDULES
+    if args.schedules:
+        schedules = tuple(sc for sc in SCHEDULES if sc[0] in args.schedules.split(","))
+    if args.microbatches:
+        microbatches = tuple(int(m) for m in args.microbatches.split(","))
 
     sys.path.insert(0, REPO)
     from jax_overlap.parallel.mesh import force_host_devices
@@ -222,10 +229,10 @@ def main() -> None:
             "B+W": tick_ms["B+W (non-split B)"]}
     rows = []
     for m in microbatches:
-        for name, chunks in schedules:
+        for (name, chunks), paired in ((sc, pr) for sc in schedules for pr in PAIRINGS):
             cfg, model, mesh, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
-                f"pipeline.virtual_stages={chunks}"])
+                f"pipeline.virtual_stages={chunks}", f"pipeline.paired={str(paired).lower()}"])
             fn = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
             compile_s, step_s, compiled = timed(fn, (params, batch), args.reps)
             program = fn.program
@@ -234,7 +241,7 @@ def main() -> None:
             act = micro * cfg.model.seq_len * cfg.model.d_model * 4  # one fp32 activation
             stash = (program.slots + 1) * act + sum(
                 v for k, v in executor.residual_bytes(model, plan, mesh).items() if k != "slot")
-            rows.append({"schedule": name, "stages": STAGES, "microbatches": m,
+            rows.append({"schedule": name, "paired": paired, "stages": STAGES, "microbatches": m,
                          "bubble": program.idle_fraction(),
                          "weighted_bubble": weighted_bubble(program, cost),
                          "step_ms": step_s * 1e3, "stash_bytes": int(stash),
@@ -244,7 +251,7 @@ def main() -> None:
                          "bubble_at_measured_costs": weighted_bubble(program, cost),
                          "stash_slots": program.slots, "step_s": step_s,
                          "compile_s": compile_s})
-            print(f"{name} m={m}: {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s)", flush=True,
+            print(f"{name}{' paired' if paired else ''} m={m}: {step_s * 1e3:.1f} ms (compile {compile_s:.1f} s)", flush=True,
                   file=sys.stderr if args.json else sys.stdout)
         retime_baselines()
     ref_s = baselines["dp8"]["step_s"]
@@ -252,8 +259,8 @@ def main() -> None:
         r["vs_pp1_dp8"] = r["step_s"] / ref_s
         r["vs_pp1_dp2xtp4"] = r["step_s"] / baselines["dp2xtp4"]["step_s"]
 
-    header = (f"{'schedule':<12} {'p':>2} {'m':>3} {'v':>2} {'ticks':>5} {'bubble':>7} "
-              f"{'w-bubble':>8} {'slots':>5} {'step ms':>8} {'/ pp1 dp8':>9} {'/ dp2xtp4':>9}")
+    header = (f"{'schedule':<19} {'p':>2} {'m':>3} {'v':>2} {'ticks':>5} {'bubble':>7} "
+              f"{'w-bubble':>8} {'slots':>5} {'step ms':>8} {'peak MiB':>8} {'/ pp1 dp8':>9} {'/ dp2xtp4':>9}")
     title = (f"pp4 x dp2 on {jax.device_count()} {jax.devices()[0].platform} devices, "
              f"{cfg.model.layers}L d{cfg.model.d_model} ff{cfg.model.d_ff} "
              f"seq{cfg.model.seq_len} global batch {cfg.train.global_batch}; "
@@ -261,10 +268,11 @@ def main() -> None:
              f"{baselines['dp2xtp4']['step_s'] * 1e3:.1f} ms")
     lines = [title, header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['schedule']:<12} {r['stages']:>2} {r['microbatches']:>3} "
+        label = r["schedule"] + (" paired" if r["paired"] else "")
+        lines.append(f"{label:<19} {r['stages']:>2} {r['microbatches']:>3} "
                      f"{r['virtual_stages']:>2} {r['ticks']:>5} {r['bubble_fraction']:>7.3f} "
                      f"{r['bubble_at_measured_costs']:>8.3f} {r['stash_slots']:>5} "
-                     f"{r['step_s'] * 1e3:>8.1f} "
+                     f"{r['step_s'] * 1e3:>8.1f} {r['peak_bytes'] / 2**20 if r['peak_bytes'] else 0:>8.1f} "
                      f"{r['vs_pp1_dp8']:>9.2f} {r['vs_pp1_dp2xtp4']:>9.2f}")
     lines.append("")
     lines.append(f"one tick, every stage running the same action (pp4 x dp2, microbatch of "

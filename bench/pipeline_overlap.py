@@ -11,8 +11,12 @@ each chunk's last backward also reduces its layers' gradients over dp inside the
     python bench/pipeline_overlap.py [--preset gpu_overlap] [--out bench/results/pipeline_overlap.json]
     python bench/pipeline_overlap.py --quick
 
-`--quick` checks that the bench runs: one row (1f1b, the skewed loop) of a 4-layer model of
-tiny widths, still dp2 x pp4 compiled for 8 GPUs without one; it writes no results file.
+Paired ticks (`pipeline.paired: true`, latency 1) run each tick's forward and backward in two
+lanes: the forward's output travels while the backward computes, the backward's while the
+next tick's forward does.
+
+`--quick` checks that the bench runs: two rows (1f1b skewed, 1f1b paired) of a 4-layer model
+of tiny widths, still dp2 x pp4 compiled for 8 GPUs without one; it writes no results file.
 """
 
 from __future__ import annotations
@@ -26,15 +30,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 16  # 4 per stage: a chunk has layers left to hide its buckets' reductions under
 MODEL = ["model.d_model=256", "model.heads=4", "model.d_ff=1024", "model.seq_len=128",
          "train.global_batch=32", "pipeline.microbatches=8"]
-ROWS = [(name, v, latency, bucket_mb)
+ROWS = [(name, v, latency, bucket_mb, paired)
         for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
-        for latency, bucket_mb in ((1, 0), (2, 0), (2, 1))]
+        for latency, bucket_mb, paired in ((1, 0, False), (2, 0, False), (2, 1, False),
+                                           (1, 0, True))]
 # --quick: one row (a GPU compile of a pipelined step costs ~15 s of CPU even this small) on
 # the smallest model that has a layer per stage.
 QUICK_LAYERS = 4
 QUICK_MODEL = ["model.d_model=32", "model.heads=4", "model.d_ff=64", "model.seq_len=16",
                "train.global_batch=16", "pipeline.microbatches=4", "data.source=synthetic"]
-QUICK_ROWS = [("1f1b", 1, 2, 0)]
+QUICK_ROWS = [("1f1b", 1, 2, 0, False), ("1f1b", 1, 1, 0, True)]
 
 
 def bytes_of(ops: list[dict], kind: str) -> tuple[int, float, float]:
@@ -52,7 +57,8 @@ def main() -> int:
     ap.add_argument("--out", help="results JSON (default bench/results/pipeline_overlap.json; "
                                   "none with --quick)")
     ap.add_argument("--quick", action="store_true",
-                    help="one row of a 4-layer tiny model: checks the bench runs")
+                    help="two rows of a 4-layer tiny model: checks the bench runs")
+    ap.add_argument("--schedules", default="", help="comma-separated subset, e.g. 1f1b,zb-v")
     args = ap.parse_args()
     if not args.quick:
         args.out = args.out or "bench/results/pipeline_overlap.json"
@@ -67,16 +73,21 @@ def main() -> int:
     from jax_overlap.plan import ParallelPlan
 
     rows = []
-    for name, v, latency, bucket_mb in QUICK_ROWS if args.quick else ROWS:
+    todo = QUICK_ROWS if args.quick else ROWS
+    if args.schedules:
+        todo = [r for r in todo if r[0] in args.schedules.split(",")]
+    for name, v, latency, bucket_mb, paired in todo:
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), [
             "mesh.dp=2", "mesh.pp=4", "mesh.tp=1", f"model.layers={layers}", *model,
             f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}",
-            f"pipeline.transfer_latency={latency}", f"overlap.grad_bucket_mb={bucket_mb}"])
+            f"pipeline.transfer_latency={latency}", f"overlap.grad_bucket_mb={bucket_mb}",
+            f"pipeline.paired={str(paired).lower()}"])
         program = ParallelPlan.build(cfg).program
         data = analyze.analyze(cfg, args.target).to_json()
         permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
         _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
         rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,
+                     "paired": paired,
                      "grad_bucket_mb": bucket_mb,
                      "dp_bytes_per_step": dp_total,
                      "dp_bytes_under_gemm_fraction": dp_under / dp_total if dp_total else 0.0,
@@ -86,16 +97,18 @@ def main() -> int:
                      "permute_bytes_under_gemm_fraction": under / total if total else 0.0,
                      "all_bytes_under_gemm_fraction":
                          data["collective_bytes_under_gemm_fraction"]})
-        print(f"compiled {name} latency {latency} buckets {bucket_mb}", file=sys.stderr,
+        print(f"compiled {name} latency {latency} buckets {bucket_mb} paired {paired}",
+              file=sys.stderr,
               flush=True)
     print(f"dp2 x pp4, {layers} layers d{cfg.model.d_model}, {program.schedule.microbatches} "
           f"microbatches, compiled for 8x{args.target} (preset {args.preset}); fractions = "
           f"bytes with a GEMM between start and done")
-    print(f"{'schedule':12s} {'latency':>7s} {'buckets':>7s} {'ticks':>5s} {'bubble':>6s} "
+    print(f"{'schedule':19s} {'latency':>7s} {'buckets':>7s} {'ticks':>5s} {'bubble':>6s} "
           f"{'slots':>5s} {'permute MiB':>11s} {'under':>5s} {'dp MiB':>6s} {'under':>5s} "
           f"{'all':>5s}")
     for r in rows:
-        print(f"{r['schedule']:12s} {r['transfer_latency']:7d} {r['grad_bucket_mb']:7g} "
+        label = r["schedule"] + (" paired" if r["paired"] else "")
+        print(f"{label:19s} {r['transfer_latency']:7d} {r['grad_bucket_mb']:7g} "
               f"{r['ticks']:5d} {r['bubble']:6.3f} {r['stash_slots']:5d} "
               f"{r['permute_bytes_per_step'] / 2**20:11.1f} "
               f"{r['permute_bytes_under_gemm_fraction']:5.2f} "

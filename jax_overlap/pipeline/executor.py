@@ -598,8 +598,9 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
     Latency 2 (skewed): a tick sends the previous tick's output before its action and files
     the arrivals after it, so the transfers run under the action.
-    Paired (two lanes): a tick runs its forward, sends it, runs its backward, sends that;
-    each lane files the arrivals of the neighbours' same lane just before it runs.
+    Paired (two lanes): each lane runs as a skewed half-tick -- the other lane's last output
+    is sent before the action and filed after it -- so every transfer runs under the other
+    lane's compute at latency 1.
 
     Returns:
       (grads, loss) accumulated over the step on this device.
@@ -655,41 +656,48 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             pool = _file(pool, row_next, "up", arrival_up)
         return (pool, res, out, out, grads, loss), None
 
-    def file_all(pool, row, inboxes):
+    def file_all(pool, row, inboxes, lane):
+        down_pairs, up_pairs, handoff = program.lane_rings[lane]
         down, up, own = inboxes
-        if program.down_pairs:
+        if down_pairs:
             pool = _file(pool, row, "down", down)
-        if program.up_pairs:
+        if up_pairs:
             pool = _file(pool, row, "up", up)
-        if program.local_handoff:
+        if handoff:
             pool = _file(pool, row, "self", own)
         return pool
 
-    def send(out, inboxes):
-        return (_ring(out, program.down_pairs, zeros), _ring(out, program.up_pairs, zeros),
-                out if program.local_handoff else inboxes[2])
+    def send(out, lane):
+        # Only the rings this lane's actions send on (one each for a paired 1F1B); a
+        # same-stage hand-off is the value itself.
+        down_pairs, up_pairs, _ = program.lane_rings[lane]
+        return _ring(out, down_pairs, zeros), _ring(out, up_pairs, zeros), out
 
-    def paired_tick(carry, rows):
-        # Lane 0 runs the forward, lane 1 the backward. The forward's output is sent
-        # before the backward runs and filed at the next tick's start, the backward's is
-        # sent at the end and filed after the next tick's forward: each transfer has the
-        # other lane's compute, with no data dependency on it, to hide under.
-        pool, res, inbox_f, inbox_b, grads, loss = carry
+    def paired_tick(carry, rows_now_next):
+        # Lane 0 runs the forward, lane 1 the backward, each as a skewed half-tick: what
+        # the other lane produced last is sent before this lane's action and filed after
+        # it, just before the other lane runs again. So the backward's output (tick t-1)
+        # travels under tick t's forward and the forward's under tick t's backward; neither
+        # transfer feeds the compute beside it, and both are read at the next tick, as the
+        # latency-1 table expects.
+        pool, res, pending_b, grads, loss = carry
+        rows, rows_next = rows_now_next
         lanes = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        row_f, row_b = lanes[0], lanes[1]
-        pool = file_all(pool, row_f, inbox_f)
-        res, grads, loss, out_f = act(pool, res, grads, loss, row_f)
-        inbox_f = send(out_f, inbox_f)
-        pool = file_all(pool, row_b, inbox_b)
-        res, grads, loss, out_b = act(pool, res, grads, loss, row_b)
-        inbox_b = send(out_b, inbox_b)
-        return (pool, res, inbox_f, inbox_b, grads, loss), None
+        lanes_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
+        arrival_b = send(pending_b, 1)
+        res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0])
+        pool = file_all(pool, lanes[1], arrival_b, 1)
+        arrival_f = send(out_f, 0)
+        res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1])
+        pool = file_all(pool, lanes_next[0], arrival_f, 0)
+        return (pool, res, out_b, grads, loss), None
 
     table = jnp.asarray(program.table)
     if program.lanes == 2:
-        nothing = (zeros, zeros, zeros)
-        carry0 = (pool_sbtd, res0, nothing, nothing, ctx.grads0, ctx.loss0)
-        (_, _, _, _, grads, loss), _ = jax.lax.scan(paired_tick, carry0, table)
+        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
+        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
+        carry0 = (pool_sbtd, res0, zeros, ctx.grads0, ctx.loss0)
+        (_, _, _, grads, loss), _ = jax.lax.scan(paired_tick, carry0, (table, table_next))
     elif program.skewed:
         # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
         nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)

@@ -66,6 +66,8 @@ class TickProgram:
         stage 0) and the head's (the last) in slot `e_slot` of the "first" / "last" pool.
         With a split backward, each weight matmul's output gradient lives from B to W in
         slot `z_slot` of the "dz" pool (so W is only the weight-gradient matmuls).
+      lane_rings: per lane, `(down_pairs, up_pairs, local_handoff)` of what that lane's
+        actions send (a paired 1F1B's forwards use only the +1 ring, its backwards only -1).
     """
 
     schedule: Schedule
@@ -76,6 +78,7 @@ class TickProgram:
     up_pairs: tuple[tuple[int, int], ...]
     local_handoff: bool
     res_slots: tuple[tuple[str, int], ...] = ()
+    lane_rings: tuple[tuple[tuple, tuple, bool], ...] = ()
 
     @property
     def ticks(self) -> int:
@@ -170,13 +173,14 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
 
     Returns:
       (arrivals: (tick, stage, route, sender's lane) -> key, per-stage lifetimes
-       [(first, last, key)], route -> set of (src, dst) stage pairs used).
+       [(first, last, key)], (route, sender's lane) -> set of (src, dst) stage pairs used).
     """
     p, n_vs = s.stages, s.stages * s.virtual_stages
     last_kind = "W" if s.split_backward else "B"
     arrivals: dict[tuple[int, int, str], tuple] = {}
     lifetimes: list[list] = [[] for _ in range(p)]
-    pairs: dict[str, set] = {route: set() for route in ROUTES}
+    pairs: dict[tuple[str, int], set] = {(route, lane): set() for route in ROUTES
+                                         for lane in (0, 1)}
     for (kind, mb, vs), t in tick_of.items():
         if kind == "F" and vs < n_vs - 1:
             key, target = ("x", mb, vs + 1), vs + 1
@@ -185,10 +189,10 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
         else:
             continue
         src, dst = s.placement[vs][0], s.placement[target][0]
-        route = _route(src, dst, p)
-        pairs[route].add((src, dst))
+        route, lane = _route(src, dst, p), lane_of(kind, s)
+        pairs[(route, lane)].add((src, dst))
         readable = t + dependency_gap(src, dst, s.transfer_latency)
-        arrivals[(readable, dst, route, lane_of(kind, s))] = key
+        arrivals[(readable, dst, route, lane)] = key
         lifetimes[dst].append((readable, tick_of[Task(last_kind, mb, target)], key))
     return arrivals, lifetimes, pairs
 
@@ -293,6 +297,10 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         entry[COL["z_slot"]] = res_slot.get((d, "dz", ("z", a.microbatch, vs)), 0)
     for (t, d, route, lane), key in arrivals.items():
         table[t, d, lane, COL["file_" + route]] = slot_of[(d, key)]
-    return TickProgram(s, branches, table, slots, tuple(sorted(pairs["down"])),
-                       tuple(sorted(pairs["up"])), bool(pairs["self"]),
-                       tuple(sorted(res_slots.items())))
+    def used(route, lanes_):
+        return tuple(sorted(set().union(*(pairs[(route, lane)] for lane in lanes_))))
+
+    lane_rings = tuple((used("down", (lane,)), used("up", (lane,)), bool(used("self", (lane,))))
+                       for lane in range(lanes))
+    return TickProgram(s, branches, table, slots, used("down", (0, 1)), used("up", (0, 1)),
+                       bool(used("self", (0, 1))), tuple(sorted(res_slots.items())), lane_rings)
