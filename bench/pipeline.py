@@ -268,7 +268,7 @@ def main() -> None:
              f"{baselines['dp2xtp4']['step_s'] * 1e3:.1f} ms")
     lines = [title, header, "-" * len(header)]
     for r in rows:
-        label = r["schedule"] + (" paired" if r["paired"] else "")
+        label = r["schedule"] + ("+paired" if r["paired"] else "")
         lines.append(f"{label:<19} {r['stages']:>2} {r['microbatches']:>3} "
                      f"{r['virtual_stages']:>2} {r['ticks']:>5} {r['bubble_fraction']:>7.3f} "
                      f"{r['bubble_at_measured_costs']:>8.3f} {r['stash_slots']:>5} "

@@ -107,7 +107,7 @@ def main() -> int:
           f"{'slots':>5s} {'permute MiB':>11s} {'under':>5s} {'dp MiB':>6s} {'under':>5s} "
           f"{'all':>5s}")
     for r in rows:
-        label = r["schedule"] + (" paired" if r["paired"] else "")
+        label = r["schedule"] + ("+paired" if r["paired"] else "")
         print(f"{label:19s} {r['transfer_latency']:7d} {r['grad_bucket_mb']:7g} "
               f"{r['ticks']:5d} {r['bubble']:6.3f} {r['stash_slots']:5d} "
               f"{r['permute_bytes_per_step'] / 2**20:11.1f} "

@@ -32,6 +32,7 @@ TESTED = {
     "overlap.py": "test_overlap_quick",
     "pipeline.py": "test_pipeline_quick",
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
+    "remat.py": "test_remat_quick",
     "simulator_validation.py": "test_simulator_validation_quick",
     "step_time.py": "test_step_time_quick",
 }
@@ -109,26 +110,44 @@ def test_pipeline_quick():
     assert set(out["action_ms"]) == {"F", "B", "W", "B+W"}
     assert all(v > 0 for v in out["action_ms"].values())
     rows = out["rows"]
-    assert [r["schedule"] for r in rows] == ["1f1b", "zb-v"]
+    assert [(r["schedule"], r["paired"]) for r in rows] == [
+        ("1f1b", False), ("1f1b", True), ("zb-v", False), ("zb-v", True)]
     for r in rows:
         assert r["stages"] == 4 and r["microbatches"] == 4 and r["ticks"] > 0
         assert 0 <= r["bubble"] < 1 and 0 <= r["weighted_bubble"] < 1
         assert r["step_ms"] > 0 and r["stash_bytes"] > 0 and r["peak_bytes"] > 0
-    assert rows[1]["virtual_stages"] == 2  # zb-v: two chunks per stage
-    assert rows[1]["bubble"] < rows[0]["bubble"]  # zero bubble beats 1f1b's idle ticks
+    plain_1f1b, paired_1f1b, zb_v = rows[0], rows[1], rows[2]
+    assert zb_v["virtual_stages"] == 2  # zb-v: two chunks per stage
+    assert zb_v["bubble"] < plain_1f1b["bubble"]  # zero bubble beats 1f1b's idle ticks
+    # Pairing: fewer, longer ticks; every stage's steady tick costs F + B alike.
+    assert paired_1f1b["ticks"] < plain_1f1b["ticks"]
+    assert paired_1f1b["weighted_bubble"] <= plain_1f1b["weighted_bubble"] + 1e-9
 
 
 def test_pipeline_overlap_quick():
     out = run_bench("pipeline_overlap.py")
-    header, rows = table_rows(out, "schedule ", 1)
+    header, rows = table_rows(out, "schedule ", 2)
     assert header[:6] == ["schedule", "latency", "buckets", "ticks", "bubble", "slots"]
-    (r,) = rows
-    assert r[:3] == ["1f1b", "2", "0"]
-    assert int(r[3]) > 0 and int(r[5]) > 0
-    fraction(r[4])
-    positive(r[6])  # permute MiB
-    assert fraction(r[7]) > 0  # the skewed loop sends beside a tick's GEMMs
-    fraction(r[9]), fraction(r[10])
+    skewed, paired = rows
+    assert skewed[:3] == ["1f1b", "2", "0"] and paired[:3] == ["1f1b+paired", "1", "0"]
+    for r in rows:
+        assert int(r[3]) > 0 and int(r[5]) > 0
+        fraction(r[4])
+        positive(r[6])  # permute MiB
+        assert fraction(r[7]) > 0  # sends beside GEMMs: the skewed loop's, the other lane's
+        fraction(r[9]), fraction(r[10])
+    assert fraction(paired[4]) < fraction(skewed[4])  # latency 1: a shorter ramp
+
+
+def test_remat_quick():
+    out = run_bench("remat.py")
+    header, rows = table_rows(out, "where ", 4)
+    assert header == ["where", "group", "remat", "peak", "MiB", "step", "ms"]
+    by = {(r[1] + " " + r[2], r[3]): r for r in rows}
+    for group in ("pp1 dp2xtp4", "pp2xdp4 1f1b"):
+        none, full = float(by[(group, "none")][4]), float(by[(group, "full")][4])
+        assert 0 < full <= none  # keeping only block inputs never holds more
+        assert float(by[(group, "none")][5]) > 0
 
 
 def test_overlap_quick():
