@@ -345,7 +345,9 @@ def validate(cfg: Config) -> None:
         p.append("pipeline.stage_layers: resnet balances its residual blocks over the stages "
                  "itself (models/resnet.py); leave it at even")
     elif isinstance(split, list):
-        from jax_overlap.pipeline.stage_split import list_problems  # pure Python, no jax
+        from jax_overlap.pipeline.stage_split import (
+            list_problems,  # pure Python, no jax
+        )
 
         p.extend(list_problems(split, mo.layers, chunks))
     elif split == "auto" and mo.layers < chunks:
