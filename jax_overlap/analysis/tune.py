@@ -80,6 +80,8 @@ class Candidate:
       window: FSDP prefetch depth (1 when not sharded).
       transfer_latency: ticks between pipeline stages (1, or 2: every stage-to-stage transfer
         under the next tick's compute, for a longer ramp); 1 when pp = 1.
+      stage_layers: ``even`` or ``auto`` (`pipeline.stage_layers`: layers balanced by cost,
+        counting the embedding and the LM head); ``even`` when pp = 1.
     """
 
     dp: int
@@ -92,6 +94,7 @@ class Candidate:
     fsdp: bool
     window: int
     transfer_latency: int = 1
+    stage_layers: str = "even"
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -102,6 +105,8 @@ class Candidate:
         sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.transfer_latency > 1:
             sched += f" L{self.transfer_latency}"
+        if self.stage_layers != "even":
+            sched += f" split-{self.stage_layers}"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
@@ -129,7 +134,8 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
         pipeline=dataclasses.replace(cfg.pipeline, schedule=c.schedule,
                                      microbatches=c.microbatches,
                                      virtual_stages=c.virtual_stages,
-                                     transfer_latency=c.transfer_latency),
+                                     transfer_latency=c.transfer_latency,
+                                     stage_layers=c.stage_layers),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
@@ -174,7 +180,8 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
     probe = dataclasses.replace(cfg, mesh=configlib.MeshConfig(dp=dp, pp=pp, tp=tp),
                                 pipeline=dataclasses.replace(cfg.pipeline, schedule="gpipe",
                                                              virtual_stages=1,
-                                                             transfer_latency=1))
+                                                             transfer_latency=1,
+                                                             stage_layers="auto"))
     grad_mb = cal_lib.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
     out, whole = [], False
     for s in sorted(set(float(x) for x in sizes)):
@@ -186,6 +193,24 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
             whole = True
         out.append(s)
     return out
+
+
+def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
+                      ) -> list[tuple[int, str]]:
+    """``(transfer latency, stage split)`` pairs worth trying: both latencies and, where the
+    balanced split differs from the even one (or the layers do not split evenly), ``auto``."""
+    if pp == 1:
+        return [(1, "even")]
+    splits = ["even"]
+    try:
+        even = apply_candidate(cfg, Candidate(1, 1, pp, v, m, schedule, 0.0, False, 1, 1))
+        auto = dataclasses.replace(even, pipeline=dataclasses.replace(even.pipeline,
+                                                                       stage_layers="auto"))
+        if plan_of(auto).stage_layers != plan_of(even).stage_layers:
+            splits.append("auto")
+    except (ConfigError, ValueError):
+        splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
+    return [(latency, split) for latency in (1, 2) for split in splits]
 
 
 def enumerate_candidates(
@@ -220,8 +245,9 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    for latency in (1, 2) if pp > 1 else (1,):
-                        base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency)
+                    for latency, split in _pipeline_options(cfg, pp, v, schedule, m):
+                        base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency,
+                                         split)
                         try:
                             plan_of(apply_candidate(cfg, base))
                         except (ConfigError, ValueError):
@@ -268,6 +294,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
         m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
         plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
         num_virtual_stages=plan.num_virtual_stages,
+        stage_layers=cal_lib.layers_per_virtual_stage(cfg, plan),
     )
     fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
     if plan.pp == 1:
