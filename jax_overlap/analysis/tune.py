@@ -275,8 +275,13 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     """FLOP-based :class:`Costs` of the plan ``cfg`` on the chip ``hw`` describes.
 
     Compute times come from :func:`costs_from_model` at ``efficiency`` of the chip's
-    peak; the pipelined path's recomputation is added the way the executor runs it (B,
-    and W when split, redo the chunk's forward), and the structure -- TP collective
+    peak, per virtual stage from the plan's layer split (`pipeline.stage_layers`), the
+    embedding on the first and the LM head on the last. The backward is priced the way the
+    executor runs it: an F stashes its residuals, so no backward re-runs the forward except
+    what the remat policy (`model.remat`) recomputes per layer -- ``full`` the block's
+    forward, ``minimal`` its attention scores, ``none`` / ``save_dots`` nothing. Split: B
+    is the input gradients (plus the recompute), W only the weight-gradient GEMMs (what B
+    kept); on virtual stage 0 B is empty and W does both. The structure -- TP collective
     count, parameter bytes per stage, stash -- is the same as for calibrated costs.
 
     Args:
@@ -290,34 +295,25 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     m = cfg.model
     plan = plan_of(cfg)
     s = plan.schedule
+    layers = cal_lib.layers_per_virtual_stage(cfg, plan)
     base = costs_from_model(
         m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
         plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
-        num_virtual_stages=plan.num_virtual_stages,
-        stage_layers=cal_lib.layers_per_virtual_stage(cfg, plan),
+        num_virtual_stages=plan.num_virtual_stages, stage_layers=layers,
     )
     fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
-    if plan.pp == 1:
+    tokens = plan.micro_batch * m.seq_len
+    attn = 4 * m.seq_len ** 2 * m.d_model * plan.micro_batch
+    per_layer = {"full": 2 * (4 * m.d_model ** 2 + 2 * m.d_model * m.d_ff) * tokens + attn,
+                 "minimal": attn}.get(plan.remat, 0.0)
+    redo = [n * per_layer / plan.tp / (hw.chip_flops * efficiency) for n in layers]
+    if plan.pp == 1 or not s.split_backward:
         # A non-split B does both gradients: costs_from_model splits them into B and W.
-        bwd = [b + w for b, w in zip(bwd, wgt)]
-        wgt = [0.0] * len(wgt)
-    elif not s.split_backward:
-        bwd = [f + b + w for f, b, w in zip(fwd, bwd, wgt)]
+        bwd = [b + w + r for b, w, r in zip(bwd, wgt, redo)]
         wgt = [0.0] * len(wgt)
     else:
-        # Same rule as the calibrated costs: B redoes the forward and the input gradients;
-        # W redoes the forward, the weight gradients and the input gradients of all but the
-        # chunk's first layer; on virtual stage 0 the split B is free and W does it all.
-        layers = cal_lib.layers_per_virtual_stage(cfg, plan)
-        new_b, new_w = [], []
-        for vs, (f, b, w) in enumerate(zip(fwd, bwd, wgt)):
-            if vs == 0:
-                new_b.append(0.0)
-                new_w.append(f + b + w)
-            else:
-                new_b.append(f + b)
-                new_w.append(f + w + b * (layers[vs] - 1) / layers[vs])
-        bwd, wgt = new_b, new_w
+        bwd, wgt = ([0.0] + [b + r for b, r in zip(bwd[1:], redo[1:])],
+                    [bwd[0] + wgt[0] + redo[0]] + wgt[1:])
     return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt)
 
 
