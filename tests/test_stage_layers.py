@@ -10,11 +10,12 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, max_rel_err, np_batch, rel, run_cli
 
 from jax_overlap import config
+from jax_overlap.config import ConfigError
 from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.pipeline import layout, schedules
+from jax_overlap.pipeline import layout, schedules, stage_split
 from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
@@ -155,3 +156,133 @@ def test_resume_across_stage_splits(saved_with_split_a, tmp_path, name):
     # Steps 3..4 from split A's parameters and optimizer state: the same losses as split A
     # running on (up to the reduction order).
     assert max(rel(a, b) for a, b in zip(resumed.losses, straight.losses[2:])) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The split: layout, plan, auto, refusals.
+
+GPT_1P3B = os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml")
+
+
+def test_staged_layout_pads_uneven_chunks_and_round_trips_a_whole_state():
+    zbv = schedules.make_schedule("zb-v", 2, 4, 2)  # stage 0: vs 0 and 3; stage 1: vs 1, 2
+    perm = layout.staged_permutation(6, zbv, (1, 2, 2, 1))
+    # Stage 0: chunk 0 = vs 0 (layer 0), chunk 1 = vs 3 (layer 5); stage 1: vs 1, vs 2.
+    assert perm.tolist() == [0, -1, 5, -1, 1, 2, 3, 4]
+    assert layout.chunk_mask((1, 2, 2, 1), zbv.placement, 2, 2).tolist() == [
+        [[True, False], [True, False]], [[True, True], [True, True]]]
+    import optax
+
+    from jax_overlap.training.state import new_state
+
+    params = {"embed": {"wte": np.ones((3, 2))},
+              "blocks": {"w": np.arange(12.0).reshape(6, 2) + 1}, "head": {}}
+    opt = optax.adam(1e-3)
+    state = new_state(params, opt.init(params), 0)
+    staged = layout.to_staged(state, perm)
+    assert staged.params["blocks"]["w"].shape == (8, 2)
+    assert not np.asarray(staged.params["blocks"]["w"])[perm < 0].any()  # padding is zeros
+    back = layout.to_logical(staged, perm)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                     back, state))
+    with pytest.raises(ValueError, match="stage_layers"):
+        layout.staged_permutation(6, zbv, (1, 2, 2, 2))
+
+
+def test_checkpoint_target_is_the_logical_unpadded_state():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_overlap.resilience.ckpt_layout import checkpoint_target
+
+    mesh = meshlib.make_mesh(2, 4, 1, jax.devices()[:8])
+    perm = layout.staged_permutation(10, schedules.make_schedule("1f1b", 4, 4), (3, 2, 4, 1))
+    staged = {"blocks": {"w": jax.ShapeDtypeStruct((16, 3), np.float32, sharding=NamedSharding(
+        mesh, P("pp", None)))}, "wte": jax.ShapeDtypeStruct((5,), np.float32)}
+    target = checkpoint_target(staged, perm)
+    assert target["blocks"]["w"].shape == (10, 3)  # 10 layers do not split over pp=4
+    assert target["blocks"]["w"].sharding.spec == P(None, None)
+    assert target["wte"] is staged["wte"]
+    assert checkpoint_target(staged, None) is staged
+
+
+def test_auto_gives_the_stage_with_the_head_fewer_layers():
+    # GPT-1.3B: the LM head + loss is ~1.75 blocks of FLOPs, on the last virtual stage.
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
+                                 "pipeline.stage_layers=auto"])
+    plan = ParallelPlan.build(cfg)
+    assert plan.stage_layers == (7, 6, 6, 5) and sum(plan.stage_layers) == 24
+    assert plan.describe()["stage_layers"] == [7, 6, 6, 5]
+    # The run's resolved config holds the list, which validates and gives the same plan.
+    resolved = plan.resolved_config(cfg)
+    assert resolved.pipeline.stage_layers == [7, 6, 6, 5]
+    config.validate(resolved)
+    assert ParallelPlan.build(resolved).stage_layers == plan.stage_layers
+    assert "pipeline.stage_layers" in plan.choices
+    # V placement: stage 0 runs virtual stages 0 and 7 (the head): it gets the fewest layers.
+    zbv = ParallelPlan.build(config.load(GPT_1P3B, [
+        "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
+        "pipeline.microbatches=8", "pipeline.stage_layers=auto"]))
+    split = zbv.stage_layers
+    assert split[-1] < 3 and sum(split) == 24
+    per_stage = stage_split.device_loads(split, zbv.schedule.placement, 4)
+    assert per_stage[0] == min(per_stage)
+    # A negligible head: auto keeps the even split; the default is even.
+    small = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
+                                   "model.vocab=64", "pipeline.stage_layers=auto"])
+    assert ParallelPlan.build(small).stage_layers == (6, 6, 6, 6)
+    even = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8"])
+    assert ParallelPlan.build(even).stage_layers == (6, 6, 6, 6)
+    assert ParallelPlan.build(even).layer_perm is None  # even and contiguous: no reordering
+
+
+@pytest.mark.parametrize("value,words", [
+    ("[3,3]", "2 counts for mesh.pp x pipeline.virtual_stages = 4"),
+    ("[4,3,3,0]", "every virtual stage needs >= 1 layer"),
+    ("[3,3,3,3]", "sums to 12, not model.layers = 10"),
+    ("balanced", "expected 'even' | 'auto' or list of int"),
+])
+def test_bad_stage_layers_are_refused_with_one_line(value, words):
+    with pytest.raises(ConfigError) as e:
+        stage_cfg("1f1b", 4, 2, 1, 4, split=value)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
+        "pipeline.stage_layers")
+    assert words in e.value.problems[0]
+
+
+def test_bad_stage_layers_exit_2_from_the_cli(tmp_path):
+    proc = run_cli("train", "--config", TINY, "--run-dir", str(tmp_path / "run"),
+                   "--set", "mesh.pp=2", "--set", "mesh.tp=2",
+                   "--set", "pipeline.stage_layers=[2,1]")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    assert len(lines) == 1 and "pipeline.stage_layers" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_simulator_and_tuner_take_the_split():
+    from jax_overlap.analysis import tune
+    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.analysis.simulate import costs_from_model
+
+    even = costs_from_model(8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5, num_virtual_stages=4)
+    uneven = costs_from_model(8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5,
+                              num_virtual_stages=4, stage_layers=(3, 2, 2, 1))
+    layer = even.forward_s[1] / 2
+    assert uneven.forward_s[0] == pytest.approx(3 * layer)
+    assert uneven.forward_s[1] == pytest.approx(2 * layer)
+    assert uneven.forward_s[3] == pytest.approx(even.forward_s[3] - layer)  # 1 layer + head
+    # The tuner tries the balanced split beside the even one, and for GPT-1.3B's 1F1B on
+    # pp4 x dp2 predicts it faster.
+    cfg = config.load(GPT_1P3B)
+    hw = load_profile("h100_8x_nvlink")
+    found = {}
+    for split in ("even", "auto"):
+        cand = tune.Candidate(2, 1, 4, 1, 8, "1f1b", 64.0, False, 1, 1, split)
+        found[split] = tune.predict(cand, tune.apply_candidate(cfg, cand), hw)
+    assert found["auto"].step_time_s < found["even"].step_time_s
+    assert found["auto"].bubble_rate < found["even"].bubble_rate
+    splits = {c.stage_layers for c, _ in tune.enumerate_candidates(
+        cfg, 8, bucket_sizes_mb=(64.0,), windows=(1,), max_microbatches=8) if c.pp == 4}
+    assert splits == {"even", "auto"}
