@@ -12,7 +12,9 @@ every virtual stage the same layers, so the stage that also runs the LM head and
     python bench/stage_balance.py --quick    # one mesh, one microbatch count; writes nothing
 
 Columns: `stage_layers` (per virtual stage, model order), `step_ms` (simulated step),
-`bubble` (simulated idle fraction of the step, device mean), `table` (the schedule table's
+`bubble` (simulated idle fraction of the step, device mean); split `search` is auto's split
+improved by simulation (`tune.search_split`: one-layer moves while the step gets shorter,
+what `jax-overlap tune` does for its leading pipelined plans), `table` (the schedule table's
 idle fraction, what equal action costs would give), `speedup` (even step / this step).
 """
 
@@ -47,12 +49,16 @@ def rows(meshes, microbatches) -> list[dict]:
         for schedule, v in SCHEDULES:
             for m in microbatches:
                 even_ms = None
-                for split in ("even", "auto"):
-                    cand = tune.Candidate(dp, tp, pp, v, m, schedule, BUCKET_MB, False, 1, 1,
-                                          split)
-                    cfg = tune.apply_candidate(base, cand)
+                for split in ("even", "auto", "search"):
+                    if split == "search":  # auto's split improved by simulation
+                        p = tune.search_split(p, hw)
+                        cfg = p.config
+                    else:
+                        cand = tune.Candidate(dp, tp, pp, v, m, schedule, BUCKET_MB, False, 1,
+                                              1, split)
+                        cfg = tune.apply_candidate(base, cand)
+                        p = tune.predict(cand, cfg, hw)
                     plan = tune.plan_of(cfg)
-                    p = tune.predict(cand, cfg, hw)
                     step_ms = p.step_time_s * 1e3
                     even_ms = step_ms if split == "even" else even_ms
                     out.append({"mesh": f"pp{pp}xdp{dp}" + (f"xtp{tp}" if tp > 1 else ""),
@@ -66,13 +72,13 @@ def rows(meshes, microbatches) -> list[dict]:
 
 
 def table(result: list[dict]) -> str:
-    head = (f"{'mesh':<12} {'schedule':<8} {'m':>3} {'split':<5} {'stage_layers':<26} "
+    head = (f"{'mesh':<12} {'schedule':<8} {'m':>3} {'split':<6} {'stage_layers':<26} "
             f"{'step_ms':>8} {'bubble':>7} {'table':>6} {'speedup':>7}")
     lines = [head, "-" * len(head)]
     for r in result:
         layers = ",".join(str(n) for n in r["stage_layers"])
         lines.append(f"{r['mesh']:<12} {r['schedule']:<8} {r['microbatches']:>3} "
-                     f"{r['split']:<5} {layers:<26} {r['step_ms']:>8.1f} {r['bubble']:>7.3f} "
+                     f"{r['split']:<6} {layers:<26} {r['step_ms']:>8.1f} {r['bubble']:>7.3f} "
                      f"{r['table']:>6.3f} {r['speedup']:>7.3f}")
     return "\n".join(lines)
 

@@ -239,11 +239,12 @@ def test_gpu_quick_with_analysis():
 
 def test_stage_balance_quick():
     out = run_bench("stage_balance.py", "--json")
-    header, rows = table_rows(out, "mesh ", 4)
+    header, rows = table_rows(out, "mesh ", 6)
     assert header == ["mesh", "schedule", "m", "split", "stage_layers", "step_ms", "bubble",
                       "table", "speedup"]
-    assert [(r[1], r[3]) for r in rows] == [("zb-v", "even"), ("zb-v", "auto"),
-                                            ("1f1b", "even"), ("1f1b", "auto")]
+    assert [(r[1], r[3]) for r in rows] == [
+        ("zb-v", "even"), ("zb-v", "auto"), ("zb-v", "search"),
+        ("1f1b", "even"), ("1f1b", "auto"), ("1f1b", "search")]
     for r in rows:
         assert sum(int(n) for n in r[4].split(",")) == 24  # GPT-1.3B's layers
         positive(r[5]), fraction(r[6]), fraction(r[7]), positive(r[8])
@@ -253,3 +254,4 @@ def test_stage_balance_quick():
     for name in ("zb-v", "1f1b"):
         assert by[(name, "auto")]["step_ms"] < by[(name, "even")]["step_ms"]
         assert by[(name, "auto")]["bubble"] < by[(name, "even")]["bubble"]
+        assert by[(name, "search")]["step_ms"] <= by[(name, "auto")]["step_ms"]

@@ -286,3 +286,18 @@ def test_simulator_and_tuner_take_the_split():
     splits = {c.stage_layers for c, _ in tune.enumerate_candidates(
         cfg, 8, bucket_sizes_mb=(64.0,), windows=(1,), max_microbatches=8) if c.pp == 4}
     assert splits == {"even", "auto"}
+
+
+def test_tuner_search_improves_the_split_by_simulation():
+    from jax_overlap.analysis import tune
+    from jax_overlap.analysis.hardware import load_profile
+
+    cfg = config.load(GPT_1P3B)
+    hw = load_profile("h100_8x_nvlink")
+    cand = tune.Candidate(2, 2, 2, 2, 8, "zb-v", 64.0, False, 1, 1, "auto")
+    auto = tune.predict(cand, tune.apply_candidate(cfg, cand), hw)
+    found = tune.search_split(auto, hw)
+    assert found.step_time_s < auto.step_time_s
+    split = [int(n) for n in found.candidate.stage_layers.split(",")]
+    assert found.config.pipeline.stage_layers == split and sum(split) == 24
+    config.validate(found.config)  # what `tune` writes is a valid config

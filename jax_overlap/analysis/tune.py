@@ -81,7 +81,8 @@ class Candidate:
       transfer_latency: ticks between pipeline stages (1, or 2: every stage-to-stage transfer
         under the next tick's compute, for a longer ramp); 1 when pp = 1.
       stage_layers: ``even`` or ``auto`` (`pipeline.stage_layers`: layers balanced by cost,
-        counting the embedding and the LM head); ``even`` when pp = 1.
+        counting the embedding and the LM head), or an explicit split found by
+        :func:`search_split` written ``"7,6,6,5"``; ``even`` when pp = 1.
     """
 
     dp: int
@@ -135,7 +136,7 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
                                      microbatches=c.microbatches,
                                      virtual_stages=c.virtual_stages,
                                      transfer_latency=c.transfer_latency,
-                                     stage_layers=c.stage_layers),
+                                     stage_layers=_split_value(c.stage_layers)),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
@@ -146,6 +147,13 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _split_value(text: str):
+    """A candidate's `stage_layers` as the config takes it ("7,6,6,5" -> [7, 6, 6, 5])."""
+    if text in ("even", "auto"):
+        return text
+    return [int(n) for n in text.split(",")]
 
 
 def plan_of(cfg: Config) -> ParallelPlan:
@@ -602,6 +610,7 @@ def tune(
     if refine_with is not None:
         calibration = refine(refine_with, calibration, preds)
         preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+    preds = _with_searched_splits(preds, hw, calibration, efficiency)
     return TuneResult(
         hardware=hw.name,
         devices=devices,
@@ -609,6 +618,73 @@ def tune(
         plans=tuple(preds),
         calibration=calibration,
     )
+
+
+# ------------------------------------------------------------------------ stage splits
+
+# The leading pipelined plans whose layer split is searched by simulation after ranking.
+SEARCH_SPLITS = 3
+
+
+def search_split(pred: Prediction, hw: HardwareProfile,
+                 calibration: cal_lib.Calibration | None = None,
+                 efficiency: float = FLOP_EFFICIENCY, max_rounds: int = 8) -> Prediction:
+    """The plan with its layer split improved by simulation: starting from its split, move
+    one layer between two virtual stages while the simulated step gets shorter.
+
+    `auto` balances the stages' FLOPs; what the simulator rewards also depends on where in
+    the schedule the heavier virtual stages run (e.g. at ZB-V's turn), which this finds.
+
+    Args:
+      pred: a ranked prediction of a pipelined plan.
+      hw, calibration, efficiency: as for :func:`predict`.
+      max_rounds: most improving moves.
+
+    Returns:
+      The best prediction found (``pred`` itself when no move helps); its candidate's
+      ``stage_layers`` is the explicit split.
+    """
+    if pred.candidate.pp == 1:
+        return pred
+    best = pred
+    split = list(plan_of(pred.config).stage_layers)
+    for _ in range(max_rounds):
+        improved = None
+        for i in range(len(split)):
+            for j in range(len(split)):
+                if i == j or split[i] <= 1:
+                    continue
+                trial = list(split)
+                trial[i] -= 1
+                trial[j] += 1
+                cand = dataclasses.replace(pred.candidate,
+                                           stage_layers=",".join(str(n) for n in trial))
+                try:
+                    conf = apply_candidate(pred.config, cand)
+                except ConfigError:
+                    continue
+                p = predict(cand, conf, hw, calibration, efficiency)
+                if p.step_time_s < (improved or best).step_time_s * (1 - 1e-9):
+                    improved, found = p, trial
+        if improved is None:
+            break
+        best, split = improved, found
+    return best
+
+
+def _with_searched_splits(preds: list[Prediction], hw, calibration, efficiency
+                          ) -> list[Prediction]:
+    """`preds` plus the searched split of the leading :data:`SEARCH_SPLITS` fitting pipelined
+    plans where it simulates faster, ranked again."""
+    leading = [p for p in preds if p.fits and p.candidate.pp > 1][:SEARCH_SPLITS]
+    known = {p.candidate for p in preds}
+    extra = []
+    for p in leading:
+        found = search_split(p, hw, calibration, efficiency)
+        if found is not p and found.candidate not in known:
+            extra.append(found)
+            known.add(found.candidate)
+    return rank(list(preds) + extra) if extra else preds
 
 
 # ------------------------------------------------------------------------- measuring
