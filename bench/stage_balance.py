@@ -48,7 +48,7 @@ def rows(meshes, microbatches) -> list[dict]:
     for pp, dp, tp in meshes:
         for schedule, v in SCHEDULES:
             for m in microbatches:
-                even_ms = None
+                even_ms, p = None, None
                 for split in ("even", "auto", "search"):
                     if split == "search":  # auto's split improved by simulation
                         p = tune.search_split(p, hw)
