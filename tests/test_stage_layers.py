@@ -122,7 +122,7 @@ SPLIT_A = ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=zb-h1",
 RESUME_ON = {
     "split_b": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=interleaved",
                 "pipeline.virtual_stages=2", "pipeline.stage_layers=[1,2,2,1]"],
-    "pp1": ["mesh.dp=8", "mesh.pp=1", "mesh.tp=1"],
+    "pp1": ["mesh.dp=8", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=2"],
 }
 
 
@@ -135,7 +135,8 @@ def saved_with_split_a(tmp_path_factory):
     return result, os.path.join(run_dir, "checkpoints")
 
 
-@pytest.mark.parametrize("name", ["split_b", pytest.param("pp1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["split_b", "pp1"])
 def test_resume_across_stage_splits(saved_with_split_a, tmp_path, name):
     import json
     import os
@@ -156,6 +157,52 @@ def test_resume_across_stage_splits(saved_with_split_a, tmp_path, name):
     # Steps 3..4 from split A's parameters and optimizer state: the same losses as split A
     # running on (up to the reduction order).
     assert max(rel(a, b) for a, b in zip(resumed.losses, straight.losses[2:])) <= 1e-5
+
+
+def test_checkpoint_of_one_split_restores_bit_exact_with_another_and_on_pp1(tmp_path):
+    """The save / restore path of the training loop (`to_checkpoint` with the logical
+    `checkpoint_target`, `latest_good`, `from_checkpoint`) without training steps."""
+    from jax_overlap.resilience import checkpoint as ckptlib
+    from jax_overlap.resilience.ckpt_layout import (
+        checkpoint_target,
+        from_checkpoint,
+        to_checkpoint,
+    )
+    from jax_overlap.resilience.loop_state import (
+        abstract_loop_state,
+        make_initializer,
+        shardings_of,
+    )
+
+    def setup(overrides):
+        cfg = config.load(TINY, RESUME + overrides)
+        model = GPT.from_config(cfg.model)
+        plan = ParallelPlan.build(cfg, model)
+        mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, jax.devices()[:8])
+        opt = steplib.make_optimizer(cfg.train)
+        abstract = abstract_loop_state(model, cfg, plan, mesh, opt)
+        return cfg, model, plan, mesh, opt, abstract
+
+    cfg, model, plan, mesh, opt, abstract = setup(SPLIT_A)
+    assert abstract.train.params["blocks"]["w_in"].shape[0] == 2 * 5  # padded: 2 x max(5, 1)
+    state = make_initializer(model, cfg, plan, mesh, opt)()
+    target = checkpoint_target(abstract, plan.layer_perm)
+    assert target.train.params["blocks"]["w_in"].shape[0] == 6  # logical, unpadded
+    opts = ckptlib.CheckpointOptions(dir=str(tmp_path), every_steps=1, async_save=False)
+    with ckptlib.Checkpointer(opts, mesh) as c:
+        c.maybe_save(to_checkpoint(state, plan.layer_perm, shardings_of(target)), {}, force=True,
+                     step=0)
+    logical = jax.device_get(layout.to_logical(state, plan.layer_perm))
+    for name, overrides in RESUME_ON.items():
+        cfg, model, plan, mesh, opt, abstract = setup(overrides)
+        target = checkpoint_target(abstract, plan.layer_perm)
+        with ckptlib.Checkpointer(opts, mesh) as c:
+            result = c.latest_good(target)
+        restored = from_checkpoint(result.state, plan.layer_perm, shardings_of(abstract))
+        assert jax.tree.map(lambda a: a.shape, restored) == jax.tree.map(lambda a: a.shape,
+                                                                          abstract), name
+        back = jax.device_get(layout.to_logical(restored, plan.layer_perm))
+        assert jax.tree.all(jax.tree.map(np.array_equal, back, logical)), name
 
 
 # ---------------------------------------------------------------------------------------------
