@@ -572,8 +572,10 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
                 hooks.enter(1 + layer)
                 p_l = jax.tree.unflatten(
                     chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))])
-                if "valid" in w:
-                    h = _masked(w["valid"][layer], partial(model.block, p_l, h, par), h)
+                if "valid" in w:  # both branches typed like the tp-marked weights' output
+                    h = _vary(h, marked)
+                    h = _masked(w["valid"][layer],
+                                lambda p_=p_l, h_=h: _vary(model.block(p_, h_, par), marked), h)
                 else:
                     h = model.block(p_l, h, par)
             if role == "last":
