@@ -91,6 +91,10 @@ class PipelineConfig:
     # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
     # twice the unpaired schedule's activations per stage.
     paired: bool = False
+    # Layers per virtual stage, in model order (pp x virtual_stages counts summing to
+    # model.layers): even (equal chunks), auto (balanced by cost, counting the embedding on
+    # the first virtual stage and the LM head + loss on the last), or an explicit list.
+    stage_layers: Literal["even", "auto"] | list[int] = "even"
 
 
 @dataclass
@@ -176,6 +180,8 @@ def _hints(cls) -> dict[str, Any]:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
@@ -192,6 +198,16 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
                 return out
         names = " or ".join(_type_name(a) for a in get_args(tp))
         problems.append(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+        return None
+    if get_origin(tp) is list:
+        (item,) = get_args(tp)
+        if isinstance(value, (list, tuple)):
+            trial: list[str] = []
+            out = [_coerce(v, item, f"{where}[{i}]", trial) for i, v in enumerate(value)]
+            if not trial:
+                return out
+        problems.append(f"{where}: expected a list of {_type_name(item)}, got "
+                        f"{type(value).__name__} {value!r}")
         return None
     if get_origin(tp) is Literal:
         choices = get_args(tp)
@@ -329,9 +345,23 @@ def validate(cfg: Config) -> None:
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
     chunks = m.pp * pl.virtual_stages
     # ResNet groups its residual blocks into pp x v balanced units itself (models/resnet.py).
-    if mo.kind != "resnet" and mo.layers % chunks:
+    split = pl.stage_layers
+    if mo.kind == "resnet" and split != "even":
+        p.append("pipeline.stage_layers: resnet balances its residual blocks over the stages "
+                 "itself (models/resnet.py); leave it at even")
+    elif isinstance(split, list):
+        from jax_overlap.pipeline.stage_split import (
+            list_problems,  # pure Python, no jax
+        )
+
+        p.extend(list_problems(split, mo.layers, chunks))
+    elif split == "auto" and mo.layers < chunks:
+        p.append(f"pipeline.stage_layers: auto needs model.layers >= mesh.pp x "
+                 f"pipeline.virtual_stages = {chunks}, got {mo.layers}; use fewer stages")
+    elif split == "even" and mo.kind != "resnet" and mo.layers % chunks:
         p.append(f"model.layers: {mo.layers} is not divisible by mesh.pp x pipeline.virtual_stages "
-                 f"= {chunks}; use a multiple of {chunks}")
+                 f"= {chunks}; use a multiple of {chunks}, or set pipeline.stage_layers "
+                 f"(auto or a list)")
     explicit_mb = pl.microbatches != "auto"
     if explicit_mb and pl.microbatches < 1:
         p.append(f"pipeline.microbatches: must be >= 1, got {pl.microbatches}")

@@ -125,7 +125,8 @@ class ParallelPlan:
         microbatch loop, which the simulator runs).
       program: the schedule compiled into the executor's tick tables (pp > 1, compiled on
         first use); else None.
-      layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement).
+      layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement or
+        uneven chunks; -1 marks a padded position, `pipeline.layout`).
       overlap: the resolved overlap choices.
       compute_dtype: "fp32" or "bf16" (train.precision).
       remat: the rematerialisation policy every block runs under (model.remat).
@@ -134,6 +135,8 @@ class ParallelPlan:
       layout: the DP layout of the model's parameters (`overlap.dp_layout.DpLayout`), when the
         plan was built with a model.
       chunk_buckets: pp > 1 with in-loop buckets: the bucket plan of one chunk's layers.
+      stage_layers: layers per virtual stage in model order (`pipeline.stage_layers`
+        resolved: even, explicit or auto); empty only in hand-built plans (= even).
     """
 
     dp: int
@@ -150,6 +153,7 @@ class ParallelPlan:
     choices: dict[str, Choice] = field(default_factory=dict)
     layout: Any = None
     chunk_buckets: Any = None
+    stage_layers: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ derived values
 
@@ -222,6 +226,7 @@ class ParallelPlan:
             "schedule": self.schedule.name,
             "transfer_latency": self.transfer_latency,
             "paired": self.schedule.paired,
+            "stage_layers": list(self.stage_layers),
             "overlap": dataclasses.asdict(self.overlap),
             "target": self.target.name,
             "choices": {k: {"value": c.value, "why": c.why} for k, c in self.choices.items()},
@@ -268,14 +273,15 @@ class ParallelPlan:
         except ValueError as e:
             raise ConfigError([str(e)]) from None
         perm = None
+        num_layers = model.num_layers if model is not None else cfg.model.layers
+        split = _resolve_stage_layers(cfg, num_layers, schedule, choices)
         if m.pp > 1:
-            num_layers = model.num_layers if model is not None else cfg.model.layers
-            perm = _layer_permutation(num_layers, schedule)
+            perm = _layer_permutation(num_layers, schedule, split)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
                    micro_batch=cfg.train.global_batch // (m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
-                   choices=choices)
+                   choices=choices, stage_layers=split)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -283,7 +289,7 @@ class ParallelPlan:
             chunk = None
             if m.pp > 1 and overlap.buckets_in_loop:
                 chunk = dp_layout.chunk_bucket_plan(
-                    model, overlap, plan.axis_sizes, model.num_layers // plan.num_virtual_stages)
+                    model, overlap, plan.axis_sizes, max(split))
             plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk)
         return plan
 
@@ -296,11 +302,41 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
     return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency, paired)
 
 
-def _layer_permutation(num_layers: int, schedule: Schedule) -> np.ndarray | None:
+def _layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None
+                       ) -> np.ndarray | None:
     from jax_overlap.pipeline.layout import staged_permutation
 
-    perm = staged_permutation(num_layers, schedule)
+    perm = staged_permutation(num_layers, schedule, stage_layers)
     return None if np.array_equal(perm, np.arange(num_layers)) else perm
+
+
+def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
+                          choices: dict[str, Choice]) -> tuple[int, ...]:
+    """`pipeline.stage_layers` as layers per virtual stage (`auto` resolved from the model's
+    FLOPs: `pipeline.stage_split`)."""
+    from jax_overlap.pipeline import stage_split
+
+    value, parts = cfg.pipeline.stage_layers, len(schedule.placement)
+    if isinstance(value, (list, tuple)):
+        problems = stage_split.list_problems(value, num_layers, parts)
+        if problems:
+            raise ConfigError(problems)
+        return tuple(int(n) for n in value)
+    if value == "even" or parts == 1:
+        try:
+            return stage_split.even_split(num_layers, parts)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+    mo = cfg.model
+    block, embed, head = stage_split.transformer_costs(mo.d_model, mo.d_ff, mo.vocab, mo.seq_len)
+    try:
+        split = stage_split.auto_split(num_layers, schedule.placement, schedule.stages,
+                                       embed / block, head / block)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    choices["pipeline.stage_layers"] = Choice(list(split), stage_split.why_auto(
+        split, schedule.placement, schedule.stages, embed / block, head / block))
+    return split
 
 
 def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tuple[str, str]:

@@ -34,6 +34,7 @@ TESTED = {
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
     "remat.py": "test_remat_quick",
     "simulator_validation.py": "test_simulator_validation_quick",
+    "stage_balance.py": "test_stage_balance_quick",
     "step_time.py": "test_step_time_quick",
 }
 WRITABLE = ("bench/results", "docs", "runs/profile_gpu")  # what the full runs write
@@ -253,3 +254,23 @@ def test_gpu_quick_with_analysis():
         fraction(m[1]), fraction(m[2])
     else:
         assert "analysis skipped" in out
+
+
+def test_stage_balance_quick():
+    out = run_bench("stage_balance.py", "--json")
+    header, rows = table_rows(out, "mesh ", 6)
+    assert header == ["mesh", "schedule", "m", "split", "stage_layers", "step_ms", "bubble",
+                      "table", "speedup"]
+    assert [(r[1], r[3]) for r in rows] == [
+        ("zb-v", "even"), ("zb-v", "auto"), ("zb-v", "search"),
+        ("1f1b", "even"), ("1f1b", "auto"), ("1f1b", "search")]
+    for r in rows:
+        assert sum(int(n) for n in r[4].split(",")) == 24  # GPT-1.3B's layers
+        positive(r[5]), fraction(r[6]), fraction(r[7]), positive(r[8])
+    doc = json.loads(out.strip().splitlines()[-1])
+    by = {(r["schedule"], r["split"]): r for r in doc["rows"]}
+    # Balancing the head's stage shortens the simulated step of both schedules.
+    for name in ("zb-v", "1f1b"):
+        assert by[(name, "auto")]["step_ms"] < by[(name, "even")]["step_ms"]
+        assert by[(name, "auto")]["bubble"] < by[(name, "even")]["bubble"]
+        assert by[(name, "search")]["step_ms"] <= by[(name, "auto")]["step_ms"]

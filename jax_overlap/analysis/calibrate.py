@@ -726,7 +726,7 @@ def quantities_for(cfg: Config, plan, split_backward: bool) -> tuple[str, ...]:
 
 def block_variant(cfg: Config, plan) -> str:
     """``block1`` when the pipeline runs one-layer chunks (an unrolled scan), else ``block``."""
-    n = cfg.model.layers // (plan.num_virtual_stages)
+    n = max(layers_per_virtual_stage(cfg, plan))
     return "block1" if plan.pp > 1 and n == 1 and cfg.model.layers > 1 else "block"
 
 
@@ -807,9 +807,19 @@ def dtype_bytes(cfg: Config) -> int:
 
 
 def layers_per_virtual_stage(cfg: Config, plan) -> list[int]:
-    """Layers of each virtual stage in model order (validation makes them equal)."""
+    """Layers of each virtual stage in model order: the plan's `stage_layers` (even unless
+    `pipeline.stage_layers` says otherwise)."""
     n_vs = plan.num_virtual_stages
-    return [cfg.model.layers // n_vs] * n_vs
+    split = list(getattr(plan, "stage_layers", ()) or ())
+    return split if len(split) == n_vs else [cfg.model.layers // n_vs] * n_vs
+
+
+def layers_per_device(cfg: Config, plan) -> list[int]:
+    """Layers each pipeline stage holds: the sum of its virtual stages'."""
+    out = [0] * plan.pp
+    for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
+        out[plan.schedule.placement[vs][0]] += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -876,7 +886,7 @@ def stage_param_elements(cfg: Config, plan) -> float:
     over ``pp`` and their gradients summed over it.
     """
     c = param_counts(cfg, plan.tp)
-    layers = cfg.model.layers // plan.pp
+    layers = max(layers_per_device(cfg, plan))  # the most loaded stage (uneven splits)
     return layers * c.per_layer + c.embed + c.head
 
 
@@ -979,12 +989,20 @@ def grad_buckets(cfg: Config, plan) -> tuple[tuple[float, ...], str]:
 
     grad_bytes = 2 if plan.overlap.grad_comm_dtype == "bf16" else 4
     c = param_counts(cfg, plan.tp)
-    layers = cfg.model.layers // plan.pp
-    if plan.overlap.grad_bucket_bytes <= 0:
-        leaves = [n * layers for n in c.leaves_per_layer] + list(c.embed_leaves + c.head_leaves)
-        return tuple(float(n * grad_bytes) for n in reversed(leaves)), "after_backward"
-    total = (layers * c.per_layer + c.embed + c.head) * grad_bytes
-    return even_buckets(total, plan.overlap.grad_bucket_bytes), "during_backward"
+    per_device = layers_per_device(cfg, plan)
+
+    def of(layers):
+        if plan.overlap.grad_bucket_bytes <= 0:
+            leaves = [n * layers for n in c.leaves_per_layer] + list(c.embed_leaves
+                                                                     + c.head_leaves)
+            return tuple(float(n * grad_bytes) for n in reversed(leaves))
+        total = (layers * c.per_layer + c.embed + c.head) * grad_bytes
+        return even_buckets(total, plan.overlap.grad_bucket_bytes)
+
+    issue = "after_backward" if plan.overlap.grad_bucket_bytes <= 0 else "during_backward"
+    if len(set(per_device)) == 1:  # every stage alike: one list
+        return of(per_device[0]), issue
+    return tuple(of(n) for n in per_device), issue
 
 
 def assemble_costs(

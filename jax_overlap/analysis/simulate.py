@@ -752,6 +752,7 @@ def costs_from_model(
     *,
     num_virtual_stages: int = 1,
     optimizer_factor: float = 2.0,
+    stage_layers: Sequence[int] | None = None,
 ) -> Costs:
     """FLOP-based costs of a decoder-only transformer split into virtual stages.
 
@@ -775,8 +776,10 @@ def costs_from_model(
       dtype_bytes: bytes per parameter / activation element.
       chip_flops: peak FLOP/s of one device.
       efficiency: achieved fraction of ``chip_flops`` (MFU).
-      num_virtual_stages: ``p * v``; layers are split as evenly as possible.
+      num_virtual_stages: ``p * v``; layers are split as evenly as possible unless
+        ``stage_layers`` is given.
       optimizer_factor: optimizer-state bytes per parameter byte.
+      stage_layers: layers per virtual stage in model order (the plan's uneven split).
 
     Returns:
       The :class:`Costs` (bytes per device).
@@ -796,7 +799,10 @@ def costs_from_model(
         tokens * dtype_bytes * (4 * d_model + (4 * d_model + 2 * d_ff + heads * seq_len) / tp)
     )
     fwd, bwd, wgt, tpb, prm, stash = [], [], [], [], [], []
-    counts = _split(layers, num_virtual_stages)
+    counts = _split(layers, num_virtual_stages) if not stage_layers else list(stage_layers)
+    if len(counts) != num_virtual_stages or sum(counts) != layers:
+        raise ValueError(f"costs_from_model: stage_layers {list(counts)} does not split "
+                         f"{layers} layers into {num_virtual_stages} virtual stages")
     for vs, n in enumerate(counts):
         first, last = vs == 0, vs == num_virtual_stages - 1
         f, b, w = n * f_layer, n * b_layer, n * w_layer

@@ -80,6 +80,9 @@ class Candidate:
       window: FSDP prefetch depth (1 when not sharded).
       transfer_latency: ticks between pipeline stages (1, or 2: every stage-to-stage transfer
         under the next tick's compute, for a longer ramp); 1 when pp = 1.
+      stage_layers: ``even`` or ``auto`` (`pipeline.stage_layers`: layers balanced by cost,
+        counting the embedding and the LM head), or an explicit split found by
+        :func:`search_split` written ``"7,6,6,5"``; ``even`` when pp = 1.
     """
 
     dp: int
@@ -92,6 +95,7 @@ class Candidate:
     fsdp: bool
     window: int
     transfer_latency: int = 1
+    stage_layers: str = "even"
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -102,6 +106,8 @@ class Candidate:
         sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.transfer_latency > 1:
             sched += f" L{self.transfer_latency}"
+        if self.stage_layers != "even":
+            sched += f" split-{self.stage_layers}"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
@@ -129,7 +135,8 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
         pipeline=dataclasses.replace(cfg.pipeline, schedule=c.schedule,
                                      microbatches=c.microbatches,
                                      virtual_stages=c.virtual_stages,
-                                     transfer_latency=c.transfer_latency),
+                                     transfer_latency=c.transfer_latency,
+                                     stage_layers=_split_value(c.stage_layers)),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
@@ -140,6 +147,13 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _split_value(text: str):
+    """A candidate's `stage_layers` as the config takes it ("7,6,6,5" -> [7, 6, 6, 5])."""
+    if text in ("even", "auto"):
+        return text
+    return [int(n) for n in text.split(",")]
 
 
 def plan_of(cfg: Config) -> ParallelPlan:
@@ -174,7 +188,8 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
     probe = dataclasses.replace(cfg, mesh=configlib.MeshConfig(dp=dp, pp=pp, tp=tp),
                                 pipeline=dataclasses.replace(cfg.pipeline, schedule="gpipe",
                                                              virtual_stages=1,
-                                                             transfer_latency=1))
+                                                             transfer_latency=1,
+                                                             stage_layers="auto"))
     grad_mb = cal_lib.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
     out, whole = [], False
     for s in sorted(set(float(x) for x in sizes)):
@@ -186,6 +201,24 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
             whole = True
         out.append(s)
     return out
+
+
+def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
+                      ) -> list[tuple[int, str]]:
+    """``(transfer latency, stage split)`` pairs worth trying: both latencies and, where the
+    balanced split differs from the even one (or the layers do not split evenly), ``auto``."""
+    if pp == 1:
+        return [(1, "even")]
+    splits = ["even"]
+    try:
+        even = apply_candidate(cfg, Candidate(1, 1, pp, v, m, schedule, 0.0, False, 1, 1))
+        auto = dataclasses.replace(even, pipeline=dataclasses.replace(even.pipeline,
+                                                                       stage_layers="auto"))
+        if plan_of(auto).stage_layers != plan_of(even).stage_layers:
+            splits.append("auto")
+    except (ConfigError, ValueError):
+        splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
+    return [(latency, split) for latency in (1, 2) for split in splits]
 
 
 def enumerate_candidates(
@@ -220,8 +253,9 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    for latency in (1, 2) if pp > 1 else (1,):
-                        base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency)
+                    for latency, split in _pipeline_options(cfg, pp, v, schedule, m):
+                        base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency,
+                                         split)
                         try:
                             plan_of(apply_candidate(cfg, base))
                         except (ConfigError, ValueError):
@@ -249,8 +283,13 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     """FLOP-based :class:`Costs` of the plan ``cfg`` on the chip ``hw`` describes.
 
     Compute times come from :func:`costs_from_model` at ``efficiency`` of the chip's
-    peak; the pipelined path's recomputation is added the way the executor runs it (B,
-    and W when split, redo the chunk's forward), and the structure -- TP collective
+    peak, per virtual stage from the plan's layer split (`pipeline.stage_layers`), the
+    embedding on the first and the LM head on the last. The backward is priced the way the
+    executor runs it: an F stashes its residuals, so no backward re-runs the forward except
+    what the remat policy (`model.remat`) recomputes per layer -- ``full`` the block's
+    forward, ``minimal`` its attention scores, ``none`` / ``save_dots`` nothing. Split: B
+    is the input gradients (plus the recompute), W only the weight-gradient GEMMs (what B
+    kept); on virtual stage 0 B is empty and W does both. The structure -- TP collective
     count, parameter bytes per stage, stash -- is the same as for calibrated costs.
 
     Args:
@@ -264,33 +303,25 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     m = cfg.model
     plan = plan_of(cfg)
     s = plan.schedule
+    layers = cal_lib.layers_per_virtual_stage(cfg, plan)
     base = costs_from_model(
         m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
         plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
-        num_virtual_stages=plan.num_virtual_stages,
+        num_virtual_stages=plan.num_virtual_stages, stage_layers=layers,
     )
     fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
-    if plan.pp == 1:
+    tokens = plan.micro_batch * m.seq_len
+    attn = 4 * m.seq_len ** 2 * m.d_model * plan.micro_batch
+    per_layer = {"full": 2 * (4 * m.d_model ** 2 + 2 * m.d_model * m.d_ff) * tokens + attn,
+                 "minimal": attn}.get(plan.remat, 0.0)
+    redo = [n * per_layer / plan.tp / (hw.chip_flops * efficiency) for n in layers]
+    if plan.pp == 1 or not s.split_backward:
         # A non-split B does both gradients: costs_from_model splits them into B and W.
-        bwd = [b + w for b, w in zip(bwd, wgt)]
-        wgt = [0.0] * len(wgt)
-    elif not s.split_backward:
-        bwd = [f + b + w for f, b, w in zip(fwd, bwd, wgt)]
+        bwd = [b + w + r for b, w, r in zip(bwd, wgt, redo)]
         wgt = [0.0] * len(wgt)
     else:
-        # Same rule as the calibrated costs: B redoes the forward and the input gradients;
-        # W redoes the forward, the weight gradients and the input gradients of all but the
-        # chunk's first layer; on virtual stage 0 the split B is free and W does it all.
-        layers = cal_lib.layers_per_virtual_stage(cfg, plan)
-        new_b, new_w = [], []
-        for vs, (f, b, w) in enumerate(zip(fwd, bwd, wgt)):
-            if vs == 0:
-                new_b.append(0.0)
-                new_w.append(f + b + w)
-            else:
-                new_b.append(f + b)
-                new_w.append(f + w + b * (layers[vs] - 1) / layers[vs])
-        bwd, wgt = new_b, new_w
+        bwd, wgt = ([0.0] + [b + r for b, r in zip(bwd[1:], redo[1:])],
+                    [bwd[0] + wgt[0] + redo[0]] + wgt[1:])
     return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt)
 
 
@@ -579,6 +610,7 @@ def tune(
     if refine_with is not None:
         calibration = refine(refine_with, calibration, preds)
         preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+    preds = _with_searched_splits(preds, hw, calibration, efficiency)
     return TuneResult(
         hardware=hw.name,
         devices=devices,
@@ -586,6 +618,73 @@ def tune(
         plans=tuple(preds),
         calibration=calibration,
     )
+
+
+# ------------------------------------------------------------------------ stage splits
+
+# The leading pipelined plans whose layer split is searched by simulation after ranking.
+SEARCH_SPLITS = 3
+
+
+def search_split(pred: Prediction, hw: HardwareProfile,
+                 calibration: cal_lib.Calibration | None = None,
+                 efficiency: float = FLOP_EFFICIENCY, max_rounds: int = 8) -> Prediction:
+    """The plan with its layer split improved by simulation: starting from its split, move
+    one layer between two virtual stages while the simulated step gets shorter.
+
+    `auto` balances the stages' FLOPs; what the simulator rewards also depends on where in
+    the schedule the heavier virtual stages run (e.g. at ZB-V's turn), which this finds.
+
+    Args:
+      pred: a ranked prediction of a pipelined plan.
+      hw, calibration, efficiency: as for :func:`predict`.
+      max_rounds: most improving moves.
+
+    Returns:
+      The best prediction found (``pred`` itself when no move helps); its candidate's
+      ``stage_layers`` is the explicit split.
+    """
+    if pred.candidate.pp == 1:
+        return pred
+    best = pred
+    split = list(plan_of(pred.config).stage_layers)
+    for _ in range(max_rounds):
+        improved = None
+        for i in range(len(split)):
+            for j in range(len(split)):
+                if i == j or split[i] <= 1:
+                    continue
+                trial = list(split)
+                trial[i] -= 1
+                trial[j] += 1
+                cand = dataclasses.replace(pred.candidate,
+                                           stage_layers=",".join(str(n) for n in trial))
+                try:
+                    conf = apply_candidate(pred.config, cand)
+                except ConfigError:
+                    continue
+                p = predict(cand, conf, hw, calibration, efficiency)
+                if p.step_time_s < (improved or best).step_time_s * (1 - 1e-9):
+                    improved, found = p, trial
+        if improved is None:
+            break
+        best, split = improved, found
+    return best
+
+
+def _with_searched_splits(preds: list[Prediction], hw, calibration, efficiency
+                          ) -> list[Prediction]:
+    """`preds` plus the searched split of the leading :data:`SEARCH_SPLITS` fitting pipelined
+    plans where it simulates faster, ranked again."""
+    leading = [p for p in preds if p.fits and p.candidate.pp > 1][:SEARCH_SPLITS]
+    known = {p.candidate for p in preds}
+    extra = []
+    for p in leading:
+        found = search_split(p, hw, calibration, efficiency)
+        if found is not p and found.candidate not in known:
+            extra.append(found)
+            known.add(found.candidate)
+    return rank(list(preds) + extra) if extra else preds
 
 
 # ------------------------------------------------------------------------- measuring

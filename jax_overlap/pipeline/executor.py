@@ -127,8 +127,9 @@ class StagePieces(NamedTuple):
 
     Attributes:
       embed: `(w_embed, ids) -> x` (virtual stage 0 only).
-      chunk: `(w_chunk, x) -> y`, the chunk's layers (a scan), each block under the remat
-        policy.
+      chunk: `(w_chunk, x, valid=None) -> y`, the chunk's layers (a scan), each block under
+        the remat policy; `valid` (one bool per layer, uneven `pipeline.stage_layers`) skips
+        the padded layers (`_masked`).
       head: `(w_embed, w_head, y, targets) -> loss / global count` (the last virtual stage).
       block: `(p_layer, x) -> x`, one block without remat (what `weight_grads` splits).
       remat: the remat policy name.
@@ -146,8 +147,11 @@ def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
     raw = partial(_apply_block, model, par)
     block = remat_block(raw, remat)
 
-    def chunk(w_chunk, x_btd):
-        return jax.lax.scan(lambda h, p: (block(p, h), None), x_btd, w_chunk)[0]
+    def chunk(w_chunk, x_btd, valid=None):
+        if valid is None:
+            return jax.lax.scan(lambda h, p: (block(p, h), None), x_btd, w_chunk)[0]
+        return jax.lax.scan(lambda h, xs: (_masked(xs[1], lambda: block(xs[0], h), h), None),
+                            x_btd, (w_chunk, valid))[0]
 
     def embed(w_embed, ids_bt):
         return model.embed(w_embed, ids_bt, par)
@@ -162,17 +166,35 @@ def _apply_block(model, par, p, x):
     return model.block(p, x, par)
 
 
+def _masked(ok, run: Callable, skipped):
+    """`run()` where the layer is real, `skipped` (the input passed through) where it pads an
+    uneven chunk to the stage's largest one: a `cond`, so padded layers cost nothing and get
+    zero gradients."""
+    return jax.lax.cond(ok, run, lambda: skipped)
+
+
+def chunk_validity(stage_layers, placement, stages: int, virtual_stages: int):
+    """(stages, chunks, padded layers per chunk) bools, or None when the split is even."""
+    from jax_overlap.pipeline.layout import chunk_mask
+
+    mask = chunk_mask(stage_layers, placement, stages, virtual_stages)
+    return None if mask.all() else mask
+
+
 class ChunkSplit(NamedTuple):
     """A chunk's backward split into B and W (`weight_grads.SplitBlock` over its layers).
 
     Attributes:
       split: the block's `SplitBlock`.
       treedef: one layer's parameter structure; n_leaves: its leaf count.
+      act_avals: (shape, dtype, varying axes) of one layer's weight-matmul activation
+        operands (what a padded layer of an uneven chunk returns as zeros).
     """
 
     split: Any
     treedef: Any
     n_leaves: int
+    act_avals: tuple = ()
 
     def parts(self, w_chunk) -> tuple[list, list]:
         """(W's leaves, B's leaves) of the chunk's stacked parameters."""
@@ -189,15 +211,21 @@ class ChunkSplit(NamedTuple):
         return jax.tree.unflatten(self.treedef, leaves)
 
     def forward(self, remat: str) -> Callable:
-        """`(x, z, w_other, w_dot) -> (y, acts)`: the chunk with the matmul addends, every
-        layer under the remat policy; `z`, `acts` stacked over the chunk's layers."""
+        """`(x, z, w_other, w_dot, valid=None) -> (y, acts)`: the chunk with the matmul
+        addends, every layer under the remat policy; `z`, `acts` stacked over the chunk's
+        layers; `valid` skips padded layers (zero activation operands, so W adds nothing)."""
         layer = remat_block(self.split.forward, remat)
 
-        def run(x, z, w_other, w_dot):
+        def run(x, z, w_other, w_dot, valid=None):
             def step(h, xs):
-                z_l, wo_l, wd_l = xs
-                return layer(self._layer(wd_l, wo_l), h, list(z_l))
-            return jax.lax.scan(step, x, (tuple(z), w_other, w_dot))
+                z_l, wo_l, wd_l, ok = xs
+                p_l = self._layer(wd_l, wo_l)
+                if ok is None:
+                    return layer(p_l, h, list(z_l))
+                skipped = (h, [_vary(jnp.zeros(shape, dtype), axes)
+                               for shape, dtype, axes in self.act_avals])
+                return _masked(ok, lambda: layer(p_l, h, list(z_l)), skipped)
+            return jax.lax.scan(step, x, (tuple(z), w_other, w_dot, valid))
 
         return run
 
@@ -251,6 +279,8 @@ class StepContext:
       overlap: the plan's overlap choices; axis_sizes: the mesh's.
       chunk_buckets: the bucket plan of one chunk (in-loop buckets), else None.
       tp_share: per bucketed leaf, the tp ranks its bucket sums over (1 for tp-split leaves).
+      valid_vn: uneven `pipeline.stage_layers`: this stage's (chunks, padded layers) bools,
+        True for a real layer; None when every chunk has the same layers.
     """
 
     model: Any
@@ -272,6 +302,7 @@ class StepContext:
     tp_share: Any = None
     chunk_split: Any = None
     z0: Any = None
+    valid_vn: Any = None
 
     @property
     def layers_per_chunk(self) -> int:
@@ -279,9 +310,12 @@ class StepContext:
 
     def weights(self, role: str, chunk) -> dict:
         """The weights a `role` action of `chunk` reads: the chunk's layers, plus the
-        embedding (first, last: tied head) and the head (last)."""
+        embedding (first, last: tied head) and the head (last); with an uneven split also
+        "valid", which of the chunk's (padded) layers are real."""
         w = {"chunk": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, chunk, 0, False),
                                    self.blocks_vn)}
+        if self.valid_vn is not None:
+            w["valid"] = jax.lax.dynamic_index_in_dim(self.valid_vn, chunk, 0, False)
         if role in ("first", "last"):
             w["embed"] = self.params["embed"]
         if role == "last":
@@ -321,7 +355,7 @@ def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, pool
                     row):
     """An F: embedding (virtual stage 0), chunk and head (the last) under `jax.vjp`, each
     one's residuals returned for this (microbatch, chunk)'s slots. `chunk_residuals(w_chunk,
-    x) -> (y, leaves)` runs the chunk (plainly, or B/W-split)."""
+    x, valid) -> (y, leaves)` runs the chunk (plainly, or B/W-split)."""
     pieces, lay = ctx.pieces, ctx.layouts
     mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
     w = ctx.weights(role, chunk)
@@ -333,7 +367,7 @@ def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, pool
         res["first"] = list(leaves + [x])
     else:
         x = pool[row[COL["x_slot"]]]
-    y, res["chunk"] = chunk_residuals(w["chunk"], x)
+    y, res["chunk"] = chunk_residuals(w["chunk"], x, w.get("valid"))
     if role == "last":
         part, _, got, leaves = vjp_with_layout(
             lambda we, wh, y_: pieces.head(we, wh, y_, ctx.targets_mbt[mb]),
@@ -358,8 +392,9 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     """
     pieces, lay = ctx.pieces, ctx.layouts
 
-    def chunk_residuals(w_chunk, x):
-        y, _, got, leaves = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
+    def chunk_residuals(w_chunk, x, valid=None):
+        y, _, got, leaves = vjp_with_layout(lambda w_, x_: pieces.chunk(w_, x_, valid),
+                                            (w_chunk, x), (w_chunk, x))
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves)
 
@@ -436,10 +471,10 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         (d_dot,) = pull(dz)
         return d_dot
 
-    def chunk_residuals(w_chunk, x):
+    def chunk_residuals(w_chunk, x, valid=None):
         w_dot, w_other = cs.parts(w_chunk)
         (y, acts), _, got, leaves = vjp_with_layout(
-            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, ctx.z0, w_other),
+            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, ctx.z0, w_other),
             (w_dot, w_other, x), has_aux=True)
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves + jax.tree.leaves(acts))
@@ -535,9 +570,14 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             h = model.embed(others_["embed"], x_, par) if role == "first" else x_
             for layer in range(ctx.layers_per_chunk):
                 hooks.enter(1 + layer)
-                h = model.block(jax.tree.unflatten(
-                    chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))]),
-                    h, par)
+                p_l = jax.tree.unflatten(
+                    chunk_def, [hooks.value(i, layer) for i in range(len(chunk_leaves))])
+                if "valid" in w:  # both branches typed like the tp-marked weights' output
+                    h = _vary(h, marked)
+                    h = _masked(w["valid"][layer],
+                                lambda p_=p_l, h_=h: _vary(model.block(p_, h_, par), marked), h)
+                else:
+                    h = model.block(p_l, h, par)
             if role == "last":
                 return model.head_loss(others_["embed"], others_["head"], h, targets_bt,
                                        par) / ctx.count
@@ -797,7 +837,8 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
         params, blocks_vn, mbs, count = _prologue(params, batch, model, program,
                                                   dict(mesh.shape), plan.layout.fsdp)
         pieces = stage_pieces(model, plan.parallel(), count, plan.remat)
-        pools = _residual_pools(pieces, params, blocks_vn, mbs, program).pools
+        valid_vn = _stage_validity(plan.stage_layers, program)
+        pools = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn).pools
         found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
         found["slot"] = found["chunk"] // program.residual_slots("chunk")
         return count
@@ -821,6 +862,17 @@ class Residuals(NamedTuple):
     z0: Any = None
 
 
+def _stage_validity(stage_layers, program: TickProgram):
+    """This stage's (chunks, padded layers) validity (`chunk_validity`), or None if even."""
+    s = program.schedule
+    if not stage_layers:
+        return None
+    mask = chunk_validity(stage_layers, s.placement, s.stages, s.virtual_stages)
+    if mask is None:
+        return None
+    return jnp.asarray(mask)[jax.lax.axis_index(PP)]  # (chunks, layers) per device, over pp
+
+
 def _chunk_split(pieces: StagePieces, w_chunk, x, program: TickProgram):
     """The chunk's `ChunkSplit` for a split-backward schedule, or None (with a one-line notice
     when the block cannot be split: W then runs the whole backward)."""
@@ -836,13 +888,19 @@ def _chunk_split(pieces: StagePieces, w_chunk, x, program: TickProgram):
     if split is None:
         _log.warning("pipeline: W runs the whole chunk backward: %s", why)
         return None
-    return ChunkSplit(split, jax.tree.structure(layer), len(jax.tree.leaves(layer)))
+    z_layer = [_vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in split.z_avals]
+    _, acts = split.forward(layer, x, z_layer)  # a probe: dead code after tracing
+    act_avals = tuple((tuple(a.shape), a.dtype, tuple(sorted(_varying_axes(a))))
+                      for a in acts)
+    return ChunkSplit(split, jax.tree.structure(layer), len(jax.tree.leaves(layer)), act_avals)
 
 
-def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickProgram):
+def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickProgram,
+                    valid_vn=None):
     """The residual layouts of the embedding, chunk and head vjps (traced once on the first
     microbatch and chunk; the probe is dead code after tracing) and their empty slot pools."""
     w_chunk = jax.tree.map(lambda b: b[0], blocks_vn)
+    valid = None if valid_vn is None else valid_vn[0]
     ids, targets = mbs["inputs"][0], mbs["targets"][0]
     x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
                                             (params["embed"],), (params["embed"],))
@@ -850,7 +908,8 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `run_ticks`)
     z0 = extra = None
     if cs is None:
-        y, _, chunk_layout, _ = vjp_with_layout(pieces.chunk, (w_chunk, x), (w_chunk, x))
+        y, _, chunk_layout, _ = vjp_with_layout(lambda w_, x_: pieces.chunk(w_, x_, valid),
+                                                (w_chunk, x), (w_chunk, x))
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk)
     else:
         layers = jax.tree.leaves(w_chunk)[0].shape[0]
@@ -859,7 +918,8 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
         w_dot, w_other = cs.parts(w_chunk)
         run = cs.forward(pieces.remat)
         (y, acts), _, chunk_layout, _ = vjp_with_layout(
-            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot), (x, z0, w_other), (w_dot, w_other, x),
+            lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, z0, w_other),
+            (w_dot, w_other, x),
             has_aux=True)
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk) + [
             _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
@@ -882,7 +942,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
 
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
-                remat: str = "none"):
+                remat: str = "none", stage_layers=()):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
@@ -909,14 +969,16 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
     pieces = stage_pieces(model, par, count, remat)
-    found = _residual_pools(pieces, params, blocks_vn, mbs, program)
+    valid_vn = _stage_validity(stage_layers, program)
+    found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
                       loss0=_vary(jnp.zeros((), jnp.float32), (DP, PP)),
                       split=s.split_backward, pieces=pieces, layouts=found.layouts,
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
-                      tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0)
+                      tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0,
+                      valid_vn=valid_vn)
     action = split_action_branch if found.chunk_split is not None else action_branch
     branches = [idle_branch(ctx)] + [sync_branch(ctx, b.kind, b.role) if b.sync
                                      else action(ctx, b.kind, b.role)
@@ -951,7 +1013,7 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
     body = partial(_per_device, model=model, program=program, par=plan.parallel(),
                    overlap=plan.overlap, axis_sizes=dict(mesh.shape),
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
-                   remat=plan.remat)
+                   remat=plan.remat, stage_layers=plan.stage_layers)
     mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
                        out_specs=(P(), param_specs))
 

@@ -42,6 +42,43 @@ def from_checkpoint(tree: LoopState, perm: Optional[np.ndarray], shardings: Loop
     return jax.jit(lambda t: layout.to_staged(t, perm), out_shardings=shardings)(tree)
 
 
+def checkpoint_target(abstract: Any, perm: Optional[np.ndarray]) -> Any:
+    """The checkpoint's shapes of a run's (staged) abstract state: `abstract` itself, except
+    that uneven pipeline stages pad the staged blocks (`pipeline.layout`), which the
+    checkpoint drops. Such a leaf's layer axis stays split over its mesh axes where the
+    logical layer count divides evenly, and is replicated otherwise.
+
+    Args:
+      abstract: ShapeDtypeStructs with shardings (`abstract_loop_state`).
+      perm: the plan's `layer_perm` (-1 marks padding); None is the identity.
+
+    Returns:
+      The restore target / save layout of a checkpoint.
+    """
+    if perm is None or (np.asarray(perm) >= 0).all():
+        return abstract
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_overlap.pipeline.layout import BLOCKS
+
+    layers = int((np.asarray(perm) >= 0).sum())
+
+    def fix(path, a):
+        if not any(getattr(k, "key", None) == BLOCKS for k in path) or not a.shape:
+            return a
+        sharding = a.sharding
+        if isinstance(sharding, NamedSharding) and len(sharding.spec):
+            spec = list(sharding.spec)
+            axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+            size = int(np.prod([sharding.mesh.shape[x] for x in axes if x is not None]))
+            if layers % size:
+                sharding = NamedSharding(sharding.mesh, P(None, *spec[1:]))
+        return jax.ShapeDtypeStruct((layers, *a.shape[1:]), a.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(fix, abstract)
+
+
 def checkpoint_mismatch(markers: Iterable[tuple[int, dict]], abstract: Any) -> Optional[str]:
     """Why no committed checkpoint can restore into `abstract`, or None if one may.
 

@@ -46,6 +46,7 @@ from jax_overlap.config import Config, ConfigError
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
+    checkpoint_target,
     from_checkpoint,
     read_markers,
     to_checkpoint,
@@ -180,6 +181,9 @@ class _Trainer:
             self.model, cfg, self.plan, self.mesh, steplib.make_optimizer(cfg.train))
         self.shardings = shardings_of(self.abstract)
         self.perm = self.plan.layer_perm
+        # What a checkpoint holds: blocks in logical order (no padding of uneven stages).
+        self.ckpt_abstract = checkpoint_target(self.abstract, self.perm)
+        self.ckpt_shardings = shardings_of(self.ckpt_abstract)
         self.policy = RollbackPolicy(cfg.guard.max_skips, cfg.guard.skip_batches,
                                      cfg.guard.lr_scale_on_rollback)
         # What the run trains with: the config with every `auto` knob resolved by the plan.
@@ -255,7 +259,7 @@ class _Trainer:
         if self.ckpt is None:
             return
         markers = read_markers(self.ckpt_dir, self.ckpt.committed_steps())
-        mismatch = checkpoint_mismatch(markers, self.abstract)
+        mismatch = checkpoint_mismatch(markers, self.ckpt_abstract)
         if not ckptlib.default_collectives().all_true(mismatch is None):
             raise ConfigError([
                 f"checkpoint.dir: {self.ckpt_dir}: "
@@ -266,7 +270,7 @@ class _Trainer:
         if self.ckpt is not None:
             self.watchdog.beat("restore", 0)
             had_checkpoints = bool(self.ckpt.committed_steps())
-            result = self.ckpt.latest_good(self.abstract)
+            result = self.ckpt.latest_good(self.ckpt_abstract)
             if result is not None:
                 self.resumed_from = result.step
                 self.skipped_checkpoints = [s for s, _ in result.skipped]
@@ -348,7 +352,7 @@ class _Trainer:
         due = step % self.ckpt.options.every_steps == 0
         if due:
             self.watchdog.beat("save", step)
-            loop = to_checkpoint(loop, self.perm, self.shardings)
+            loop = to_checkpoint(loop, self.perm, self.ckpt_shardings)
         # Called after every accepted step, due or not: it also commits a save whose background
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
@@ -367,7 +371,7 @@ class _Trainer:
         self.watchdog.beat("rollback", from_step)
         restored = None
         if self.ckpt is not None:
-            result = self.ckpt.latest_good(self.abstract)
+            result = self.ckpt.latest_good(self.ckpt_abstract)
             if result is not None:
                 restored = from_checkpoint(result.state, self.perm, self.shardings)
                 to_step = result.step
@@ -403,7 +407,7 @@ class _Trainer:
             self.writer.write({"event": "preempted", "step": host.step, "signal": why})
         if self.ckpt is not None:
             self.watchdog.beat("save", host.step)
-            self.ckpt.maybe_save(to_checkpoint(loop, self.perm, self.shardings),
+            self.ckpt.maybe_save(to_checkpoint(loop, self.perm, self.ckpt_shardings),
                                  self.config_dict, force=True, step=host.step)
             self.ckpt.close()  # waits for the save and commits it
         if preempted:

@@ -1,0 +1,112 @@
+"""Balanced pipeline stages: simulated step time and bubble, even vs `pipeline.stage_layers=auto`.
+
+GPT-1.3B (configs/gpt_1p3b.yaml) on one node of 8 H100s (configs/hardware/h100_8x_nvlink.yaml),
+no device needed: every plan is played by the event-driven simulator
+(`jax_overlap.analysis.simulate`) with FLOP-based costs (`jax-overlap tune`'s `flop_costs`, at
+its assumed 50% of peak), per virtual stage from the plan's layer split. The even split gives
+every virtual stage the same layers, so the stage that also runs the LM head and loss (about
+1.75 blocks of work for GPT-1.3B) is the slowest; `auto` moves layers off it.
+
+    python bench/stage_balance.py            # the table; writes bench/results/stage_balance.json
+    python bench/stage_balance.py --json     # one JSON object on the last line as well
+    python bench/stage_balance.py --quick    # one mesh, one microbatch count; writes nothing
+
+Columns: `stage_layers` (per virtual stage, model order), `step_ms` (simulated step),
+`bubble` (simulated idle fraction of the step, device mean); split `search` is auto's split
+improved by simulation (`tune.search_split`: one-layer moves while the step gets shorter,
+what `jax-overlap tune` does for its leading pipelined plans), `table` (the schedule table's
+idle fraction, what equal action costs would give), `speedup` (even step / this step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "gpt_1p3b.yaml")
+HARDWARE = "h100_8x_nvlink"
+MESHES = [(4, 2, 1), (2, 2, 2)]  # (pp, dp, tp)
+SCHEDULES = [("zb-v", 2), ("1f1b", 1)]
+MICROBATCHES = (8, 32)  # 32: 4 sequences per microbatch, auto microbatching's GPU choice
+BUCKET_MB = 64.0  # configs/gpt_1p3b.yaml's gradient buckets
+QUICK = {"meshes": MESHES[:1], "microbatches": (8,)}
+
+
+def rows(meshes, microbatches) -> list[dict]:
+    from jax_overlap import config
+    from jax_overlap.analysis import tune
+    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.pipeline.schedules import bubble_fraction
+
+    hw = load_profile(HARDWARE)
+    base = config.load(CONFIG)
+    out = []
+    for pp, dp, tp in meshes:
+        for schedule, v in SCHEDULES:
+            for m in microbatches:
+                even_ms, p = None, None
+                for split in ("even", "auto", "search"):
+                    if split == "search":  # auto's split improved by simulation
+                        p = tune.search_split(p, hw)
+                        cfg = p.config
+                    else:
+                        cand = tune.Candidate(dp, tp, pp, v, m, schedule, BUCKET_MB, False, 1,
+                                              1, split)
+                        cfg = tune.apply_candidate(base, cand)
+                        p = tune.predict(cand, cfg, hw)
+                    plan = tune.plan_of(cfg)
+                    step_ms = p.step_time_s * 1e3
+                    even_ms = step_ms if split == "even" else even_ms
+                    out.append({"mesh": f"pp{pp}xdp{dp}" + (f"xtp{tp}" if tp > 1 else ""),
+                                "schedule": schedule, "microbatches": m, "split": split,
+                                "stage_layers": list(plan.stage_layers),
+                                "step_ms": round(step_ms, 1),
+                                "bubble": round(p.bubble_rate, 4),
+                                "table": round(bubble_fraction(plan.schedule), 4),
+                                "speedup": round(even_ms / step_ms, 3)})
+    return out
+
+
+def table(result: list[dict]) -> str:
+    head = (f"{'mesh':<12} {'schedule':<8} {'m':>3} {'split':<6} {'stage_layers':<26} "
+            f"{'step_ms':>8} {'bubble':>7} {'table':>6} {'speedup':>7}")
+    lines = [head, "-" * len(head)]
+    for r in result:
+        layers = ",".join(str(n) for n in r["stage_layers"])
+        lines.append(f"{r['mesh']:<12} {r['schedule']:<8} {r['microbatches']:>3} "
+                     f"{r['split']:<6} {layers:<26} {r['step_ms']:>8.1f} {r['bubble']:>7.3f} "
+                     f"{r['table']:>6.3f} {r['speedup']:>7.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one mesh, m=8; writes nothing")
+    ap.add_argument("--json", action="store_true", help="also print one JSON object")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    if args.quick:
+        result = rows(QUICK["meshes"], QUICK["microbatches"])
+    else:
+        result = rows(MESHES, MICROBATCHES)
+    print(f"GPT-1.3B on {HARDWARE}, simulated (FLOP costs), even vs auto stage_layers")
+    print(table(result))
+    doc = {"hardware": HARDWARE, "config": "configs/gpt_1p3b.yaml", "rows": result,
+           "date": datetime.date.today().isoformat()}
+    if not args.quick:
+        path = os.path.join(ROOT, "bench", "results", "stage_balance.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {os.path.relpath(path, ROOT)}")
+    if args.json:
+        print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
