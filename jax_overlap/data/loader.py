@@ -99,11 +99,18 @@ class TokenLoader:
         unless `index` is the batch it reads next)."""
         rows = tuple(int(r) for r in rows)
         if self._iter is None or index != self._next or rows != self._iter_rows:
+            self.close()
             self._iter = iter(self._batches(index, rows).to_iter_dataset(self._read_options))
             self._iter_rows = rows
         out = next(self._iter)
         self._next = index + 1
         return out
+
+    def close(self) -> None:
+        """Stops the reader threads (a later read starts new ones)."""
+        if self._iter is not None and hasattr(self._iter, "close"):
+            self._iter.close()
+        self._iter = None
 
     def iterator_state(self) -> dict[str, int]:
         """The Grain iterator's position as a batch index (what the train state saves)."""

@@ -252,6 +252,8 @@ class _Trainer:
                     raise
         finally:
             self.writer.close()
+            if hasattr(self.stream, "close"):
+                self.stream.close()  # the token loader's reader threads
             if getattr(self, "bar", None) is not None:
                 self.bar.close()
         return self._result(host, preempted)
