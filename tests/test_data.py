@@ -231,3 +231,92 @@ def test_event_writer_counts_faults(tmp_path):
     assert s["faults/rollbacks"][-1][1] == 1 and s["faults/steps_lost"] == [(2, 1.0)]
     assert s["perf/mfu"] == [(1, 0.25)] and s["train/dcn_delay_s"] == [(1, 0.5)]
     assert s["eval/loss"] == [(1, 3.0)] and "train/batch" not in s
+
+
+# Each of two processes (4 CPU devices each) places batches of a (dp, tp) mesh from the token
+# loader, logging which rows and windows it read, and gathers the global batch.
+ROWS_DRIVER = """
+import json, sys
+import numpy as np
+from jax_overlap.parallel import mesh as meshlib
+coord, pid, data, out, dp, tp = sys.argv[1:]
+meshlib.force_host_devices(4)
+meshlib.init_distributed(coord, 2, int(pid), 120)
+import jax
+from jax.experimental import multihost_utils
+from jax_overlap.data.loader import TokenLoader
+mesh = meshlib.make_mesh(int(dp), 1, int(tp), jax.devices())
+loader = TokenLoader(data, 16, 16, seed=0)
+read = []
+inner = loader.read_rows
+def logged(i, rows):
+    read.append([i, [int(r) for r in rows], loader.window_ids(i, rows).tolist()])
+    return inner(i, rows)
+loader.read_rows = logged
+full = []
+for i in (0, 1, 2, 5):
+    placed = loader.place(i, mesh)
+    full.append(multihost_utils.process_allgather(placed["inputs"], tiled=True).tolist())
+loader.close()
+json.dump({"read": read, "full": full}, open(out, "w"))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp,tp", [(2, 4), pytest.param(8, 1, marks=pytest.mark.slow)])
+def test_two_processes_read_disjoint_rows(bpe_dir, tmp_path, dp, tp):
+    from test_multiprocess import free_port
+
+    out, _ = bpe_dir
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", ROWS_DRIVER, f"127.0.0.1:{port}", str(i),
+                               out, str(tmp_path / f"p{i}.json"), str(dp), str(tp)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    logs = [json.load(open(tmp_path / f"p{i}.json")) for i in range(2)]
+    loader = TokenLoader(out, 16, 16, seed=0)
+    for k, index in enumerate((0, 1, 2, 5)):
+        # Whatever the prefetch read ahead, batch `index`'s reads per process:
+        reads = [next(r for r in log["read"] if r[0] == index) for log in logs]
+        rows0, rows1 = set(reads[0][1]), set(reads[1][1])
+        assert rows0 and rows1 and not rows0 & rows1 and rows0 | rows1 == set(range(16))
+        windows = dict(zip(reads[0][1] + reads[1][1], reads[0][2] + reads[1][2]))
+        assert [windows[r] for r in range(16)] == loader.window_ids(index, range(16)).tolist()
+        for log in logs:  # the placed global array is the global batch
+            assert np.array_equal(np.asarray(log["full"][k]), loader.batch(index)["inputs"])
+        assert all(len(r[1]) == 8 for log in logs for r in log["read"])  # half the rows each
+
+
+@pytest.mark.slow  # three CLI runs
+def test_token_loader_resume_after_sigkill_is_bit_identical(bpe_dir, tmp_path):
+    from test_resume import finish, marker, model_checksums, read_metrics, start_cli
+
+    out, _ = bpe_dir
+    run = ["train", "--config", TINY, "--no-progress", "--set", "train.steps=8",
+           "--set", "data.source=tokens", "--set", f"data.path={out}",
+           "--set", "model.vocab=auto", "--set", "checkpoint.every_steps=2",
+           "--set", "checkpoint.async_save=false", "--set", "train.eval_every=4"]
+    cache = tmp_path / "cache"
+    killed = str(tmp_path / "killed")
+    rc, _, err = finish(start_cli(run + ["--run-dir", killed], cache, kill_at=5))
+    assert rc == -9, err[-3000:]
+    rc, stdout, err = finish(start_cli(run + ["--run-dir", killed], cache))
+    assert rc == 0, err[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["resumed_from"] == 4
+    straight = str(tmp_path / "straight")
+    rc, _, err = finish(start_cli(run + ["--run-dir", straight], cache))
+    assert rc == 0, err[-3000:]
+    a = model_checksums(marker(os.path.join(killed, "checkpoints"), 8))
+    b = model_checksums(marker(os.path.join(straight, "checkpoints"), 8))
+    assert a and a == b
+    # The resumed run read the exact batches of the uninterrupted one, and evaluated alike.
+    def after_resume(records):
+        i = max([k for k, r in enumerate(records) if r.get("event") == "resume"], default=-1)
+        return [(r.get("batch"), r.get("loss"), r.get("eval_loss")) for r in records[i + 1:]]
+    tail = after_resume(read_metrics(killed))
+    assert tail == after_resume(read_metrics(straight))[-len(tail):] and len(tail) == 5
