@@ -84,8 +84,7 @@ class TokenLoader:
     def read_rows(self, index: int, rows) -> dict[str, np.ndarray]:
         """Rows `rows` of batch `index`: {"inputs", "targets"} int32 of (len(rows), seq_len)."""
         t = self.seq_len
-        windows = np.stack([self.tokens.read(self.start + int(w) * t, t + 1)
-                            for w in self.window_ids(index, rows)])
+        windows = self.tokens.read_many(self.start + self.window_ids(index, rows) * t, t + 1)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
     def batch(self, index: int) -> dict[str, np.ndarray]:

@@ -128,7 +128,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", train_vocab: 
     if train_vocab and not 256 < train_vocab <= 1 << 20:
         raise ValueError(f"--train-tokenizer: {train_vocab} must be in 257..{1 << 20} (the "
                          f"byte alphabet takes 256); e.g. 4096")
-    paths = resolve_inputs(inputs)
+    paths = _first_bytes(resolve_inputs(inputs), max_bytes)
     total_bytes = sum(os.path.getsize(p) for p in paths)
     if max_bytes > 0:
         total_bytes = min(total_bytes, max_bytes)
@@ -171,6 +171,19 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", train_vocab: 
     shardlib.write_index(out, index)
     return PrepareResult(out, len(paths), total_bytes, writer.tokens, tok.vocab_size, dtype,
                          time.perf_counter() - t0, index)
+
+
+def _first_bytes(paths: list[str], max_bytes: int) -> list[str]:
+    """The files that hold the first `max_bytes` bytes (all when 0)."""
+    if max_bytes <= 0:
+        return paths
+    out, total = [], 0
+    for p in paths:
+        if total >= max_bytes:
+            break
+        out.append(p)
+        total += os.path.getsize(p)
+    return out
 
 
 def _encode_group(tok, group: list[bytes], writer, bar, t0: float) -> None:

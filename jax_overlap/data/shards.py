@@ -107,6 +107,20 @@ class TokenArray:
     def __len__(self) -> int:
         return self._starts[-1]
 
+    def read_many(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) int32: the tokens at each start; one gather per shard."""
+        starts = np.asarray(starts, np.int64)
+        out = np.empty((len(starts), length), np.int32)
+        shard = np.searchsorted(self._starts_np, starts, side="right") - 1
+        inside = starts + length <= self._starts_np[shard + 1]
+        offsets = np.arange(length)
+        for k in np.unique(shard[inside]):
+            sel = inside & (shard == k)
+            out[sel] = self._maps[k][(starts[sel] - self._starts[k])[:, None] + offsets]
+        for i in np.flatnonzero(~inside):  # windows across a shard boundary
+            out[i] = self.read(int(starts[i]), length)
+        return out
+
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) as int32, across shard boundaries."""
         out = np.empty(length, np.int32)
