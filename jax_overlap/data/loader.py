@@ -56,7 +56,7 @@ class TokenLoader:
         sp = index["split"]
         self.start, stop = ((0, sp["train_tokens"]) if split == "train" else
                             (sp["val_start"], sp["val_start"] + sp["val_tokens"]))
-        self.seq_len, self.global_batch, self.split = seq_len, global_batch, split
+        self.seq_len, self.global_batch, self.split, self.seed = seq_len, global_batch, split, seed
         self.num_windows = (stop - self.start - 1) // seq_len
         if self.num_windows < 1:
             fix = ("prepare-data with a larger --val-fraction or more input" if split == "val"
