@@ -117,8 +117,19 @@ def test_vocab_auto_and_refusals(bpe_dir, tmp_path):
     assert e.value.problems[0].startswith("data.tokenizer:")
     tok = os.path.join(out, "tokenizer.json")
     assert config.load(TINY, tokens + ["model.vocab=auto", f"data.tokenizer={tok}"])
-    # stdlib through the same tokenizer: the size comes from the tokenizer file
-    assert config.load(TINY, [f"data.tokenizer={tok}", "model.vocab=auto"]).model.vocab == 512
+    # stdlib through the same tokenizer: the size comes from the tokenizer file, and the
+    # train and held-out streams are the encoded corpus.
+    cfg = config.load(TINY, [f"data.tokenizer={tok}", "model.vocab=auto",
+                             "data.max_bytes=50000"])
+    assert cfg.model.vocab == 512
+    from jax_overlap.training import data
+    from jax_overlap.training.data import stdlib_corpus
+
+    train, held_out = data.stream_from_config(cfg), data.eval_stream_from_config(cfg)
+    ids = np.concatenate([train.corpus, held_out.corpus])
+    assert 0.04 < len(held_out.corpus) / len(ids) < 0.06  # data.val_fraction 0.05
+    text = stdlib_corpus(50_000).tobytes().decode("utf-8", errors="replace")
+    assert toklib.load(tok).hf.decode(ids.tolist()) == text
 
 
 def test_loader_batches_epochs_and_prefetch(bpe_dir):
@@ -320,3 +331,41 @@ def test_token_loader_resume_after_sigkill_is_bit_identical(bpe_dir, tmp_path):
         return [(r.get("batch"), r.get("loss"), r.get("eval_loss")) for r in records[i + 1:]]
     tail = after_resume(read_metrics(killed))
     assert tail == after_resume(read_metrics(straight))[-len(tail):] and len(tail) == 5
+
+
+@pytest.mark.slow  # two pipeline/plain compiles
+def test_pipelined_run_evaluates_like_plain(bpe_dir, tmp_path):
+    from helpers import rel
+
+    from jax_overlap.training import loop
+
+    out, _ = bpe_dir
+    common = ["data.source=tokens", f"data.path={out}", "model.vocab=auto", "train.steps=2",
+              "train.eval_every=1", "train.eval_batches=2", "pipeline.microbatches=2"]
+    plain = loop.run(config.load(TINY, common), str(tmp_path / "plain"), progress=False)
+    piped = loop.run(config.load(TINY, common + ["mesh.dp=1", "mesh.pp=2", "mesh.tp=4"]),
+                     str(tmp_path / "pp"), progress=False)
+    a, b = plain.summary(), piped.summary()
+    assert rel(b["eval_loss"], a["eval_loss"]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_train_and_evaluate_from_shards(bpe_dir, tmp_path):
+    from helpers import last_json_line, rel, run_cli
+    from test_multiprocess import launch
+
+    out, _ = bpe_dir
+    common = ["train", "--config", TINY, "--no-progress", "--set", "train.steps=2",
+              "--set", "data.source=tokens", "--set", f"data.path={out}",
+              "--set", "model.vocab=auto", "--set", "train.eval_every=2",
+              "--set", "train.eval_batches=2"]
+    outs = launch(common + ["--run-dir", str(tmp_path / "mp")], 2, tmp_path)
+    for rc, _, err in outs:
+        assert rc == 0, err[-3000:]
+    multi = last_json_line(outs[0][1])
+    single = run_cli(*common, "--run-dir", str(tmp_path / "sp"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    single = last_json_line(single.stdout)
+    assert rel(multi["first_loss"], single["first_loss"]) <= 1e-5
+    assert rel(multi["eval_loss"], single["eval_loss"]) <= 1e-4

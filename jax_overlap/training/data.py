@@ -102,11 +102,15 @@ def tokenize_corpus(corpus: np.ndarray, spec: str) -> np.ndarray:
 
 def _corpus(cfg) -> np.ndarray:
     d, m, t = cfg.data, cfg.model, cfg.train
-    if d.source == "stdlib":
-        return tokenize_corpus(stdlib_corpus(d.max_bytes), d.tokenizer)
-    if d.source == "file":
-        return tokenize_corpus(file_corpus(d.path, d.max_bytes), d.tokenizer)
+    if d.source in ("stdlib", "file"):
+        return _text_corpus(d.source, d.path, d.max_bytes, d.tokenizer)
     return synthetic_corpus(m.vocab, max(100_000, 4 * m.seq_len * t.global_batch))
+
+
+@lru_cache(maxsize=2)  # the train and the held-out stream share one encoding
+def _text_corpus(source: str, path: str, max_bytes: int, tokenizer: str) -> np.ndarray:
+    raw = stdlib_corpus(max_bytes) if source == "stdlib" else file_corpus(path, max_bytes)
+    return tokenize_corpus(raw, tokenizer)
 
 
 def stream_from_config(cfg):
