@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB",
                    help="files, globs (quoted), directories, or `stdlib`")
     p.add_argument("--out", required=True, help="shard directory (data.path)")
-    p.add_argument("--tokenizer", default="bytes", help="`bytes` or a tokenizer.json")
-    p.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
-                   help="train a byte-level BPE of VOCAB tokens on the input first")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="bytes", help="`bytes` or a tokenizer.json")
+    tok.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
+                     help="train a byte-level BPE of VOCAB tokens on the input first")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
     p.add_argument("--max-bytes", type=int, default=0, help="read at most this much (0: all)")

@@ -424,6 +424,8 @@ def validate(cfg: Config) -> None:
                  "held-out data; set data.val_fraction=0.05 or train.eval_every=0")
     if cfg.data.source == "tokens" and cfg.data.tokenizer not in ("", "bytes"):
         p += _tokenizer_mismatch(cfg)
+    if cfg.data.source == "tokens" and os.path.isdir(cfg.data.path):
+        p += _split_problems(cfg)
     d = cfg.distributed
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")
@@ -459,3 +461,24 @@ def _tokenizer_mismatch(cfg: Config) -> list[str]:
         return [f"data.tokenizer: {d.tokenizer} is not the tokenizer {d.path} was prepared "
                 f"with (sha256 differs); drop data.tokenizer or prepare the data again"]
     return []
+
+
+def _split_problems(cfg: Config) -> list[str]:
+    """Each split the run reads must hold at least one window of model.seq_len + 1 tokens."""
+    from jax_overlap.data.tokenizer import read_index
+
+    d, need = cfg.data, cfg.model.seq_len + 1
+    try:
+        split = read_index(d.path)["split"]
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    if split["train_tokens"] < need:
+        out.append(f"data.path: {d.path}: the train split has {split['train_tokens']} tokens, "
+                   f"fewer than model.seq_len + 1 = {need}; prepare more data or lower "
+                   f"model.seq_len")
+    if cfg.train.eval_every > 0 and split["val_tokens"] < need:
+        out.append(f"train.eval_every: {d.path} holds out {split['val_tokens']} tokens, fewer "
+                   f"than model.seq_len + 1 = {need}; prepare-data with a larger "
+                   f"--val-fraction or set train.eval_every=0")
+    return out

@@ -117,6 +117,13 @@ def test_vocab_auto_and_refusals(bpe_dir, tmp_path):
     assert e.value.problems[0].startswith("data.tokenizer:")
     tok = os.path.join(out, "tokenizer.json")
     assert config.load(TINY, tokens + ["model.vocab=auto", f"data.tokenizer={tok}"])
+    # No val split, but evaluation asked for: refused before the run starts.
+    no_val = str(tmp_path / "no_val")
+    prepare.prepare(["stdlib"], no_val, val_fraction=0.0, max_bytes=5000, progress=False)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, ["data.source=tokens", f"data.path={no_val}", "train.eval_every=2"])
+    (line,) = e.value.problems
+    assert line.startswith("train.eval_every:") and "--val-fraction" in line
     # stdlib through the same tokenizer: the size comes from the tokenizer file, and the
     # train and held-out streams are the encoded corpus.
     cfg = config.load(TINY, [f"data.tokenizer={tok}", "model.vocab=auto",
