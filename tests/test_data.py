@@ -376,3 +376,19 @@ def test_two_processes_train_and_evaluate_from_shards(bpe_dir, tmp_path):
     single = last_json_line(single.stdout)
     assert rel(multi["first_loss"], single["first_loss"]) <= 1e-5
     assert rel(multi["eval_loss"], single["eval_loss"]) <= 1e-4
+
+
+def test_inputs_are_read_in_bounded_chunks(tmp_path, monkeypatch):
+    """No input is read whole: chunks end at line ends (or are cut once 4 chunks long)."""
+    monkeypatch.setattr(prepare, "CHUNK_BYTES", 1000)
+    lines = tmp_path / "lines.txt"
+    lines.write_bytes(b"".join(b"line %d of some text\n" % i for i in range(2000)))
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 40)  # no newline at all
+    chunks = list(prepare.read_chunks([str(lines), str(blob)]))
+    assert b"".join(chunks) == lines.read_bytes() + blob.read_bytes()
+    assert max(len(c) for c in chunks) <= 4000
+    n_lines = sum(1 for c in chunks if c.endswith(b"\n"))
+    assert n_lines >= lines.stat().st_size // 1000 - 1  # the text file's chunks end at a line
+    capped = b"".join(prepare.read_chunks([str(lines)], max_bytes=2500))
+    assert capped == lines.read_bytes()[:2500]
