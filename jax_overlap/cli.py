@@ -1,4 +1,4 @@
-"""`jax-overlap` command line: train | schedule | analyze | profile | tune.
+"""`jax-overlap` command line: train | schedule | analyze | profile | tune | prepare-data.
 
 Thin on purpose: parse flags, build the typed config, call the library. The config is read
 before JAX starts so that the process can ask for exactly as many host devices as the mesh
@@ -61,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", action="store_true")
     p.add_argument("--logdir", default="")
+
+    p = sub.add_parser("prepare-data", help="tokenize text files into token shards")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB",
+                   help="files, globs (quoted), directories, or `stdlib`")
+    p.add_argument("--out", required=True, help="shard directory (data.path)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", default="bytes", help="`bytes` or a tokenizer.json")
+    tok.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
+                     help="train a byte-level BPE of VOCAB tokens on the input first")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    p.add_argument("--max-bytes", type=int, default=0, help="read at most this much (0: all)")
+    p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("tune", help="rank parallel plans with the calibrated simulator")
     _add_config_args(p)
@@ -165,8 +178,19 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_prepare_data(args) -> int:
+    from jax_overlap.data import prepare
+
+    result = prepare.prepare(args.input, args.out, tokenizer=args.tokenizer,
+                             train_vocab=args.train_tokenizer, val_fraction=args.val_fraction,
+                             dtype=args.dtype, max_bytes=args.max_bytes,
+                             progress=not args.no_progress)
+    print(result.line(), flush=True)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "schedule": cmd_schedule, "analyze": cmd_analyze,
-            "profile": cmd_profile, "tune": cmd_tune}
+            "profile": cmd_profile, "tune": cmd_tune, "prepare-data": cmd_prepare_data}
 
 
 def main(argv: list[str] | None = None) -> int:

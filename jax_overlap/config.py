@@ -42,7 +42,9 @@ class ModelConfig:
     d_model: int = 128
     heads: int = 4
     d_ff: int = 512
-    vocab: int = 256  # byte-level data needs >= 256
+    # >= the tokenizer's size (256 for bytes); auto: the data's tokenizer size (the shards'
+    # index for data.source=tokens, else data.tokenizer) rounded up to a multiple of mesh.tp
+    vocab: int | Literal["auto"] = 256
     seq_len: int = 64
     tied_embeddings: bool = True  # output layer reuses the token embedding
     # What each block keeps for its backward (jax_overlap/parallel/remat.py): none keeps
@@ -54,10 +56,17 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # stdlib: the Python standard library's own source text (present on every machine);
-    # file: `path` to a UTF-8/bytes text file; synthetic: a learnable random Markov stream.
-    source: Literal["stdlib", "file", "synthetic"] = "stdlib"
+    # file: `path` to a UTF-8/bytes text file; synthetic: a learnable random Markov stream;
+    # tokens: `path` to a `jax-overlap prepare-data` directory (token shards, read by Grain).
+    source: Literal["stdlib", "file", "synthetic", "tokens"] = "stdlib"
     path: str = ""
-    max_bytes: int = 8_000_000  # how much of the corpus to load
+    max_bytes: int = 8_000_000  # how much of the corpus to load (stdlib, file)
+    # bytes, or a Hugging Face tokenizer.json for stdlib/file (tokens: the shards' own; a path
+    # given here must be the one they were made with)
+    tokenizer: str = "bytes"
+    # stdlib/file/synthetic: the corpus's last fraction, held out for train.eval_every
+    # (tokens: the split prepare-data --val-fraction wrote)
+    val_fraction: float = 0.05
 
 
 @dataclass
@@ -73,6 +82,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights
     optimizer: Literal["adamw", "lamb"] = "adamw"
     log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
+    eval_every: int = 0  # held-out loss and perplexity every this many steps; 0: off
+    eval_batches: int = 4  # global batches of held-out data per evaluation
 
 
 @dataclass
@@ -293,8 +304,35 @@ def from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "", problems)
     if problems:
         raise ConfigError(problems)
+    cfg = resolve_vocab(cfg)
     validate(cfg)
     return cfg
+
+
+def _data_vocab(cfg: Config) -> tuple[int, str]:
+    """(the data's tokenizer size, where it comes from); ConfigError naming the field."""
+    from jax_overlap.data.tokenizer import data_vocab_size  # no JAX
+
+    d = cfg.data
+    if d.source == "tokens" and not os.path.isdir(d.path):
+        raise ConfigError([f"data.path: {d.path or '(empty)'} is not a directory; "
+                           f"data.source=tokens needs a `jax-overlap prepare-data --out` "
+                           f"directory"])
+    try:
+        return data_vocab_size(d.source, d.path, d.tokenizer)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+
+
+def resolve_vocab(cfg: Config) -> Config:
+    """`model.vocab: auto` -> the data's tokenizer size rounded up to a multiple of mesh.tp."""
+    if cfg.model.vocab != "auto":
+        return cfg
+    from jax_overlap.data.tokenizer import padded_vocab
+
+    size, _ = _data_vocab(cfg)
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, vocab=padded_vocab(size, max(1, cfg.mesh.tp))))
 
 
 def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -337,9 +375,15 @@ def validate(cfg: Config) -> None:
             if getattr(mo, name) % m.tp:
                 p.append(f"model.{name}: {getattr(mo, name)} is not divisible by mesh.tp={m.tp}; "
                          f"use a multiple of {m.tp} or change mesh.tp")
-        if cfg.data.source in ("stdlib", "file") and mo.vocab < 256:
-            p.append(f"model.vocab: {mo.vocab} < 256 but data.source={cfg.data.source} is "
-                     f"byte-level; set model.vocab >= 256")
+        if cfg.data.source != "synthetic":
+            try:
+                size, where = _data_vocab(cfg)
+            except ConfigError as e:
+                p += e.problems
+                size, where = 0, ""
+            if mo.vocab < size:
+                p.append(f"model.vocab: {mo.vocab} < {size}, the size of {where}; set "
+                         f"model.vocab=auto or a value >= {size}")
         if ov.tp_comm not in ("plain", "auto") and mo.seq_len % m.tp:
             p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
@@ -408,6 +452,19 @@ def validate(cfg: Config) -> None:
         p.append("data.path: data.source=file needs a path; set data.path=/path/to/text.txt")
     elif cfg.data.source == "file" and not os.path.exists(cfg.data.path):
         p.append(f"data.path: {cfg.data.path} not found; point it at an existing text file")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        p.append(f"data.val_fraction: {cfg.data.val_fraction} is outside [0, 1); e.g. 0.05")
+    if t.eval_every < 0:
+        p.append(f"train.eval_every: must be >= 0 (0: no evaluation), got {t.eval_every}")
+    if t.eval_batches < 1:
+        p.append(f"train.eval_batches: must be >= 1, got {t.eval_batches}")
+    if t.eval_every > 0 and cfg.data.source != "tokens" and cfg.data.val_fraction == 0:
+        p.append("data.val_fraction: 0 holds nothing out, but train.eval_every > 0 needs "
+                 "held-out data; set data.val_fraction=0.05 or train.eval_every=0")
+    if cfg.data.source == "tokens" and cfg.data.tokenizer not in ("", "bytes"):
+        p += _tokenizer_mismatch(cfg)
+    if cfg.data.source == "tokens" and os.path.isdir(cfg.data.path):
+        p += _split_problems(cfg)
     d = cfg.distributed
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")
@@ -425,3 +482,42 @@ def check_device_count(cfg: Config, available: int) -> None:
             f"mesh: dp x pp x tp = {cfg.mesh.dp} x {cfg.mesh.pp} x {cfg.mesh.tp} = "
             f"{cfg.num_devices}, but {available} devices are available; make the product "
             f"{available} (e.g. --set mesh.dp={max(1, available // (cfg.mesh.pp * cfg.mesh.tp))})"])
+
+
+def _tokenizer_mismatch(cfg: Config) -> list[str]:
+    """A data.tokenizer given with data.source=tokens must be the one the shards were made with."""
+    from jax_overlap.data.tokenizer import file_sha256, read_index
+
+    d = cfg.data
+    if not os.path.isfile(d.tokenizer):
+        return [f"data.tokenizer: {d.tokenizer} is not a file; pass `bytes` (use the shards' "
+                f"own tokenizer) or a tokenizer.json"]
+    try:
+        want = read_index(d.path)["tokenizer"]["sha256"]
+    except ValueError as e:
+        return [str(e)]
+    if file_sha256(d.tokenizer) != want:
+        return [f"data.tokenizer: {d.tokenizer} is not the tokenizer {d.path} was prepared "
+                f"with (sha256 differs); drop data.tokenizer or prepare the data again"]
+    return []
+
+
+def _split_problems(cfg: Config) -> list[str]:
+    """Each split the run reads must hold at least one window of model.seq_len + 1 tokens."""
+    from jax_overlap.data.tokenizer import read_index
+
+    d, need = cfg.data, cfg.model.seq_len + 1
+    try:
+        split = read_index(d.path)["split"]
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    if split["train_tokens"] < need:
+        out.append(f"data.path: {d.path}: the train split has {split['train_tokens']} tokens, "
+                   f"fewer than model.seq_len + 1 = {need}; prepare more data or lower "
+                   f"model.seq_len")
+    if cfg.train.eval_every > 0 and split["val_tokens"] < need:
+        out.append(f"train.eval_every: {d.path} holds out {split['val_tokens']} tokens, fewer "
+                   f"than model.seq_len + 1 = {need}; prepare-data with a larger "
+                   f"--val-fraction or set train.eval_every=0")
+    return out

@@ -29,6 +29,7 @@ ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS":
 TESTED = {
     "fault_drill.py": "test_fault_drill_quick",
     "gpu.py": "test_gpu_quick_on_cpu",
+    "loader.py": "test_loader_quick",
     "overlap.py": "test_overlap_quick",
     "pipeline.py": "test_pipeline_quick",
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
@@ -274,3 +275,14 @@ def test_stage_balance_quick():
         assert by[(name, "auto")]["step_ms"] < by[(name, "even")]["step_ms"]
         assert by[(name, "auto")]["bubble"] < by[(name, "even")]["bubble"]
         assert by[(name, "search")]["step_ms"] <= by[(name, "auto")]["step_ms"]
+
+
+def test_loader_quick():
+    out = run_bench("loader.py")
+    _, rows = table_rows(out, "what ", 2)
+    by_name = {" ".join(r[:-1]): positive(r[-1]) for r in rows}
+    assert list(by_name) == ["loader (Grain, place)", "train step"]
+    ratio = float(re.search(r"ratio loader / step: (\S+)", out)[1])
+    assert ratio == pytest.approx(by_name["loader (Grain, place)"] / by_name["train step"],
+                                  rel=0.01)
+    assert ratio >= 10  # the loader is never the bottleneck

@@ -31,6 +31,9 @@ def test_profile_cli_json(tmp_path):
         assert parts == pytest.approx(d["step_time_s"], rel=0.05)
         assert d["ccor"] == pytest.approx(d["overlap_s"] / (d["compute_s"] + d["comm_s"]))
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # trace left for XProf
+    (perfetto,) = tmp_path.glob("plugins/profile/*/*perfetto_trace.json.gz")  # and Perfetto
+    assert doc["trace_files"]["perfetto"] == str(perfetto)
+    assert doc["trace_files"]["xplane"].endswith(".xplane.pb")
 
 
 def test_profile_summary_text(tmp_path):
@@ -44,6 +47,8 @@ def test_profile_summary_text(tmp_path):
     m = result.metrics
     assert m.steps == 2 and len(m.devices) == 2
     assert f"{m.step_time_s * 1e3:.3f}" in text
+    assert f"open: tensorboard --logdir {result.logdir}" in text
+    assert "open: https://ui.perfetto.dev" in text and "perfetto_trace.json.gz" in text
 
 
 def test_profile_rejects_zero_steps():

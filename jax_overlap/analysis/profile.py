@@ -13,6 +13,7 @@ counted as communication; the summary says so.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class ProfileResult:
             "mesh": dict(self.mesh),
             "platform": self.platform,
             "tokens_per_step": self.tokens_per_step,
+            "trace_files": trace_files(self.logdir),
         }
 
 
@@ -172,7 +174,34 @@ def format_summary(result: ProfileResult) -> str:
             "so overlap 0 / CCOR 0% is expected here, not a bug."
         )
     lines.extend(f"note: {n}" for n in m.notes if "CPU backend" not in n)
+    lines.extend(how_to_open(result.logdir))
     return "\n".join(lines)
+
+
+def trace_files(logdir: str) -> dict[str, str | None]:
+    """The newest run's XSpace (`xplane`, for TensorBoard's profile plugin) and Perfetto
+    trace (`perfetto`) under `logdir/plugins/profile/<run>/`, None where absent."""
+    runs = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*")),
+                  key=os.path.getmtime)
+    found: dict[str, str | None] = {"xplane": None, "perfetto": None}
+    if runs:
+        xplane = glob.glob(os.path.join(runs[-1], "*.xplane.pb"))
+        perfetto = glob.glob(os.path.join(runs[-1], "*perfetto_trace.json.gz"))
+        found = {"xplane": xplane[0] if xplane else None,
+                 "perfetto": perfetto[0] if perfetto else None}
+    return found
+
+
+def how_to_open(logdir: str) -> list[str]:
+    """The lines that say how to open the trace in TensorBoard and in Perfetto."""
+    files = trace_files(logdir)
+    out = []
+    if files["xplane"]:
+        out.append(f"open: tensorboard --logdir {logdir} -> Profile tab (needs "
+                   f"`pip install tensorboard-plugin-profile`); or xprof --logdir {logdir}")
+    if files["perfetto"]:
+        out.append(f"open: https://ui.perfetto.dev -> Open trace file -> {files['perfetto']}")
+    return out
 
 
 def profile_command(cfg: Config, steps: int = 3, as_json: bool = False, logdir: str = "") -> str:

@@ -760,7 +760,9 @@ def profile_steps(
         if update_args is not None:
             args = tuple(update_args(args, out))
     before = set(_run_dirs(logdir))
-    with jax.profiler.trace(str(logdir)):
+    # The .xplane.pb is what TensorBoard's profile plugin (XProf) opens; the Perfetto JSON
+    # next to it opens at https://ui.perfetto.dev.
+    with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
         for i in range(steps):
             with jax.profiler.StepTraceAnnotation(step_name, step_num=i):
                 out = jax.block_until_ready(step_fn(*args))

@@ -23,7 +23,9 @@ metrics.jsonl (process 0): one record per step attempt, `{"step", "loss", "grad_
 "step_time_s", "tokens_per_s", "batch", ...}` where `step` is the step attempted (1-based) and
 `batch` the batch consumed; rejected attempts add `"skipped": true`, `"reason"` and
 `"consecutive_bad"`. Events are records with an `"event"` key: `resume`, `rollback` (with
-`from_step`, `to_step`, `reason`, `steps_lost`, ...) and `preempted`.
+`from_step`, `to_step`, `reason`, `steps_lost`, ...), `preempted` and `eval` (`train.eval_every`:
+`eval_loss`, `eval_perplexity`, `eval_tokens`). The same records go to TensorBoard event files
+in the run dir (`jax_overlap.training.events`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from jax_overlap.resilience.rollback import (
 )
 from jax_overlap.resilience.watchdog import Watchdog, jax_board
 from jax_overlap.training import data as datalib
+from jax_overlap.training import eval_hook, events
 from jax_overlap.training import step as steplib
 
 
@@ -83,20 +86,26 @@ def peak_flops(device) -> float | None:
 
 
 class MetricsWriter:
-    """metrics.jsonl, one line per record, flushed as written (a crash loses nothing logged)."""
+    """metrics.jsonl, one line per record, flushed as written (a crash loses nothing logged);
+    with `events_dir`, the same records as TensorBoard scalars (`training.events`)."""
 
-    def __init__(self, path: str, enabled: bool = True):
+    def __init__(self, path: str, enabled: bool = True, events_dir: str | None = None):
         self.enabled = enabled
         self._f = open(path, "a", buffering=1) if enabled else None
+        self._events = events.EventWriter(events_dir) if enabled and events_dir else None
 
     def write(self, record: dict) -> None:
         if self._f:
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
+        if self._events:
+            self._events.write(record)
 
     def close(self) -> None:
         if self._f:
             self._f.close()
+        if self._events:
+            self._events.close()
 
 
 @dataclass
@@ -176,6 +185,8 @@ class _Trainer:
                                                 plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
+        self.evaluator = eval_hook.from_config(cfg, self.model, self.plan, self.mesh)
+        self.last_eval: dict = {}
         # The LR scale changes the schedule, never the optimizer state's structure.
         self.abstract = abstract_loop_state(
             self.model, cfg, self.plan, self.mesh, steplib.make_optimizer(cfg.train))
@@ -226,7 +237,7 @@ class _Trainer:
                 _close_quietly(self.ckpt)
             raise
         self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
-                                    enabled=self.is_main)
+                                    enabled=self.is_main, events_dir=self.run_dir)
         multi = jax.process_count() > 1
         self.watchdog = Watchdog(
             jax_board() if multi else None, jax.process_index(), jax.process_count(),
@@ -245,6 +256,8 @@ class _Trainer:
                     raise
         finally:
             self.writer.close()
+            if hasattr(self.stream, "close"):
+                self.stream.close()  # the token loader's reader threads
             if getattr(self, "bar", None) is not None:
                 self.bar.close()
         return self._result(host, preempted)
@@ -309,7 +322,7 @@ class _Trainer:
             if agree_to_stop(self.watcher.stop_requested(), host.step):
                 return loop, host, True
             attempted, consumed = host.step + 1, host.next_batch
-            batch = steplib.put_batch(self.stream.batch(consumed), self.mesh)
+            batch = datalib.place_batch(self.stream, consumed, self.mesh)
             t0 = time.perf_counter()
             loop, metrics = step_fn(loop, batch)
             m = jax.device_get(metrics)  # blocks until the step is done
@@ -334,8 +347,10 @@ class _Trainer:
             self.writer.write(record)
             if accepted:
                 self.bar.update(1)
-                self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                     **self._eval_postfix())
                 self._save_if_due(loop, host.step)
+                self._evaluate_if_due(loop, host.step)
             compiling = False
             if not accepted and self.policy.should_roll_back(m["consecutive_bad"]):
                 reason = (f"{int(m['consecutive_bad'])} consecutive rejected steps "
@@ -357,6 +372,17 @@ class _Trainer:
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
         self.ckpt.maybe_save(loop, self.config_dict, step=step)
+
+    def _evaluate_if_due(self, loop, step: int) -> None:
+        if self.evaluator is None or not self.evaluator.due(step):
+            return
+        self.watchdog.beat("eval", step)
+        self.last_eval = self.evaluator.run(loop.train.params)
+        self.writer.write({"event": "eval", "step": step, **self.last_eval})
+        self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", **self._eval_postfix())
+
+    def _eval_postfix(self) -> dict:
+        return {"eval": f"{self.last_eval['eval_loss']:.4f}"} if self.last_eval else {}
 
     # ---- rollback -----------------------------------------------------------------------
 
@@ -432,6 +458,7 @@ class _Trainer:
                  "skipped_steps": self.skipped_steps,
                  "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
                  "preempted": preempted, "last_checkpoint": committed[-1] if committed else None}
+        extra.update(self.last_eval)  # eval_loss, eval_perplexity of the last evaluation
         if self.peak and self.times:
             extra["mfu"] = self.flops_per_step / (median * self.peak * jax.device_count())
         losses = self.losses
