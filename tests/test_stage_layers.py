@@ -44,6 +44,7 @@ COMPOSE_CASES = [
     ("1f1b", 2, 2, 2, 4, True, ["overlap.grad_bucket_mb=0.01"]),
     ("zb-v", 4, 2, 1, 4, False, ["overlap.param_sharding=fsdp", "pipeline.transfer_latency=2"]),
     ("interleaved", 2, 4, 1, 4, True, ["overlap.zero1=true", "overlap.grad_bucket_mb=0.05"]),
+    ("zb-h1", 2, 2, 2, 4, False, ["pipeline.paired=true", "model.remat=save_dots"]),
 ]
 
 
@@ -110,6 +111,11 @@ def test_uneven_stages_match_single_device_sweep(references, name, pp, dp, tp, m
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", COMPOSE_CASES)
 def test_uneven_stages_compose_with_overlap(references, name, pp, dp, tp, m, tied, extra):
     check_equivalence(references, name, pp, dp, tp, m, tied, "none", extra)
+
+
+def test_uneven_stages_with_paired_ticks(references):
+    """Padded chunks and two lanes per tick together (zb-v: split backward, V placement)."""
+    check_equivalence(references, "zb-v", 4, 2, 1, 4, True, "none", ["pipeline.paired=true"])
 
 
 # ---------------------------------------------------------------------------------------------
