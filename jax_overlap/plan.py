@@ -383,7 +383,7 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
 
     m = cfg.mesh
     need = step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
-                      zero1=overlap.zero1, fsdp=overlap.fsdp)
+                      zero1=overlap.zero1, fsdp=overlap.fsdp, remat=cfg.model.remat)
     within = not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
     return micro_batch * cfg.model.seq_len <= MICROBATCH_TOKENS and within, need
 

@@ -947,18 +947,22 @@ def latency_equivalent_bytes(count: int, nbytes: float, n: int, link: Link) -> f
 def stash_bytes(cfg: Config, plan, vs: int) -> float:
     """Activation bytes one microbatch holds on ``vs`` between its ``F`` and backward.
 
-    ``pp = 1``: every layer's residuals (``value_and_grad`` keeps them), per token and
-    layer the norm and matmul inputs (4 d, not TP-sharded), q, k, v, attention output
-    and both MLP hidden tensors (4 d + 2 d_ff, sharded) and the attention
-    probabilities (heads x T, sharded), plus the fp32 logits slice on the last stage.
-    ``pp > 1``: only the chunk's input, which the executor stashes and recomputes from.
+    What each of the virtual stage's layers keeps under the remat policy
+    (`analysis/memory.py`'s `layer_stash_bytes`: every residual for ``none`` -- per token
+    the norm and matmul inputs, q, k, v, attention output, both MLP hidden tensors and the
+    attention probabilities --, the block input for ``full``, the matmul outputs for
+    ``save_dots`` / ``minimal``), the same at pp = 1 and pp > 1 (an F stashes its vjp
+    residuals), plus the fp32 logits slice on the last virtual stage.
     """
+    from jax_overlap.analysis.memory import layer_stash_bytes
+
     m, tp = cfg.model, plan.tp
     tokens = micro_batch_size(cfg, plan) * m.seq_len
-    act = tokens * m.d_model * dtype_bytes(cfg)
-    if plan.pp > 1:
-        return float(act)
-    return float(layer_residual_bytes(cfg, plan) * m.layers + tokens * m.vocab // tp * 4)
+    kept = layer_stash_bytes(m, micro_batch_size(cfg, plan), tp, cfg.train.precision,
+                             plan.remat)
+    layers = layers_per_virtual_stage(cfg, plan)[vs]
+    last = vs == plan.num_virtual_stages - 1
+    return float(kept * layers + (tokens * m.vocab // tp * 4 if last else 0))
 
 
 def layer_residual_bytes(cfg: Config, plan) -> float:
@@ -969,10 +973,9 @@ def layer_residual_bytes(cfg: Config, plan) -> float:
 
 
 def transient_bytes(cfg: Config, plan) -> float:
-    """Peak residuals the pipelined backward recomputes on top of the stash (one chunk)."""
-    if plan.pp <= 1:
-        return 0.0
-    return layer_residual_bytes(cfg, plan) * max(layers_per_virtual_stage(cfg, plan))
+    """Peak residuals the backward rebuilds on top of the stash: one layer's under
+    ``model.remat: full`` (the others keep what their backward reads)."""
+    return layer_residual_bytes(cfg, plan) if plan.remat == "full" else 0.0
 
 
 def grad_buckets(cfg: Config, plan) -> tuple[tuple[float, ...], str]:

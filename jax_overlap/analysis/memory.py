@@ -8,9 +8,11 @@ counts what a step keeps alive at its peak:
   device (TP splits blocks, the vocabulary and the MLP; PP splits the layers; ZeRO-1 splits
   the moments over dp; FSDP splits the blocks' parameters, gradients and moments over dp),
   plus a bf16 copy of the parameters under bf16 precision;
-* activations of one microbatch: every layer's residuals for its backward at pp = 1
-  (`layer_residual_bytes`), and at pp > 1 the stage's stashed chunk inputs (one per
-  microbatch in flight, at most `pp`) plus one chunk's residuals while it backpropagates;
+* activations: what each layer keeps for its backward under the remat policy
+  (`layer_stash_bytes`: every residual for `none`, the block input for `full`, the matmul
+  outputs for `save_dots` / `minimal`), for one microbatch at pp = 1 and, at pp > 1, for
+  each microbatch in flight on the stage (at most `pp`), plus one layer's recomputed
+  residuals while `full` backpropagates;
 * the fp32 logits and their gradient on the last stage.
 
 It is an estimate, not XLA's number: XLA's buffer assignment adds temporaries and, when it
@@ -36,6 +38,22 @@ def layer_residual_bytes(model, micro_batch: int, tp: int, precision: str) -> fl
     return tokens * dtype_bytes(precision) * width
 
 
+def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
+                      remat: str = "none") -> float:
+    """What one layer keeps between its forward and its backward under a remat policy
+    (`parallel/remat.py`), for one microbatch on one TP rank: `none` every residual
+    (`layer_residual_bytes`); `full` only the block's input; `save_dots` the matmul outputs
+    (the residuals less the softmax output, recomputed from the saved scores: about the same);
+    `minimal` the matmul outputs without the attention scores and probabilities."""
+    tokens = micro_batch * model.seq_len
+    every = layer_residual_bytes(model, micro_batch, tp, precision)
+    if remat == "full":
+        return tokens * model.d_model * dtype_bytes(precision)
+    if remat == "minimal":
+        return every - tokens * dtype_bytes(precision) * model.heads * model.seq_len / tp
+    return every
+
+
 def param_elements(model) -> tuple[float, float]:
     """(embedding + head elements, elements of one block) of a GPT/BERT-shaped model."""
     d, f = model.d_model, model.d_ff
@@ -47,7 +65,7 @@ def param_elements(model) -> tuple[float, float]:
 
 
 def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
-               zero1: bool = False, fsdp: bool = False) -> float:
+               zero1: bool = False, fsdp: bool = False, remat: str = "none") -> float:
     """Estimated peak bytes per device of one train step (see the module docstring).
 
     Args:
@@ -57,6 +75,7 @@ def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: st
       precision: "fp32" or "bf16".
       zero1: Adam's moments split over dp.
       fsdp: block parameters, gradients and moments split over dp.
+      remat: the `model.remat` policy (what each layer stashes, `layer_stash_bytes`).
     """
     embed, block = param_elements(model)
     layers = model.layers / pp
@@ -66,11 +85,10 @@ def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: st
     moments = 8 * (elems / dp if zero1 and not fsdp else elems)
     state = elems * (4 + 4) + moments + (2 * elems if precision == "bf16" else 0)
     tokens = micro_batch * model.seq_len
-    residual = layer_residual_bytes(model, micro_batch, tp, precision)
-    if pp == 1:
-        acts = model.layers * residual
-    else:
-        stash = pp * tokens * model.d_model * dtype_bytes(precision)
-        acts = stash + layers * residual
+    kept = layer_stash_bytes(model, micro_batch, tp, precision, remat)
+    # `full` rebuilds one layer's residuals at a time inside the backward.
+    redo = layer_residual_bytes(model, micro_batch, tp, precision) if remat == "full" else 0.0
+    in_flight = 1 if pp == 1 else pp
+    acts = in_flight * layers * kept + redo
     logits = 2 * tokens * model.vocab / tp * 4
     return float(state + acts + logits)

@@ -22,6 +22,7 @@ plans whose predictions agree.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -83,6 +84,9 @@ class Candidate:
       stage_layers: ``even`` or ``auto`` (`pipeline.stage_layers`: layers balanced by cost,
         counting the embedding and the LM head), or an explicit split found by
         :func:`search_split` written ``"7,6,6,5"``; ``even`` when pp = 1.
+      paired: paired F+B ticks (`pipeline.paired`, latency 1); False when pp = 1.
+      remat: the `model.remat` policy: what every layer keeps for its backward (memory)
+        against what it recomputes (time).
     """
 
     dp: int
@@ -96,6 +100,8 @@ class Candidate:
     window: int
     transfer_latency: int = 1
     stage_layers: str = "even"
+    paired: bool = False
+    remat: str = "none"
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -106,8 +112,12 @@ class Candidate:
         sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.transfer_latency > 1:
             sched += f" L{self.transfer_latency}"
+        if self.paired:
+            sched += " paired"
         if self.stage_layers != "even":
             sched += f" split-{self.stage_layers}"
+        if self.remat != "none":
+            sched += f" remat-{self.remat}"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
@@ -136,7 +146,9 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
                                      microbatches=c.microbatches,
                                      virtual_stages=c.virtual_stages,
                                      transfer_latency=c.transfer_latency,
-                                     stage_layers=_split_value(c.stage_layers)),
+                                     stage_layers=_split_value(c.stage_layers),
+                                     paired=c.paired),
+        model=dataclasses.replace(cfg.model, remat=c.remat),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
@@ -204,11 +216,12 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
 
 
 def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
-                      ) -> list[tuple[int, str]]:
-    """``(transfer latency, stage split)`` pairs worth trying: both latencies and, where the
-    balanced split differs from the even one (or the layers do not split evenly), ``auto``."""
+                      ) -> list[tuple[int, str, bool]]:
+    """``(transfer latency, stage split, paired)`` worth trying: both latencies, paired
+    ticks (latency 1) and, where the balanced split differs from the even one (or the layers
+    do not split evenly), ``auto``."""
     if pp == 1:
-        return [(1, "even")]
+        return [(1, "even", False)]
     splits = ["even"]
     try:
         even = apply_candidate(cfg, Candidate(1, 1, pp, v, m, schedule, 0.0, False, 1, 1))
@@ -218,7 +231,8 @@ def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
             splits.append("auto")
     except (ConfigError, ValueError):
         splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
-    return [(latency, split) for latency in (1, 2) for split in splits]
+    return [(latency, split, paired) for latency, paired in ((1, False), (2, False), (1, True))
+            for split in splits]
 
 
 def enumerate_candidates(
@@ -228,6 +242,7 @@ def enumerate_candidates(
     bucket_sizes_mb: Sequence[float] = DEFAULT_BUCKETS_MB,
     windows: Sequence[int] = DEFAULT_WINDOWS,
     max_microbatches: int = MAX_MICROBATCHES,
+    remats: Sequence[str] | None = None,
 ) -> list[tuple[Candidate, Config]]:
     """Every valid plan of ``cfg``'s model and batch on ``devices`` devices.
 
@@ -238,12 +253,15 @@ def enumerate_candidates(
         one plan).
       windows: FSDP prefetch depths to try (FSDP only when dp > 1).
       max_microbatches: most microbatches tried.
+      remats: `model.remat` policies to try (default: the configured one and ``full``).
 
     Returns:
       ``(candidate, validated config)`` pairs in a fixed order.
     """
     if devices < 1:
         raise ValueError(f"--devices: must be >= 1, got {devices}")
+    # The configured policy, and `full` (the least activation memory) when that differs.
+    policies = list(dict.fromkeys(remats or (cfg.model.remat, "full")))
     out = []
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
@@ -253,9 +271,9 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    for latency, split in _pipeline_options(cfg, pp, v, schedule, m):
+                    for latency, split, paired in _pipeline_options(cfg, pp, v, schedule, m):
                         base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency,
-                                         split)
+                                         split, paired)
                         try:
                             plan_of(apply_candidate(cfg, base))
                         except (ConfigError, ValueError):
@@ -264,15 +282,15 @@ def enumerate_candidates(
                             buckets = _bucket_sizes(cfg, dp, tp, pp, bucket_sizes_mb)
                         shardings = [(False, 1)] + ([(True, w) for w in windows] if dp > 1
                                                     else [])
-                        for bucket in buckets:
-                            for fsdp, window in shardings:
-                                cand = dataclasses.replace(
-                                    base, grad_bucket_mb=bucket, fsdp=fsdp, window=window
-                                )
-                                try:
-                                    out.append((cand, apply_candidate(cfg, cand)))
-                                except ConfigError:
-                                    continue
+                        for bucket, (fsdp, window), remat in itertools.product(
+                                buckets, shardings, policies):
+                            cand = dataclasses.replace(
+                                base, grad_bucket_mb=bucket, fsdp=fsdp, window=window,
+                                remat=remat)
+                            try:
+                                out.append((cand, apply_candidate(cfg, cand)))
+                            except ConfigError:
+                                continue
     return out
 
 
