@@ -44,6 +44,7 @@ from jax_overlap import plan as plan_lib
 from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.resilience import checkpoint as ckptlib
+from jax_overlap.resilience import run_guard
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
     from_checkpoint,
@@ -86,9 +87,12 @@ class MetricsWriter:
 
     def __init__(self, path: str, enabled: bool = True):
         self.enabled = enabled
-        self._f = open(path, "a", buffering=1) if enabled else None
+        self.path = path
+        self._f = None  # opened at the first record: a refused run creates no file
 
     def write(self, record: dict) -> None:
+        if self.enabled and self._f is None:
+            self._f = open(self.path, "a", buffering=1)
         if self._f:
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
@@ -155,9 +159,9 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
     Raises:
       ConfigError: the checkpoint directory holds a run with another state layout.
     """
-    os.makedirs(run_dir, exist_ok=True)
-    trainer = _Trainer(cfg, run_dir, progress, devices, model)
-    return trainer.run()
+    with run_guard.refusals_leave_no_trace(cfg, run_dir):
+        trainer = _Trainer(cfg, run_dir, progress, devices, model)
+        return trainer.run()
 
 
 class _Trainer:
@@ -173,6 +177,8 @@ class _Trainer:
         self.model = model_api.build_model(cfg) if model is None else model
         self.plan = plan_lib.ParallelPlan.build(cfg, self.model,
                                                 plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
+        if model is None:  # before anything is allocated
+            run_guard.check_memory(cfg, self.plan)
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         # The LR scale changes the schedule, never the optimizer state's structure.
@@ -186,11 +192,7 @@ class _Trainer:
         self.config_dict = self.plan.resolved_config(cfg).to_dict()
         ck = cfg.checkpoint
         self.ckpt_dir = ck.dir or os.path.join(run_dir, "checkpoints")
-        self.ckpt = None
-        if ck.every_steps > 0:
-            self.ckpt = ckptlib.Checkpointer(
-                ckptlib.CheckpointOptions(dir=self.ckpt_dir, every_steps=ck.every_steps,
-                                          keep=ck.keep, async_save=ck.async_save), self.mesh)
+        self.ckpt = self.local = None  # opened once the run dir is locked
         self.progress = progress
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.flops_per_step = self.model.flops_per_example() * cfg.train.global_batch
@@ -212,17 +214,19 @@ class _Trainer:
     # ---- entry point --------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        if self.is_main:
-            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-                f.write(json.dumps(self.config_dict, indent=2, sort_keys=True))
+        with run_guard.locked(self.run_dir):
+            self.ckpt, self.local = run_guard.open_tiers(self.cfg, self.ckpt_dir, self.mesh)
+            return self._run()
+
+    def _run(self) -> RunResult:
+        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
+                                    enabled=self.is_main)
         try:
             self._check_checkpoint_layout()
         except ConfigError:
             if self.ckpt is not None:
                 _close_quietly(self.ckpt)
             raise
-        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
-                                    enabled=self.is_main)
         multi = jax.process_count() > 1
         self.watchdog = Watchdog(
             jax_board() if multi else None, jax.process_index(), jax.process_count(),
@@ -231,6 +235,7 @@ class _Trainer:
             with _preemption_watcher() as self.watcher, self.watchdog:
                 try:
                     loop = self._start()
+                    self._accept()
                     self.bar = _progress_bar(self.cfg.train.steps, int(self.resumed_from or 0),
                                              enabled=self.progress and self.is_main)
                     loop, host, preempted = self._train(loop)
@@ -238,6 +243,8 @@ class _Trainer:
                 except BaseException:
                     if self.ckpt is not None and not multi:
                         _close_quietly(self.ckpt)  # commit a save that was already in flight
+                    if self.local is not None:
+                        _close_quietly(self.local)
                     raise
         finally:
             self.writer.close()
@@ -263,21 +270,46 @@ class _Trainer:
                 f"the config that saved it, or set checkpoint.dir to a fresh directory"])
 
     def _start(self) -> LoopState:
+        """Resume from the newest step that verifies in either tier, or start at step 0.
+
+        Nothing in the run dir changes here (a refusal leaves it as it was); `_accept`
+        applies the decision (quarantine, events, config.json).
+        """
+        self._events = []
         if self.ckpt is not None:
             self.watchdog.beat("restore", 0)
-            had_checkpoints = bool(self.ckpt.committed_steps())
-            result = self.ckpt.latest_good(self.abstract)
-            if result is not None:
-                self.resumed_from = result.step
-                self.skipped_checkpoints = [s for s, _ in result.skipped]
-                self._say(_resume_line(result.step, result.skipped, self.ckpt_dir))
-                self.writer.write({"event": "resume", "step": result.step,
-                                   "skipped": [[s, r] for s, r in result.skipped]})
-                return from_checkpoint(result.state, self.perm, self.shardings)
-            if had_checkpoints:
-                self._say(f"no checkpoint in {self.ckpt_dir} verifies (see the warnings above); "
-                          f"starting from step 0")
+            found = run_guard.restore_newest(self.ckpt, self.local, self.abstract,
+                                             self.cfg.checkpoint.on_unreadable, self.ckpt_dir)
+            self.skipped_checkpoints = [s for s, _ in found.skipped]
+            self.skipped_reasons = [{"step": s, "reason": r} for s, r in found.skipped]
+            self.resumed_tier = found.tier
+            if found.state is not None:
+                self.resumed_from = found.step
+                self._events.append(_resume_line(found.step, found.skipped, self.ckpt_dir)
+                                    + (" (local tier)" if found.tier == "local" else ""))
+                self._events.append({"event": "resume", "step": found.step, "tier": found.tier,
+                                     "skipped": [[s, r] for s, r in found.skipped]})
+                return from_checkpoint(found.state, self.perm, self.shardings)
+            if found.skipped:
+                self._events.append(f"no checkpoint in {self.ckpt_dir} verifies; restarting "
+                                    f"from step 0 (checkpoint.on_unreadable=restart)")
+                self._events.append({"event": "restart", "step": 0, "skipped": [
+                    [s, r] for s, r in found.skipped]})
         return self._initial()
+
+    def _accept(self) -> None:
+        """The run is on: from here on it may change the run dir."""
+        run_guard.accepted(self.ckpt_dir, self.local)
+        if self.ckpt is not None:
+            self.ckpt.quarantine_skipped(self.ckpt.last_skipped)
+        if self.is_main:
+            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                f.write(json.dumps(self.config_dict, indent=2, sort_keys=True))
+        for event in self._events:
+            if isinstance(event, dict):
+                self.writer.write(event)
+            else:
+                self._say(event)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -353,6 +385,9 @@ class _Trainer:
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
         self.ckpt.maybe_save(loop, self.config_dict, step=step)
+        if self.local is not None and self.local.due(step):
+            tree = loop if due else to_checkpoint(loop, self.perm, self.shardings)
+            self.local.save(tree, step, int(jax.device_get(loop.train.version)))
 
     # ---- rollback -----------------------------------------------------------------------
 
@@ -371,6 +406,8 @@ class _Trainer:
             if result is not None:
                 restored = from_checkpoint(result.state, self.perm, self.shardings)
                 to_step = result.step
+        if self.local is not None:
+            self.local.discard_after(to_step if restored is not None else 0)
         if restored is None:
             # No checkpoint (off, or none verifies yet): the initial state is reproducible
             # from the seed and is the checkpoint at step 0.
@@ -406,6 +443,8 @@ class _Trainer:
             self.ckpt.maybe_save(to_checkpoint(loop, self.perm, self.shardings),
                                  self.config_dict, force=True, step=host.step)
             self.ckpt.close()  # waits for the save and commits it
+        if self.local is not None:  # the persistent tier now holds the final state
+            self.local.close(remove=True)
         if preempted:
             if self.ckpt is not None:
                 saved = (f"checkpoint step {host.step} committed in {self.ckpt_dir}; rerun the "
@@ -424,6 +463,8 @@ class _Trainer:
                  "median_step_time_s": median if self.times else None,
                  "final_step": host.step, "resumed_from": self.resumed_from,
                  "skipped_checkpoints": self.skipped_checkpoints,
+                 "skipped_checkpoint_reasons": getattr(self, "skipped_reasons", []),
+                 "resumed_tier": getattr(self, "resumed_tier", None),
                  "rollbacks": self.rollbacks, "steps_lost": self.steps_lost,
                  "skipped_steps": self.skipped_steps,
                  "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
