@@ -47,23 +47,27 @@ class RunLog(logging.Handler):
             pass
 
     def write_text(self, text: str) -> None:
-        if self._file is not None:
+        if self.armed:
+            self._open()
             self._file.write(text)
             self._file.flush()
         elif len(self._buffer) < _MAX_BUFFERED:
             self._buffer.append(text)
 
+    def _open(self) -> None:
+        if self._file is None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+
     def arm(self) -> None:
-        """From now on write to the file (flushing what was buffered)."""
-        if self._file is not None:
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-        for text in self._buffer:
-            self._file.write(text)
-        self._buffer.clear()
-        self._file.flush()
+        """From now on write to the file (created at the first record; what was buffered
+        goes first)."""
         self.armed = True
+        if self._buffer:
+            self._open()
+            self._file.write("".join(self._buffer))
+            self._buffer.clear()
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
