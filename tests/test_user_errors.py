@@ -9,6 +9,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -181,11 +184,37 @@ CKPT = ["--set", f"train.steps={STEPS}", "--set", "checkpoint.every_steps=2", *S
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def concurrent(tmp_path_factory):
+    """Run A trains; run B, started on the same run dir once A holds it, is refused."""
     run = str(tmp_path_factory.mktemp("trained") / "run")
-    proc = run_cli(*TRAIN, "--run-dir", run, *CKPT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    a = subprocess.Popen([sys.executable, "-m", "jax_overlap.cli", *TRAIN, "--run-dir", run,
+                          *CKPT], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(run, "LOCK")) and a.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    b = run_cli(*TRAIN, "--run-dir", run, *CKPT, timeout=300)
+    out, err = a.communicate(timeout=600)
+    assert a.returncode == 0, err[-3000:]
+    return {"run": run, "a_pid": a.pid, "b": b, "a_out": out}
+
+
+@pytest.fixture(scope="module")
+def trained(concurrent):
+    return concurrent["run"]
+
+
+def test_second_training_on_a_held_run_dir_is_refused(concurrent):
+    line = assert_user_error(concurrent["b"], "--run-dir", f"pid {concurrent['a_pid']}",
+                             "started")
+    assert "another training holds it" in line
+    records = [json.loads(x) for x in open(os.path.join(concurrent["run"], "metrics.jsonl"))]
+    assert [r["step"] for r in records if "event" not in r] == list(range(1, STEPS + 1))
+    assert last_json_line(concurrent["a_out"])["final_step"] == STEPS
+    assert not os.path.exists(os.path.join(concurrent["run"], "LOCK"))  # released at the end
 
 
 def _corrupt_all(run: str) -> list[int]:
