@@ -241,9 +241,11 @@ def drill(args) -> dict:
     resumed = 0
     for i in range(args.kills):
         # A step that leaves a few to go, so the kill lands before the run can finish.
-        target = rng.randint(resumed + 1, max(resumed + 1, args.steps - 3 - 2 * args.every))
-        jitter = rng.uniform(0.0, args.jitter_s)
         kind = KINDS[0] if args.quick else rng.choice(KINDS)
+        # Room for a save-bound kind's moment to come (or its fallback) before the end.
+        room = 3 if kind == "mid_step" else 3 + 2 * args.every
+        target = rng.randint(resumed + 1, max(resumed + 1, args.steps - room))
+        jitter = rng.uniform(0.0, args.jitter_s)
         launch = run_once(commands(drill_dir), envs, drill_dir, os.path.join(work, f"kill{i}"),
                           target, jitter, kind, rng.randrange(n), args.every, local_root)
         launches.append(launch)

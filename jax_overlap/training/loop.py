@@ -359,6 +359,8 @@ class _Trainer:
                 self.skipped_steps += 1
                 record.update(skipped=True, reason=rejection_reason(loss, grad_norm),
                               consecutive_bad=int(m["consecutive_bad"]))
+            if self.local is not None:  # the last local save is committed before a step is
+                self.local.wait()  # reported done: a kill loses at most the step in flight
             self.writer.write(record)
             if accepted:
                 self.bar.update(1)
