@@ -105,7 +105,8 @@ def check_train_request(cfg: Config, run_dir: str) -> None:
 
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     problems = preflight.path_problems(run_dir, ckpt_dir, cfg.checkpoint.every_steps > 0)
-    if not problems:
+    process_id = int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0)
+    if not problems and process_id == 0:  # the others join process 0's lock
         held = lock.holder_problem(run_dir)
         problems = [held] if held else []
     if not problems and not glob.glob("/dev/nvidia[0-9]*"):
@@ -123,7 +124,7 @@ def cmd_train(args) -> int:
     check_train_request(cfg, args.run_dir)
     from jax_overlap.resilience import run_log
 
-    run_log.install(args.run_dir, max(0, cfg.distributed.process_id))
+    run_log.install(args.run_dir, int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0))
     prepare_backend(cfg)
     from jax_overlap.parallel import mesh
     from jax_overlap.training import loop as train
