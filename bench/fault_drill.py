@@ -61,7 +61,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Defaults of --kills / --steps / --every / --jitter-s / --out, and those of --quick.
 # Quick: with seed 0 the kill lands at most 10 ms after step 4, with 4 steps and 2 saves still
 # to go, so the run does not finish first.
-FULL = {"kills": 20, "steps": 60, "every": 5, "jitter_s": 0.05, "local_every": 1,
+FULL = {"kills": 20, "steps": 100, "every": 5, "jitter_s": 0.05, "local_every": 1,
         "out": "bench/results/fault_drill.json"}
 QUICK = {"kills": 1, "steps": 8, "every": 2, "jitter_s": 0.01, "local_every": 1}
 KINDS = ("mid_step", "during_save", "before_commit")
@@ -239,12 +239,17 @@ def drill(args) -> dict:
     rng = random.Random(args.seed)
     launches: list[Launch] = []
     resumed = 0
-    for i in range(args.kills):
-        # A step that leaves a few to go, so the kill lands before the run can finish.
+    # Kill targets spread over the run, leaving a few steps (and, for a save-bound kind, room
+    # for its moment to come or its fallback) before the end, so the kill lands before the run
+    # can finish; each kill lands at its target or just after the step resumed from.
+    if args.quick:
+        targets = [rng.randint(1, max(1, args.steps - 3))]
+    else:
+        last = max(1, args.steps - 3 - 2 * args.every)
+        targets = sorted(rng.sample(range(1, last + 1), min(args.kills, last)))
+    for i, planned in enumerate(targets):
         kind = KINDS[0] if args.quick else rng.choice(KINDS)
-        # Room for a save-bound kind's moment to come (or its fallback) before the end.
-        room = 3 if kind == "mid_step" else 3 + 2 * args.every
-        target = rng.randint(resumed + 1, max(resumed + 1, args.steps - room))
+        target = max(planned, resumed + 1)
         jitter = rng.uniform(0.0, args.jitter_s)
         launch = run_once(commands(drill_dir), envs, drill_dir, os.path.join(work, f"kill{i}"),
                           target, jitter, kind, rng.randrange(n), args.every, local_root)

@@ -380,16 +380,16 @@ class _Trainer:
         if self.ckpt is None:
             return
         due = step % self.ckpt.options.every_steps == 0
-        if due:
+        local_due = self.local is not None and self.local.due(step)
+        if due or local_due:
             self.watchdog.beat("save", step)
             loop = to_checkpoint(loop, self.perm, self.shardings)
+        if local_due:  # first: its background write overlaps the persistent save's start
+            self.local.save(loop, step, int(jax.device_get(loop.train.version)))
         # Called after every accepted step, due or not: it also commits a save whose background
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
         self.ckpt.maybe_save(loop, self.config_dict, step=step)
-        if self.local is not None and self.local.due(step):
-            tree = loop if due else to_checkpoint(loop, self.perm, self.shardings)
-            self.local.save(tree, step, int(jax.device_get(loop.train.version)))
 
     # ---- rollback -----------------------------------------------------------------------
 
