@@ -23,8 +23,8 @@ Layout, per process (`<root>/<run key>/p<process index>/`)::
     <step>/COMMITTED      the same JSON, written last (temp file + rename)
     OWNER                 the checkpoint dir this tier belongs to (for sweeping)
 
-A step counts only with its marker, and restores only if every shard's checksum (the
-persistent tier's `block_checksum`) matches. Multi-process: `restore` is collective; all
+A step counts only with its marker, and restores only if every shard's checksum (CRC-32 of its
+bytes, `shard_checksum`) matches. Multi-process: `restore` is collective; all
 processes agree on the newest step that verifies on every one of them.
 """
 
@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zlib
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -47,7 +48,6 @@ from jax_overlap.resilience.checkpoint import (
     MARKER_NAME,
     Collectives,
     LocalFS,
-    block_checksum,
     default_collectives,
 )
 
@@ -66,6 +66,15 @@ def default_root() -> str:
 def run_key(checkpoint_dir: str) -> str:
     """The tier's directory name for a run: its checkpoint dir's absolute path, hashed."""
     return hashlib.sha1(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:16]
+
+
+def shard_checksum(data: np.ndarray) -> str:
+    """CRC-32 of a shard's raw bytes, its dtype and shape. Local steps restore only onto the
+    layout that wrote them, so the persistent tier's mesh-independent checksum is not needed;
+    CRC-32 catches any flipped byte or truncation and costs microseconds per shard."""
+    data = np.ascontiguousarray(data)
+    head = f"{data.dtype.str}{data.shape}".encode()
+    return f"{zlib.crc32(memoryview(data).cast('B'), zlib.crc32(head)):08x}"
 
 
 def _norm_index(index: tuple, shape: tuple) -> list:
@@ -174,22 +183,24 @@ class LocalTier:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             names.append(jax.tree_util.keystr(path))
             leaves.append(leaf)
-        host = []
+        host, pending = [], []
         for leaf in leaves:
             shape = tuple(np.shape(leaf))
             shards = {}
             if isinstance(leaf, jax.Array):
                 for shard in leaf.addressable_shards:
                     norm = _norm_index(shard.index, shape)
-                    k = _key(norm)
-                    if k not in shards:
-                        shards[k] = (norm, np.array(shard.data, copy=True))
+                    if _key(norm) not in shards:
+                        shards[_key(norm)] = [norm, None]
+                        pending.append((shards[_key(norm)], shard.data))
             else:
-                arr = np.array(leaf, copy=True)
                 norm = [[0, n] for n in shape]
-                shards[_key(norm)] = (norm, arr)
+                shards[_key(norm)] = [norm, np.array(leaf, copy=True)]
             host.append((shape, str(np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))),
                          list(shards.values())))
+        # One transfer of every unique shard (copied: the step may donate the buffers next).
+        for slot, data in zip(pending, jax.device_get([d for _, d in pending])):
+            slot[0][1] = np.array(data, copy=True)
         self._thread = threading.Thread(target=self._write, args=(names, host, step, version),
                                         name=f"local-ckpt-{step}", daemon=True)
         self._thread.start()
@@ -207,8 +218,7 @@ class LocalTier:
                 entry = {"name": name, "shape": list(shape), "dtype": dtype, "shards": []}
                 for j, (norm, data) in enumerate(shards):
                     arrays[f"a{i}_{j}"] = data
-                    index = tuple(slice(a, b) for a, b in norm)
-                    entry["shards"].append({"index": norm, "checksum": f"{block_checksum(data, index, shape):016x}"})
+                    entry["shards"].append({"index": norm, "checksum": shard_checksum(data)})
                 leaves.append(entry)
             np.savez(os.path.join(tmp, "arrays.npz"), **arrays)
             meta = {"step": step, "version": version, "leaves": leaves}
@@ -279,8 +289,7 @@ class LocalTier:
                         return None, "local step was written on another mesh or process layout"
                     j, s = by_key[_key(norm)]
                     data = npz[f"a{i}_{j}"]
-                    got = f"{block_checksum(data, tuple(slice(a, b) for a, b in norm), shape):016x}"
-                    if got != s["checksum"]:
+                    if shard_checksum(data) != s["checksum"]:
                         return None, f"local step: checksum mismatch in {entry['name']}"
                     pieces.append(jax.device_put(data, device))
                 out.append(jax.make_array_from_single_device_arrays(shape, sharding, pieces))
