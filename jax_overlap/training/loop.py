@@ -14,6 +14,10 @@ Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir
 * After every accepted step that is a multiple of `every_steps`, an async save; it is committed
   at the next step once written.
 * At the end, and on pre-emption, a forced save that is waited for.
+* With `checkpoint.local_every` > 0, also a local tier (each process's shards under /dev/shm,
+  every N steps, in the background); a restart takes the newest step that verifies in either
+  tier. The run dir is locked for the run, and a refused run (lock held, another state layout,
+  no checkpoint verifies) leaves it unchanged (`resilience/run_guard.py`, docs/resilience.md).
 
 Pre-emption: SIGTERM or SIGINT lets the step in progress finish, saves, waits for the commit,
 prints one line and returns normally, so the CLI exits 0 with `"preempted": true` in the summary.
