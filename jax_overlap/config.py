@@ -474,8 +474,9 @@ def _checkpoint_and_guard_problems(cfg: Config) -> list[str]:
     if not g.spike_sigma > 0:
         p.append(f"guard.spike_sigma: must be > 0 (standard deviations above the mean), got "
                  f"{g.spike_sigma}; e.g. 6")
-    if g.max_skips < 1:
-        p.append(f"guard.max_skips: must be >= 1, got {g.max_skips}")
+    if g.max_skips < 0:
+        p.append(f"guard.max_skips: must be >= 0 (0 rolls back at the first rejected step), got "
+                 f"{g.max_skips}")
     if g.skip_batches < 0:
         p.append(f"guard.skip_batches: must be >= 0, got {g.skip_batches}")
     if not g.lr_scale_on_rollback > 0:
