@@ -285,3 +285,20 @@ def test_disk_full_during_async_save_then_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json_line(proc.stdout)
     assert summary["resumed_from"] == 2 and summary["final_step"] == 6
+
+
+def test_a_bug_is_one_line_naming_the_traceback_file(monkeypatch, capsys):
+    """Not a user error: exit 1, one line, the traceback in a file (the run's log for train)."""
+    from jax_overlap import cli
+
+    def broken(args):
+        raise RuntimeError("something inside broke\nsecond line")
+
+    monkeypatch.setitem(cli.COMMANDS, "schedule", broken)
+    rc = cli.main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and "internal error, RuntimeError: something inside broke" in line
+    path = line.rsplit("(traceback in ", 1)[1].rstrip(")")
+    text = open(path).read()
+    os.remove(path)
+    assert "Traceback" in text and "second line" in text
