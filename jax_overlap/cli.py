@@ -112,8 +112,34 @@ def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
         xla_flags.apply_preset(cfg.overlap.xla_preset)
 
 
+def check_train_request(cfg: Config, run_dir: str) -> None:
+    """What can be refused before JAX starts: paths, a held run dir, memory (on CPU, where
+    the devices share the host's RAM; a GPU's memory is checked once JAX knows it)."""
+    from jax_overlap import plan as plan_lib
+    from jax_overlap.resilience import lock, preflight
+
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    problems = preflight.path_problems(run_dir, ckpt_dir, cfg.checkpoint.every_steps > 0)
+    process_id = int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0)
+    if not problems and process_id == 0:  # the others join process 0's lock
+        held = lock.holder_problem(run_dir)
+        problems = [held] if held else []
+    if not problems and not glob.glob("/dev/nvidia[0-9]*"):
+        plan = plan_lib.ParallelPlan.build(cfg)
+        problems = preflight.memory_problems(
+            cfg.model, cfg.train, cfg.data, plan, device_bytes=None,
+            local_devices=max(1, cfg.num_devices // max(1, cfg.distributed.num_processes)),
+            host_bytes=preflight.host_memory_bytes())
+    if problems:
+        raise ConfigError(problems)
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args)
+    check_train_request(cfg, args.run_dir)
+    from jax_overlap.resilience import run_log
+
+    run_log.install(args.run_dir, int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0))
     prepare_backend(cfg)
     from jax_overlap.parallel import mesh
     from jax_overlap.training import loop as train
@@ -168,8 +194,15 @@ def cmd_profile(args) -> int:
     return 0
 
 
+MAX_TUNE_DEVICES = 1024  # the tuner forces this many host devices to calibrate on
+
+
 def cmd_tune(args) -> int:
     cfg = load_config(args)
+    if not 1 <= args.devices <= MAX_TUNE_DEVICES:
+        raise ValueError(f"--devices: must be in 1..{MAX_TUNE_DEVICES}, got {args.devices}")
+    if not 0 <= args.measure <= 16:
+        raise ValueError(f"--measure: must be in 0..16 (plans run for real), got {args.measure}")
     prepare_backend(cfg, devices_needed=max(cfg.num_devices, args.devices))
     from jax_overlap.analysis import tune
 
@@ -201,23 +234,29 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.problems:
             print(f"error: {line}", file=sys.stderr)
         return USER_ERROR
-    except FileNotFoundError as e:
-        print(f"error: {e.filename}: file not found", file=sys.stderr)
-        return USER_ERROR
-    except ValueError as e:
-        # Library functions raise ValueError for bad user input with a message naming the
-        # field (schedules, presets); anything else is a bug and keeps its traceback.
-        if _is_user_error(e):
-            print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one line on the terminal, whatever it is
+        from jax_overlap.resilience import run_log, user_errors
+
+        line = user_errors.user_error_line(e)
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
             return USER_ERROR
-        raise
+        where = run_log.write_traceback(e) or _traceback_file(e)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"error: internal error, {type(e).__name__}: {first} (traceback in {where})",
+              file=sys.stderr)
+        return 1
 
 
-def _is_user_error(e: ValueError) -> bool:
-    msg = str(e)
-    return any(msg.startswith(prefix) for prefix in (
-        "pipeline.", "overlap.", "model.", "mesh.", "train.", "data.", "checkpoint.", "guard.",
-        "--", "hardware", "target"))
+def _traceback_file(e: BaseException) -> str:
+    """Where an unexpected error's traceback goes when there is no run log."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="jax-overlap-error-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    return path
 
 
 if __name__ == "__main__":

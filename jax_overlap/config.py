@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -132,6 +133,15 @@ class CheckpointConfig:
     every_steps: int = 0  # 0 disables checkpointing
     keep: int = 3
     async_save: bool = True
+    # When committed checkpoints exist but none verifies: refuse (exit 2, nothing changed), or
+    # restart from step 0 on purpose (the bad steps are quarantined, the summary lists them).
+    on_unreadable: Literal["refuse", "restart"] = "refuse"
+    # The fast local tier (docs/resilience.md): a copy of every process's own shards every
+    # `local_every` accepted steps, written in the background; 0 turns it off. The newest
+    # step that verifies in either tier is resumed. Needs checkpoint.every_steps > 0.
+    local_every: int = 0
+    local_keep: int = 2  # local steps kept (1 or 2)
+    local_dir: str = ""  # empty: /dev/shm/jax_overlap where it exists, else the system temp dir
 
 
 @dataclass
@@ -148,6 +158,11 @@ class GuardConfig:
 class FaultConfig:
     nan_at_step: int = -1  # inject a NaN loss at this step (drills and tests); -1 off
     spike_at_step: int = -1  # inject a loss spike at this step; -1 off
+    # The persistent save of this step fails as if the disk were full (ENOSPC); -1 off
+    disk_full_at_step: int = -1
+    # Seconds every checkpoint save waits between its data and its commit marker (drills:
+    # widens the window a kill can land in); 0 off
+    commit_delay_s: float = 0.0
 
 
 @dataclass
@@ -281,7 +296,13 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError([f"--set {text}: expected section.key=value, e.g. --set train.steps=10"])
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError([f"--set {text}: the value is not valid YAML; quote it "
+                           f"(--set '{key.strip()}=\"...\"') or fix the syntax"]) from None
+    if not key.strip() or any(not k for k in key.strip().split(".")):
+        raise ConfigError([f"--set {text}: expected section.key=value, e.g. --set train.steps=10"])
     return key.strip().split("."), value
 
 
@@ -339,17 +360,50 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Loads a YAML config, applies overrides, checks it; raises ConfigError on any problem."""
     data: dict = {}
     if path is not None:
-        if not os.path.exists(path):
-            raise ConfigError([f"--config {path}: file not found; pass an existing YAML file, "
-                               f"e.g. configs/tiny.yaml"])
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError([f"--config {path}: not valid YAML{at}; fix the syntax"]) from None
+        data = _read_yaml(str(path))
     return from_dict(apply_overrides(data, list(overrides)))
+
+
+def _read_yaml(path: str) -> dict:
+    """The mapping a config file holds; ConfigError for anything that is not one.
+
+    An empty file (or one holding only comments) is refused rather than read as "all
+    defaults": an empty file is far more often a mistake than a choice. `{}` says it on purpose.
+    """
+    where = f"--config {path}"
+    if not os.path.exists(path):
+        raise ConfigError([f"{where}: file not found; pass an existing YAML file, "
+                           f"e.g. configs/tiny.yaml"])
+    if os.path.isdir(path):
+        raise ConfigError([f"{where}: is a directory; pass a YAML file, e.g. configs/tiny.yaml"])
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(16 * 1024 * 1024 + 1)
+    except OSError as e:
+        raise ConfigError([f"{where}: cannot read it ({e.strerror}); check its permissions"]) from None
+    if len(raw) > 16 * 1024 * 1024:
+        raise ConfigError([f"{where}: larger than 16 MiB, not a config; pass a YAML file"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError([f"{where}: not a text file (not UTF-8); pass a YAML config, e.g. "
+                           f"configs/tiny.yaml"]) from None
+    if "\x00" in text:
+        raise ConfigError([f"{where}: not a text file (holds NUL bytes); pass a YAML config"])
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError([f"{where}: not valid YAML{at}; fix the syntax"]) from None
+    if data is None:
+        raise ConfigError([f"{where}: the file is empty; write the settings (see "
+                           f"configs/tiny.yaml), or '{{}}' to train the built-in defaults on "
+                           f"purpose"])
+    if not isinstance(data, dict):
+        raise ConfigError([f"{where}: holds a {type(data).__name__}, not a mapping of "
+                           f"sections; write e.g. 'train: {{steps: 10}}'"])
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,16 +496,22 @@ def validate(cfg: Config) -> None:
                  f"interleaved or zb-v (got {pl.schedule}); set it to 1")
     if t.steps < 1:
         p.append(f"train.steps: must be >= 1, got {t.steps}")
-    if t.lr <= 0:
-        p.append(f"train.lr: must be > 0, got {t.lr}")
+    if not t.lr > 0 or not math.isfinite(t.lr):
+        p.append(f"train.lr: must be a finite number > 0, got {t.lr}")
+    p += _finite_floats(cfg)
+    p += _checkpoint_and_guard_problems(cfg)
+    if t.global_batch < 1:
+        p.append(f"train.global_batch: must be >= 1, got {t.global_batch}")
     if not 1 <= ov.window <= 3 and ov.param_sharding == "fsdp":
         p.append(f"overlap.window: {ov.window} is outside 1..3; use 1, 2 or 3")
     if ov.grad_bucket_mb < 0:
         p.append(f"overlap.grad_bucket_mb: must be >= 0, got {ov.grad_bucket_mb}")
     if cfg.data.source == "file" and not cfg.data.path:
         p.append("data.path: data.source=file needs a path; set data.path=/path/to/text.txt")
-    elif cfg.data.source == "file" and not os.path.exists(cfg.data.path):
-        p.append(f"data.path: {cfg.data.path} not found; point it at an existing text file")
+    elif cfg.data.source == "file":
+        p += _data_file_problems(cfg)
+    if cfg.data.max_bytes < 1:
+        p.append(f"data.max_bytes: must be >= 1, got {cfg.data.max_bytes}")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         p.append(f"data.val_fraction: {cfg.data.val_fraction} is outside [0, 1); e.g. 0.05")
     if t.eval_every < 0:
@@ -473,6 +533,74 @@ def validate(cfg: Config) -> None:
                  f"distributed.num_processes={d.num_processes}")
     if p:
         raise ConfigError(p)
+
+
+def _finite_floats(cfg: Config) -> list[str]:
+    """Every float field must be a finite number (YAML reads .inf and .nan as floats)."""
+    out = []
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v) and f"{section.name}.{f.name}" != "train.lr":
+                out.append(f"{section.name}.{f.name}: must be a finite number, got {v}")
+    return out
+
+
+def _checkpoint_and_guard_problems(cfg: Config) -> list[str]:
+    c, g, t = cfg.checkpoint, cfg.guard, cfg.train
+    p = []
+    if c.every_steps < 0:
+        p.append(f"checkpoint.every_steps: must be >= 0 (0 turns checkpointing off), got "
+                 f"{c.every_steps}")
+    if c.keep < 1:
+        p.append(f"checkpoint.keep: must be >= 1 (the newest steps kept), got {c.keep}; use 1 "
+                 f"or more")
+    if c.local_every < 0:
+        p.append(f"checkpoint.local_every: must be >= 0 (0 turns the local tier off), got "
+                 f"{c.local_every}")
+    elif c.local_every > 0 and c.every_steps == 0:
+        p.append("checkpoint.local_every: the local tier needs the persistent one; set "
+                 "checkpoint.every_steps > 0 too")
+    if not 1 <= c.local_keep <= 2:
+        p.append(f"checkpoint.local_keep: must be 1 or 2, got {c.local_keep}")
+    if g.window < 2:
+        p.append(f"guard.window: {g.window} is too small for the spike statistic (a mean and "
+                 f"standard deviation over at least 2 accepted losses); use >= 2, e.g. 20")
+    if not g.spike_sigma > 0:
+        p.append(f"guard.spike_sigma: must be > 0 (standard deviations above the mean), got "
+                 f"{g.spike_sigma}; e.g. 6")
+    if g.max_skips < 0:
+        p.append(f"guard.max_skips: must be >= 0 (0 rolls back at the first rejected step), got "
+                 f"{g.max_skips}")
+    if g.skip_batches < 0:
+        p.append(f"guard.skip_batches: must be >= 0, got {g.skip_batches}")
+    if not g.lr_scale_on_rollback > 0:
+        p.append(f"guard.lr_scale_on_rollback: must be > 0, got {g.lr_scale_on_rollback}")
+    for name in ("warmup_steps", "log_every"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name}: must be >= 0, got {getattr(t, name)}")
+    if t.grad_clip < 0:
+        p.append(f"train.grad_clip: must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    if cfg.fault.commit_delay_s < 0:
+        p.append(f"fault.commit_delay_s: must be >= 0, got {cfg.fault.commit_delay_s}")
+    return p
+
+
+def _data_file_problems(cfg: Config) -> list[str]:
+    path = cfg.data.path
+    if not os.path.exists(path):
+        return [f"data.path: {path} not found; point it at an existing text file"]
+    if os.path.isdir(path):
+        return [f"data.path: {path} is a directory; point it at a text file"]
+    if not os.access(path, os.R_OK):
+        return [f"data.path: {path} is not readable; check its permissions"]
+    usable = min(os.path.getsize(path), cfg.data.max_bytes)
+    need = cfg.model.seq_len + 2  # one window of seq_len + 1 tokens, and a choice of start
+    if usable < need:
+        return [f"data.path: {path} holds {usable} usable bytes, fewer than one sequence "
+                f"(model.seq_len + 2 = {need}); use a longer file or a smaller model.seq_len"]
+    return []
 
 
 def check_device_count(cfg: Config, available: int) -> None:

@@ -219,9 +219,10 @@ def test_fault_drill_quick():
     out = run_bench("fault_drill.py")
     _, rows = table_rows(out, "kill ", 1)
     (r,) = rows
-    kill, killed_after, resumed, lost = map(int, r)
+    kill, killed_after, resumed, lost, committed = map(int, r[:5])
     assert kill == 1 and 1 <= killed_after < 8 and 0 <= resumed <= killed_after
-    assert lost == killed_after - resumed
+    assert lost == killed_after - resumed and committed <= resumed  # no committed step lost
+    assert lost <= 1 and r[5] == "local"  # the local tier, every step: at most the step in flight
     assert "final params equal to the uninterrupted run: yes (whole state: yes)" in out
 
 

@@ -834,6 +834,13 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# Bounds on what `make_schedule` builds: the list scheduler's time grows with the square of
+# the microbatch count (2 stages x 1000 microbatches: ~4 s; the table prints
+# stages x ticks cells), so a request past these is refused in one line, not run for minutes.
+MAX_STAGES = 512
+MAX_SCHEDULE_CELLS = 4096
+
+
 def make_schedule(
     name: str, stages: int, microbatches: int, virtual_stages: int = 1,
     transfer_latency: int = 1, paired: bool = False,
@@ -889,6 +896,19 @@ def make_schedule(
     _require(
         isinstance(microbatches, int) and microbatches >= 1,
         f"pipeline.microbatches: must be an integer >= 1, got {microbatches!r}",
+    )
+    _require(
+        isinstance(stages, int) and stages <= MAX_STAGES,
+        f"pipeline.stages: {stages} is more than {MAX_STAGES}, the most a schedule is built "
+        f"for; use fewer stages",
+    )
+    cells = stages * microbatches * max(1, virtual_stages if isinstance(virtual_stages, int) else 1)
+    _require(
+        cells <= MAX_SCHEDULE_CELLS,
+        f"pipeline.microbatches: stages x microbatches x virtual stages = {cells} is more than "
+        f"{MAX_SCHEDULE_CELLS}, the most a schedule is built for (building takes time quadratic "
+        f"in microbatches); use at most {max(1, MAX_SCHEDULE_CELLS // (stages * max(1, virtual_stages)))} "
+        f"microbatches (the bubble barely shrinks past 8 per stage)",
     )
     _require(
         lat in (1, 2),

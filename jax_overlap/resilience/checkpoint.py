@@ -35,6 +35,7 @@ writes markers, moves or deletes files.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -67,12 +68,17 @@ class CheckpointOptions:
       keep: how many of the newest committed steps retention keeps (the last known-good
         and the newest committed step are kept in addition, whatever this is).
       async_save: write in the background; the step is committed once the write ends.
+      disk_full_at_step: injected fault: the write of this step fails as on a full disk
+        (OSError ENOSPC when it is committed), leaving the step uncommitted.
+      commit_delay_s: injected delay between a finished write and its commit marker.
     """
 
     dir: str
     every_steps: int = 1000
     keep: int = 3
     async_save: bool = True
+    disk_full_at_step: int = -1  # fault drill: the save of this step fails with ENOSPC
+    commit_delay_s: float = 0.0  # fault drill: pause between the data and the marker
 
     def __post_init__(self):
         if self.every_steps < 1:
@@ -417,6 +423,7 @@ class Checkpointer:
         self._pending: Optional[dict] = None  # marker of the save in flight, not committed
         self._last_saved: Optional[tuple[int, int]] = None  # (step, version) last saved
         self.last_known_good: Optional[int] = None  # newest step verified by a restore
+        self.last_skipped: list = []  # [(step, reason)] of the last `latest_good`
         self.last_save_blocking_s: float = 0.0  # how long the last save held the caller
 
     # ---- paths and markers -----------------------------------------------------------
@@ -534,6 +541,11 @@ class Checkpointer:
         meta, self._pending = self._pending, None
         # Raises if the background write failed: the step then stays uncommitted.
         self._manager.wait_until_finished()
+        if meta["step"] == self.options.disk_full_at_step:
+            raise OSError(errno.ENOSPC, "No space left on device (injected: "
+                          "fault.disk_full_at_step)", self._step_dir(meta["step"]))
+        if self.options.commit_delay_s:
+            time.sleep(self.options.commit_delay_s)
         if self._coll.process_index == 0:
             step = meta["step"]
             self._fs.write_atomic(self._marker_path(step), json.dumps(meta, sort_keys=True))
@@ -585,7 +597,7 @@ class Checkpointer:
 
     # ---- restoring -------------------------------------------------------------------
 
-    def latest_good(self, abstract_state: Any) -> Optional[RestoreResult]:
+    def latest_good(self, abstract_state: Any, quarantine: bool = True) -> Optional[RestoreResult]:
         """Restore the newest step that is committed and verifies; None if there is none.
 
         Collective. Steps passed over are warned about, returned in `skipped` and moved
@@ -594,9 +606,12 @@ class Checkpointer:
         Args:
           abstract_state: target pytree (ShapeDtypeStructs or arrays) whose shardings
             say how to lay the state out on the *current* mesh; see `abstract_target`.
+          quarantine: move the skipped steps aside now; False leaves the directory as it
+            was (the caller decides first, then calls `quarantine_skipped`).
 
         Returns:
-          RestoreResult, or None when no step verifies.
+          RestoreResult, or None when no step verifies (`last_skipped` then holds what was
+          passed over).
         """
         self.wait()
         target = abstract_target(abstract_state, self.mesh)
@@ -615,14 +630,21 @@ class Checkpointer:
                 break
             warnings.warn(f"skipping checkpoint step {step}: {reason}", RuntimeWarning, stacklevel=2)
             skipped.append((step, reason))
-        if self._coll.process_index == 0:
-            for step, reason in skipped:
-                self._quarantine(step, reason)
-        self._coll.broadcast_ints([0])  # barrier: quarantine done before anyone saves
-        self._manager.reload()
+        self.last_skipped = skipped
+        if quarantine:
+            self.quarantine_skipped(skipped)
         if result is not None:
             self.last_known_good = result.step
         return result
+
+    def quarantine_skipped(self, skipped: Sequence[tuple[int, str]]) -> None:
+        """Move the steps `latest_good` passed over to `quarantine/` (collective)."""
+        if self._coll.process_index == 0:
+            for step, reason in skipped:
+                if os.path.isdir(self._step_dir(step)):
+                    self._quarantine(step, reason)
+        self._coll.broadcast_ints([0])  # barrier: quarantine done before anyone saves
+        self._manager.reload()
 
     def _try_restore(self, step: int, target: Any) -> tuple[Any, Optional[str]]:
         """Restore one step and check everything but checksums (local to this process)."""

@@ -14,6 +14,10 @@ Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir
 * After every accepted step that is a multiple of `every_steps`, an async save; it is committed
   at the next step once written.
 * At the end, and on pre-emption, a forced save that is waited for.
+* With `checkpoint.local_every` > 0, also a local tier (each process's shards under /dev/shm,
+  every N steps, in the background); a restart takes the newest step that verifies in either
+  tier. The run dir is locked for the run, and a refused run (lock held, another state layout,
+  no checkpoint verifies) leaves it unchanged (`resilience/run_guard.py`, docs/resilience.md).
 
 Pre-emption: SIGTERM or SIGINT lets the step in progress finish, saves, waits for the commit,
 prints one line and returns normally, so the CLI exits 0 with `"preempted": true` in the summary.
@@ -46,6 +50,7 @@ from jax_overlap import plan as plan_lib
 from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.resilience import checkpoint as ckptlib
+from jax_overlap.resilience import run_guard
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
     checkpoint_target,
@@ -91,10 +96,17 @@ class MetricsWriter:
 
     def __init__(self, path: str, enabled: bool = True, events_dir: str | None = None):
         self.enabled = enabled
-        self._f = open(path, "a", buffering=1) if enabled else None
-        self._events = events.EventWriter(events_dir) if enabled and events_dir else None
+        self.path = path
+        self.events_dir = events_dir
+        # Opened at the first record: a refused run creates no file.
+        self._f = None
+        self._events = None
 
     def write(self, record: dict) -> None:
+        if self.enabled and self._f is None:
+            self._f = open(self.path, "a", buffering=1)
+            if self.events_dir:
+                self._events = events.EventWriter(self.events_dir)
         if self._f:
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
@@ -165,9 +177,9 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
     Raises:
       ConfigError: the checkpoint directory holds a run with another state layout.
     """
-    os.makedirs(run_dir, exist_ok=True)
-    trainer = _Trainer(cfg, run_dir, progress, devices, model)
-    return trainer.run()
+    with run_guard.refusals_leave_no_trace(cfg, run_dir):
+        trainer = _Trainer(cfg, run_dir, progress, devices, model)
+        return trainer.run()
 
 
 class _Trainer:
@@ -183,6 +195,8 @@ class _Trainer:
         self.model = model_api.build_model(cfg) if model is None else model
         self.plan = plan_lib.ParallelPlan.build(cfg, self.model,
                                                 plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
+        if model is None:  # before anything is allocated
+            run_guard.check_memory(cfg, self.plan)
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         self.evaluator = eval_hook.from_config(cfg, self.model, self.plan, self.mesh)
@@ -201,11 +215,7 @@ class _Trainer:
         self.config_dict = self.plan.resolved_config(cfg).to_dict()
         ck = cfg.checkpoint
         self.ckpt_dir = ck.dir or os.path.join(run_dir, "checkpoints")
-        self.ckpt = None
-        if ck.every_steps > 0:
-            self.ckpt = ckptlib.Checkpointer(
-                ckptlib.CheckpointOptions(dir=self.ckpt_dir, every_steps=ck.every_steps,
-                                          keep=ck.keep, async_save=ck.async_save), self.mesh)
+        self.ckpt = self.local = None  # opened once the run dir is locked
         self.progress = progress
         self.tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
         self.flops_per_step = self.model.flops_per_example() * cfg.train.global_batch
@@ -227,17 +237,19 @@ class _Trainer:
     # ---- entry point --------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        if self.is_main:
-            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
-                f.write(json.dumps(self.config_dict, indent=2, sort_keys=True))
+        with run_guard.locked(self.run_dir):
+            self.ckpt, self.local = run_guard.open_tiers(self.cfg, self.ckpt_dir, self.mesh)
+            return self._run()
+
+    def _run(self) -> RunResult:
+        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
+                                    enabled=self.is_main, events_dir=self.run_dir)
         try:
             self._check_checkpoint_layout()
         except ConfigError:
             if self.ckpt is not None:
                 _close_quietly(self.ckpt)
             raise
-        self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
-                                    enabled=self.is_main, events_dir=self.run_dir)
         multi = jax.process_count() > 1
         self.watchdog = Watchdog(
             jax_board() if multi else None, jax.process_index(), jax.process_count(),
@@ -246,6 +258,7 @@ class _Trainer:
             with _preemption_watcher() as self.watcher, self.watchdog:
                 try:
                     loop = self._start()
+                    self._accept()
                     self.bar = _progress_bar(self.cfg.train.steps, int(self.resumed_from or 0),
                                              enabled=self.progress and self.is_main)
                     loop, host, preempted = self._train(loop)
@@ -253,6 +266,8 @@ class _Trainer:
                 except BaseException:
                     if self.ckpt is not None and not multi:
                         _close_quietly(self.ckpt)  # commit a save that was already in flight
+                    if self.local is not None:
+                        _close_quietly(self.local)
                     raise
         finally:
             self.writer.close()
@@ -280,21 +295,46 @@ class _Trainer:
                 f"the config that saved it, or set checkpoint.dir to a fresh directory"])
 
     def _start(self) -> LoopState:
+        """Resume from the newest step that verifies in either tier, or start at step 0.
+
+        Nothing in the run dir changes here (a refusal leaves it as it was); `_accept`
+        applies the decision (quarantine, events, config.json).
+        """
+        self._events = []
         if self.ckpt is not None:
             self.watchdog.beat("restore", 0)
-            had_checkpoints = bool(self.ckpt.committed_steps())
-            result = self.ckpt.latest_good(self.ckpt_abstract)
-            if result is not None:
-                self.resumed_from = result.step
-                self.skipped_checkpoints = [s for s, _ in result.skipped]
-                self._say(_resume_line(result.step, result.skipped, self.ckpt_dir))
-                self.writer.write({"event": "resume", "step": result.step,
-                                   "skipped": [[s, r] for s, r in result.skipped]})
-                return from_checkpoint(result.state, self.perm, self.shardings)
-            if had_checkpoints:
-                self._say(f"no checkpoint in {self.ckpt_dir} verifies (see the warnings above); "
-                          f"starting from step 0")
+            found = run_guard.restore_newest(self.ckpt, self.local, self.ckpt_abstract,
+                                             self.cfg.checkpoint.on_unreadable, self.ckpt_dir)
+            self.skipped_checkpoints = [s for s, _ in found.skipped]
+            self.skipped_reasons = [{"step": s, "reason": r} for s, r in found.skipped]
+            self.resumed_tier = found.tier
+            if found.state is not None:
+                self.resumed_from = found.step
+                self._events.append(_resume_line(found.step, found.skipped, self.ckpt_dir)
+                                    + (" (local tier)" if found.tier == "local" else ""))
+                self._events.append({"event": "resume", "step": found.step, "tier": found.tier,
+                                     "skipped": [[s, r] for s, r in found.skipped]})
+                return from_checkpoint(found.state, self.perm, self.shardings)
+            if found.skipped:
+                self._events.append(f"no checkpoint in {self.ckpt_dir} verifies; restarting "
+                                    f"from step 0 (checkpoint.on_unreadable=restart)")
+                self._events.append({"event": "restart", "step": 0, "skipped": [
+                    [s, r] for s, r in found.skipped]})
         return self._initial()
+
+    def _accept(self) -> None:
+        """The run is on: from here on it may change the run dir."""
+        run_guard.accepted(self.ckpt_dir, self.local)
+        if self.ckpt is not None:
+            self.ckpt.quarantine_skipped(self.ckpt.last_skipped)
+        if self.is_main:
+            with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                f.write(json.dumps(self.config_dict, indent=2, sort_keys=True))
+        for event in self._events:
+            if isinstance(event, dict):
+                self.writer.write(event)
+            else:
+                self._say(event)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -344,6 +384,8 @@ class _Trainer:
                 self.skipped_steps += 1
                 record.update(skipped=True, reason=rejection_reason(loss, grad_norm),
                               consecutive_bad=int(m["consecutive_bad"]))
+            if self.local is not None:  # the last local save is committed before a step is
+                self.local.wait()  # reported done: a kill loses at most the step in flight
             self.writer.write(record)
             if accepted:
                 self.bar.update(1)
@@ -365,9 +407,12 @@ class _Trainer:
         if self.ckpt is None:
             return
         due = step % self.ckpt.options.every_steps == 0
-        if due:
+        local_due = self.local is not None and self.local.due(step)
+        if due or local_due:
             self.watchdog.beat("save", step)
             loop = to_checkpoint(loop, self.perm, self.ckpt_shardings)
+        if local_due:  # first: its background write overlaps the persistent save's start
+            self.local.save(loop, step, int(jax.device_get(loop.train.version)))
         # Called after every accepted step, due or not: it also commits a save whose background
         # write has finished, at the first step after, not at the next due save. When not
         # due, maybe_save does not look at the state.
@@ -401,6 +446,8 @@ class _Trainer:
             if result is not None:
                 restored = from_checkpoint(result.state, self.perm, self.shardings)
                 to_step = result.step
+        if self.local is not None:
+            self.local.discard_after(to_step if restored is not None else 0)
         if restored is None:
             # No checkpoint (off, or none verifies yet): the initial state is reproducible
             # from the seed and is the checkpoint at step 0.
@@ -436,6 +483,8 @@ class _Trainer:
             self.ckpt.maybe_save(to_checkpoint(loop, self.perm, self.ckpt_shardings),
                                  self.config_dict, force=True, step=host.step)
             self.ckpt.close()  # waits for the save and commits it
+        if self.local is not None:  # the persistent tier now holds the final state
+            self.local.close(remove=True)
         if preempted:
             if self.ckpt is not None:
                 saved = (f"checkpoint step {host.step} committed in {self.ckpt_dir}; rerun the "
@@ -454,6 +503,8 @@ class _Trainer:
                  "median_step_time_s": median if self.times else None,
                  "final_step": host.step, "resumed_from": self.resumed_from,
                  "skipped_checkpoints": self.skipped_checkpoints,
+                 "skipped_checkpoint_reasons": getattr(self, "skipped_reasons", []),
+                 "resumed_tier": getattr(self, "resumed_tier", None),
                  "rollbacks": self.rollbacks, "steps_lost": self.steps_lost,
                  "skipped_steps": self.skipped_steps,
                  "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
