@@ -423,8 +423,22 @@ def test_training_curve_matches_pp1(flat_curve, tmp_path):
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
 
 
+def test_paired_training_curve_matches_pp1(flat_curve, tmp_path):
+    cfg = pipeline_cfg("zb-v", 4, 2, 1, 4, extra=["pipeline.paired=true", "model.remat=full"])
+    losses = _curve(cfg, tmp_path, "zb-v-paired")
+    assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
+
+
+# Every schedule x remat policy, paired ticks on every other one.
+CURVE_SWEEP = [(name, remat, i % 2 == 1) for i, (name, remat) in enumerate(
+    (name, remat) for name in ["gpipe", "1f1b", "zb-h1", "zb-v"]
+    for remat in ("none", "full", "save_dots"))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-v"])
-def test_training_curve_matches_pp1_sweep(flat_curve, tmp_path, name):
-    losses = _curve(pipeline_cfg(name, 4, 1, 2, 8, tied=True), tmp_path, name)
+@pytest.mark.parametrize("name,remat,paired", CURVE_SWEEP)
+def test_training_curve_matches_pp1_sweep(flat_curve, tmp_path, name, remat, paired):
+    cfg = pipeline_cfg(name, 4, 1, 2, 8, tied=True, extra=[
+        f"model.remat={remat}", f"pipeline.paired={str(paired).lower()}"])
+    losses = _curve(cfg, tmp_path, name)
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
