@@ -130,7 +130,7 @@ def test_remat_policies_match_single_device_sweep(references, name, pp, dp, tp, 
 # meshes and one remat policy; the sweep: every schedule x remat {none, full, save_dots} x
 # mesh {pp4 x dp2, pp2 x dp2 x tp2, pp2 x dp4}.
 PAIRED_CASES = [
-    ("zb-v", 4, 2, 1, 4, True, "none"),
+    ("zb-v", 4, 2, 1, 8, True, "none"),
     ("1f1b", 2, 2, 2, 4, False, "full"),
     ("interleaved", 2, 4, 1, 4, True, "save_dots"),
 ]
@@ -143,6 +143,8 @@ PAIRED_SWEEP = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
 
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_CASES)
 def test_paired_ticks_match_single_device(references, name, pp, dp, tp, m, tied, remat):
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["pipeline.paired=true"])
+    assert ParallelPlan.build(cfg).program.lanes == 2  # the case runs two lanes per tick
     check_equivalence(references, name, pp, dp, tp, m, tied,
                       ["pipeline.paired=true", f"model.remat={remat}"])
 
@@ -424,7 +426,7 @@ def test_training_curve_matches_pp1(flat_curve, tmp_path):
 
 
 def test_paired_training_curve_matches_pp1(flat_curve, tmp_path):
-    cfg = pipeline_cfg("zb-v", 4, 2, 1, 4, extra=["pipeline.paired=true", "model.remat=full"])
+    cfg = pipeline_cfg("zb-v", 4, 2, 1, 8, extra=["pipeline.paired=true", "model.remat=full"])
     losses = _curve(cfg, tmp_path, "zb-v-paired")
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
 

@@ -561,11 +561,16 @@ def test_residual_slots_never_overlap_while_live(name, v, split, paired):
 def test_paired_schedules_are_valid_and_round_trip(name, v):
     from jax_overlap.pipeline.schedules import Pair, Schedule, peak_activations
 
-    for m in (4, 8):
+    for m in (8, 16):
         base = make_schedule(name, 4, m, v)
         s = make_schedule(name, 4, m, v, paired=True)
         validate(s)
         assert s.paired and any(isinstance(c, Pair) for row in s.grid for c in row)
+        # Pairs never cost the table its bubble (the generator keeps the quorum that wastes
+        # least in lockstep), and never need the latency-2 ramp.
+        assert bubble_fraction(s) <= bubble_fraction(base) + 1e-12
+        assert bubble_fraction(s) < bubble_fraction(make_schedule(name, 4, m, v,
+                                                                  transfer_latency=2))
         # Every action of the step runs exactly once, as in the unpaired table.
         assert sorted(s.task(d, a) for d, _, a in s.actions()) == sorted(
             base.task(d, a) for d, _, a in base.actions())
@@ -626,6 +631,22 @@ def test_paired_program_idle_fraction_is_the_table_bubble():
         s = make_schedule(name, 4, 8, v, paired=True)
         program = compile_program(s)
         assert program.idle_fraction() == pytest.approx(bubble_fraction(s), abs=1e-12)
+
+
+def test_paired_generator_balances_lockstep_cost():
+    """Cost-aware pairing: at B = 2F (a non-split backward) pairing removes the lockstep
+    waste of 1F1B and interleaved; where it would lengthen ticks (ZB at small m) it
+    pairs less, down to not at all."""
+    from jax_overlap.pipeline.schedules import weighted_bubble_fraction
+
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0}
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        for m in (4, 8, 16):
+            plain = make_schedule(name, 4, m, v)
+            paired = make_schedule(name, 4, m, v, paired=True, cost=cost)
+            assert (weighted_bubble_fraction(paired, cost)
+                    <= weighted_bubble_fraction(plain, cost) + 1e-12), (name, m)
+    assert not make_schedule("zb-v", 4, 4, 2, paired=True).paired  # nothing to gain at m=4
 
 
 def test_paired_refuses_latency_2():

@@ -115,7 +115,7 @@ def test_uneven_stages_compose_with_overlap(references, name, pp, dp, tp, m, tie
 
 def test_uneven_stages_with_paired_ticks(references):
     """Padded chunks and two lanes per tick together (zb-v: split backward, V placement)."""
-    check_equivalence(references, "zb-v", 4, 2, 1, 4, True, "none", ["pipeline.paired=true"])
+    check_equivalence(references, "zb-v", 4, 2, 1, 8, True, "none", ["pipeline.paired=true"])
 
 
 # ---------------------------------------------------------------------------------------------

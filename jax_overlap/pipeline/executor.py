@@ -727,6 +727,10 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         arrival_b = send(pending_b, 1)
         res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0])
         pool = file_all(pool, lanes[1], arrival_b, 1)
+        # Sent once the backward's transfers have landed: where both lanes use the same
+        # rings (ZB-V) XLA would otherwise combine the two permutes into one, issued after
+        # the forward and hidden under nothing.
+        out_f, _ = jax.lax.optimization_barrier((out_f, arrival_b))
         arrival_f = send(out_f, 0)
         res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1])
         pool = file_all(pool, lanes_next[0], arrival_f, 0)

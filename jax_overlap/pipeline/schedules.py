@@ -422,6 +422,7 @@ def _list_schedule(
     policy: _Policy,
     transfer_latency: int = 1,
     paired: bool = False,
+    quorum: float = 0.0,
 ) -> Schedule:
     """Lockstep list scheduling of every task of one training step.
 
@@ -435,6 +436,9 @@ def _list_schedule(
       transfer_latency: ticks between stages (see :func:`dependency_gap`).
       paired: let a stage run one ready forward and one ready backward (``B``/``W``) in the
         same tick (a :class:`Pair`); in-order programs then keep their order per kind.
+      quorum: with ``paired``, the least share of stages that must be able to pair for a
+        tick to run pairs; below it every stage runs its best-ranked task alone (a pair
+        makes the whole lockstep tick two actions long).
 
     Returns:
       The schedule table.
@@ -488,6 +492,11 @@ def _list_schedule(
                 one = pick(pending[d], d, tick)
                 picks = (one,) if one is not None else ()
             chosen.append(picks)
+        if paired and 0 < sum(len(c) == 2 for c in chosen) < quorum * stages:
+            # Too few stages can pair: a pair would make the whole lockstep tick two actions
+            # long while most stages run one. Each stage runs its better-ranked task instead.
+            chosen = [tuple(sorted(c, key=lambda t, d=d: rank(t, d))[:1])
+                      for d, c in enumerate(chosen)]
         stalled = stalled + 1 if not any(chosen) else 0
         if stalled >= transfer_latency:  # nothing in flight can make a task ready
             raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
@@ -521,6 +530,12 @@ def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
     )
 
 
+# Shares of stages that must be able to pair before a tick runs pairs, tried by
+# `make_schedule(paired=True)` (see `_list_schedule`): 0 pairs wherever possible, 1 only
+# where every stage can.
+PAIR_QUORUMS = (0.0, 0.5, 0.75, 1.0)
+
+
 def _capped(policy: _Policy, caps: Sequence[int] | None) -> _Policy:
     """``policy`` with per-stage activation caps replaced by ``caps`` (None: unchanged)."""
     if caps is None:
@@ -532,7 +547,7 @@ _KIND_RANK = {"B": 0, "F": 1, "W": 2}
 
 
 def gpipe(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
-          caps: Sequence[int] | None = None) -> Schedule:
+          caps: Sequence[int] | None = None, quorum: float = 0.0) -> Schedule:
     """GPipe: all forwards, then all backwards (Huang et al. 2019).
 
     Greedy, forward first: every stage holds all ``m`` activations at the turn-around.
@@ -550,11 +565,12 @@ def gpipe(stages: int, microbatches: int, transfer_latency: int = 1, paired: boo
         cap=lambda d: microbatches,
     )
     return _list_schedule("gpipe", stages, microbatches, linear_placement(stages), False,
-                          _capped(policy, caps), transfer_latency, paired)
+                          _capped(policy, caps), transfer_latency, paired, quorum)
 
 
 def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1,
-                paired: bool = False, caps: Sequence[int] | None = None) -> Schedule:
+                paired: bool = False, caps: Sequence[int] | None = None,
+                quorum: float = 0.0) -> Schedule:
     """1F1B / PipeDream-flush (Narayanan et al. 2021).
 
     Greedy, backward first whenever one is ready, stage ``d`` holding at most ``p - d``
@@ -578,7 +594,7 @@ def one_f_one_b(stages: int, microbatches: int, transfer_latency: int = 1,
         cap=lambda d: lat * (stages - d - 1) + 1,
     )
     return _list_schedule("1f1b", stages, microbatches, linear_placement(stages), False,
-                          _capped(policy, caps), lat, paired)
+                          _capped(policy, caps), lat, paired, quorum)
 
 
 def megatron_chunk_order(
@@ -611,7 +627,7 @@ def megatron_chunk_order(
 
 def interleaved(stages: int, microbatches: int, virtual_stages: int,
                 transfer_latency: int = 1, paired: bool = False,
-                caps: Sequence[int] | None = None) -> Schedule:
+                caps: Sequence[int] | None = None, quorum: float = 0.0) -> Schedule:
     """Megatron interleaved 1F1B with ``v`` chunks per stage (Narayanan et al. 2021).
 
     Placement is round-robin (virtual stage ``c*p + d`` on stage ``d``, chunk ``c``).
@@ -648,11 +664,11 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int,
         programs.append(program + bwd[m * v - warmup :])
     placement = round_robin_placement(p, v)
     return _list_schedule("interleaved", p, m, placement, False,
-                          _capped(_program_policy(programs), caps), lat, paired)
+                          _capped(_program_policy(programs), caps), lat, paired, quorum)
 
 
 def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
-          caps: Sequence[int] | None = None) -> Schedule:
+          caps: Sequence[int] | None = None, quorum: float = 0.0) -> Schedule:
     """ZB-H1 zero-bubble schedule (Qi et al. 2023), as the paper's program.
 
     The backward is split into ``B`` (input gradients, on the critical path) and ``W``
@@ -686,11 +702,11 @@ def zb_h1(stages: int, microbatches: int, transfer_latency: int = 1, paired: boo
         program += [Task("W", mb, d) for mb in range(max(m - delay, 0), m)]
         programs.append(program)
     return _list_schedule("zb-h1", p, m, linear_placement(p), True,
-                          _capped(_program_policy(programs), caps), lat, paired)
+                          _capped(_program_policy(programs), caps), lat, paired, quorum)
 
 
 def zb_v(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool = False,
-         caps: Sequence[int] | None = None) -> Schedule:
+         caps: Sequence[int] | None = None, quorum: float = 0.0) -> Schedule:
     """ZB-V zero-bubble schedule with a V-shaped placement (Qi et al. 2024).
 
     Stage ``d`` holds virtual stages ``d`` (chunk 0) and ``2p-1-d`` (chunk 1), so each
@@ -723,7 +739,7 @@ def zb_v(stages: int, microbatches: int, transfer_latency: int = 1, paired: bool
 
     policy = _Policy(priority=priority, cap=lambda d: 2 * stages * transfer_latency)
     return _list_schedule("zb-v", stages, microbatches, v_placement(stages), True,
-                          _capped(policy, caps), transfer_latency, paired)
+                          _capped(policy, caps), transfer_latency, paired, quorum)
 
 
 # ------------------------------------------------------------------------- metrics
@@ -843,7 +859,7 @@ MAX_SCHEDULE_CELLS = 4096
 
 def make_schedule(
     name: str, stages: int, microbatches: int, virtual_stages: int = 1,
-    transfer_latency: int = 1, paired: bool = False,
+    transfer_latency: int = 1, paired: bool = False, cost: dict[str, float] | None = None,
 ) -> Schedule:
     """Build a named schedule.
 
@@ -859,6 +875,7 @@ def make_schedule(
       paired: paired F+B ticks (:class:`Pair`), capped at twice the unpaired table's
         per-stage activation peak; 1 is the only latency pairs take: each transfer hides
         under the tick's other action instead.
+      cost: F/B/W times the paired generator balances lockstep ticks for (default equal).
 
     Returns:
       The schedule.
@@ -877,9 +894,15 @@ def make_schedule(
         # but keeps twice the work in flight: twice the unpaired peak per stage keeps the
         # steady state paired (at the unpaired peak, pairs starve for forwards).
         base = make_schedule(name, stages, microbatches, virtual_stages, 1)
-        return _build(base.name, stages, microbatches, virtual_stages, 1, True,
-                      [min(2 * peak, microbatches * base.virtual_stages)
-                       for peak in peak_activations(base)])
+        caps = [min(2 * peak, microbatches * base.virtual_stages)
+                for peak in peak_activations(base)]
+        # Cost-aware: of the pairing quorums, the table whose lockstep ticks waste least at
+        # `cost` (default: F = B = W, so a non-split B costs two), then the one with most
+        # pairs (most transfers hidden under the other lane).
+        tables = [_build(base.name, stages, microbatches, virtual_stages, 1, True, caps, q)
+                  for q in PAIR_QUORUMS]
+        return min(tables, key=lambda t: (round(weighted_bubble_fraction(t, cost), 9),
+                                          -sum(isinstance(c, Pair) for r in t.grid for c in r)))
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -947,12 +970,13 @@ def make_schedule(
 
 
 def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: int,
-           paired: bool = False, caps: Sequence[int] | None = None) -> Schedule:
+           paired: bool = False, caps: Sequence[int] | None = None,
+           quorum: float = 0.0) -> Schedule:
     """The generator of a checked schedule name."""
     if key == "interleaved":
-        return interleaved(stages, microbatches, virtual_stages, lat, paired, caps)
+        return interleaved(stages, microbatches, virtual_stages, lat, paired, caps, quorum)
     builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v}[key]
-    return builder(stages, microbatches, lat, paired, caps)
+    return builder(stages, microbatches, lat, paired, caps, quorum)
 
 
 def summary_line(schedule: Schedule) -> str:
