@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="two rows of a 4-layer tiny model: checks the bench runs")
     ap.add_argument("--schedules", default="", help="comma-separated subset, e.g. 1f1b,zb-v")
+    ap.add_argument("--paired-only", action="store_true", help="only the paired rows")
     args = ap.parse_args()
     if not args.quick:
         args.out = args.out or "bench/results/pipeline_overlap.json"
@@ -76,6 +77,8 @@ def main() -> int:
     todo = QUICK_ROWS if args.quick else ROWS
     if args.schedules:
         todo = [r for r in todo if r[0] in args.schedules.split(",")]
+    if args.paired_only:
+        todo = [r for r in todo if r[4]]
     for name, v, latency, bucket_mb, paired in todo:
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), [
             "mesh.dp=2", "mesh.pp=4", "mesh.tp=1", f"model.layers={layers}", *model,
