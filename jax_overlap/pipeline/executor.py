@@ -713,6 +713,9 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         down_pairs, up_pairs, _ = program.lane_rings[lane]
         return _ring(out, down_pairs, zeros), _ring(out, up_pairs, zeros), out
 
+    shared_rings = program.lanes == 2 and any(
+        set(program.lane_rings[0][i]) & set(program.lane_rings[1][i]) for i in (0, 1))
+
     def paired_tick(carry, rows_now_next):
         # Lane 0 runs the forward, lane 1 the backward, each as a skewed half-tick: what
         # the other lane produced last is sent before this lane's action and filed after
@@ -727,10 +730,11 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         arrival_b = send(pending_b, 1)
         res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0])
         pool = file_all(pool, lanes[1], arrival_b, 1)
-        # Sent once the backward's transfers have landed: where both lanes use the same
-        # rings (ZB-V) XLA would otherwise combine the two permutes into one, issued after
-        # the forward and hidden under nothing.
-        out_f, _ = jax.lax.optimization_barrier((out_f, arrival_b))
+        if shared_rings:
+            # Sent once the backward's transfers have landed: where both lanes use the same
+            # ring (ZB-V) XLA would otherwise combine the two permutes into one, issued after
+            # the forward and hidden under nothing.
+            out_f, _ = jax.lax.optimization_barrier((out_f, arrival_b))
         arrival_f = send(out_f, 0)
         res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1])
         pool = file_all(pool, lanes_next[0], arrival_f, 0)
