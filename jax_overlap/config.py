@@ -37,7 +37,7 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["gpt", "bert", "resnet"] = "gpt"
+    kind: Literal["gpt", "bert", "resnet", "llama"] = "gpt"
     layers: int = 4
     d_model: int = 128
     heads: int = 4
@@ -49,6 +49,17 @@ class ModelConfig:
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
     # (weight) matmul outputs.
     remat: Literal["none", "full", "save_dots", "minimal"] = "none"
+    # Llama only (docs/llama_and_hf.md; the other models ignore them): key/value heads of
+    # grouped-query attention (0: = heads), RoPE base and optional Llama-3.1 frequency
+    # scaling, RMSNorm epsilon. d_ff is the SwiGLU's hidden size.
+    kv_heads: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
 
 
 @dataclass
@@ -308,7 +319,9 @@ def validate(cfg: Config) -> None:
             p.append(f"model.{name}: must be >= 1, got {getattr(mo, name)}")
     if p:
         raise ConfigError(p)
-    if mo.kind in ("gpt", "bert"):
+    if mo.kind == "llama":
+        _check_llama(mo, m.tp, p)
+    if mo.kind in ("gpt", "bert", "llama"):
         if mo.d_model % mo.heads:
             p.append(f"model.d_model: {mo.d_model} is not divisible by model.heads={mo.heads}; "
                      f"pick d_model a multiple of heads")
@@ -377,6 +390,26 @@ def validate(cfg: Config) -> None:
                  f"distributed.num_processes={d.num_processes}")
     if p:
         raise ConfigError(p)
+
+
+def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
+    kv = mo.kv_heads or mo.heads
+    if mo.kv_heads < 0 or mo.heads % kv:
+        p.append(f"model.kv_heads: {mo.kv_heads} must divide model.heads={mo.heads} "
+                 f"(0 means = heads); pick a divisor of {mo.heads}")
+    elif kv >= tp and kv % tp:
+        p.append(f"model.kv_heads: {kv} >= mesh.tp={tp} is split over tp and must be a "
+                 f"multiple of it; use a multiple of {tp}")
+    elif kv < tp and tp % kv:
+        p.append(f"model.kv_heads: {kv} < mesh.tp={tp} is replicated over tp, which needs "
+                 f"tp to be a multiple of it; use a divisor of {tp}")
+    if mo.heads and (mo.d_model // mo.heads) % 2:
+        p.append(f"model.d_model: head size {mo.d_model}/{mo.heads} is odd; RoPE needs an "
+                 f"even head size")
+    if mo.rope_theta <= 0:
+        p.append(f"model.rope_theta: must be > 0, got {mo.rope_theta}")
+    if mo.rope_scaling == "llama3" and mo.rope_high_freq_factor <= mo.rope_low_freq_factor:
+        p.append("model.rope_high_freq_factor: must exceed model.rope_low_freq_factor")
 
 
 def check_device_count(cfg: Config, available: int) -> None:

@@ -312,7 +312,7 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
         elif not target.accelerator:
             tp_comm, why = "plain", ("CPU: collectives run synchronously, so the ring steps of "
                                      "collective matmul would only add work")
-        elif mo.kind not in ("gpt", "bert") or mo.seq_len % m.tp:
+        elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")
         else:
