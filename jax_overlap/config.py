@@ -81,7 +81,12 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     weight_decay: float = 0.01
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights
+    # bf16 / fp16: that compute dtype, fp32 master weights; fp16 adds dynamic loss scaling
+    # (training/loss_scale.py): start at loss_scale_init, x2 after loss_scale_growth_interval
+    # clean steps, /2 and the step skipped on overflow.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
     optimizer: Literal["adamw", "lamb"] = "adamw"
     log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
 
@@ -374,6 +379,9 @@ def validate(cfg: Config) -> None:
         p.append(f"train.steps: must be >= 1, got {t.steps}")
     if t.lr <= 0:
         p.append(f"train.lr: must be > 0, got {t.lr}")
+    if t.loss_scale_init < 1 or t.loss_scale_growth_interval < 1:
+        p.append(f"train.loss_scale_init: must be >= 1 (got {t.loss_scale_init}) and "
+                 f"train.loss_scale_growth_interval >= 1 (got {t.loss_scale_growth_interval})")
     if not 1 <= ov.window <= 3 and ov.param_sharding == "fsdp":
         p.append(f"overlap.window: {ov.window} is outside 1..3; use 1, 2 or 3")
     if ov.grad_bucket_mb < 0:

@@ -127,7 +127,7 @@ class ParallelPlan:
         first use); else None.
       layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement).
       overlap: the resolved overlap choices.
-      compute_dtype: "fp32" or "bf16" (train.precision).
+      compute_dtype: "fp32", "bf16" or "fp16" (train.precision).
       remat: the rematerialisation policy every block runs under (model.remat).
       target: the target the automatic choices were made for.
       choices: the `auto` knobs, by config key, with what was picked and why.
@@ -194,7 +194,7 @@ class ParallelPlan:
         from jax_overlap.parallel.collectives import Parallel
         from jax_overlap.parallel.mesh import TP
 
-        dtype = jnp.bfloat16 if self.compute_dtype == "bf16" else jnp.float32
+        dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(self.compute_dtype, jnp.float32)
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
                         explicit_wgrad=not self.pipelined)

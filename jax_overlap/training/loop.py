@@ -201,6 +201,7 @@ class _Trainer:
         self.rollbacks = 0
         self.steps_lost = 0
         self.skipped_steps = 0
+        self.overflow_steps = 0
         self.resumed_from: Optional[int] = None
         self.skipped_checkpoints: list[int] = []
         self._streak = RollbackStreak()
@@ -319,10 +320,16 @@ class _Trainer:
                       "tokens_per_s": self.tokens_per_step / dt, "batch": consumed}
             if self.peak:
                 record["mfu"] = self.flops_per_step / (dt * self.peak * jax.device_count())
+            overflow = bool(m.get("overflow", False))  # fp16 (training/loss_scale.py)
+            if "loss_scale" in m:
+                record["loss_scale"] = float(m["loss_scale"])
             if accepted:
                 self.losses.append(loss)
                 if not compiling:
                     self.times.append(dt)
+            elif overflow:
+                self.overflow_steps += 1
+                record.update(skipped=True, skipped_overflow=True, reason="overflow")
             else:
                 self.skipped_steps += 1
                 record.update(skipped=True, reason=rejection_reason(loss, grad_norm),
@@ -333,7 +340,8 @@ class _Trainer:
                 self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 self._save_if_due(loop, host.step)
             compiling = False
-            if not accepted and self.policy.should_roll_back(m["consecutive_bad"]):
+            if (not accepted and not overflow
+                    and self.policy.should_roll_back(m["consecutive_bad"])):
                 reason = (f"{int(m['consecutive_bad'])} consecutive rejected steps "
                           f"(last: {record['reason']}, loss {loss:.4g})")
                 loop = metrics = batch = None  # let the old state go before restoring
@@ -425,7 +433,7 @@ class _Trainer:
                  "final_step": host.step, "resumed_from": self.resumed_from,
                  "skipped_checkpoints": self.skipped_checkpoints,
                  "rollbacks": self.rollbacks, "steps_lost": self.steps_lost,
-                 "skipped_steps": self.skipped_steps,
+                 "skipped_steps": self.skipped_steps, "skipped_overflow": self.overflow_steps,
                  "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
                  "preempted": preempted, "last_checkpoint": committed[-1] if committed else None}
         if self.peak and self.times:
