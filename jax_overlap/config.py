@@ -128,6 +128,9 @@ class CheckpointConfig:
     every_steps: int = 0  # 0 disables checkpointing
     keep: int = 3
     async_save: bool = True
+    # A Hugging Face directory (config.json + safetensors) whose weights replace the random
+    # initialisation (fine-tuning); the model config must match it (jax_overlap/hf/convert.py).
+    init_from_hf: str = ""
 
 
 @dataclass
@@ -390,6 +393,9 @@ def validate(cfg: Config) -> None:
         p.append("data.path: data.source=file needs a path; set data.path=/path/to/text.txt")
     elif cfg.data.source == "file" and not os.path.exists(cfg.data.path):
         p.append(f"data.path: {cfg.data.path} not found; point it at an existing text file")
+    if cfg.checkpoint.init_from_hf and not os.path.isdir(cfg.checkpoint.init_from_hf):
+        p.append(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf} is not a directory; "
+                 f"point it at a Hugging Face model directory")
     d = cfg.distributed
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")

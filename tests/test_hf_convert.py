@@ -168,3 +168,24 @@ def test_convert_evaluate_and_back_through_the_cli(tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert json.load(open(tmp_path / "back" / "config.json")) == json.load(
         open(os.path.join(src, "config.json")))
+
+
+def test_init_from_hf_starts_training_from_the_hf_weights(tmp_path):
+    from helpers import TINY, np_batch
+
+    from jax_overlap.training import grads as gradslib
+    from jax_overlap.training import loop as train
+
+    over = [*LLAMA, "model.layers=2", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
+            "mesh.dp=2", "mesh.tp=2", "train.steps=1"]
+    cfg, params = model_and_params(LLAMA)
+    params = jax.tree.map(lambda a: a * 1.5, params)  # not what a fresh init would give
+    convert.export_params(cfg.model, params, str(tmp_path / "hf"))
+    run_cfg = config.load(TINY, over + [f"checkpoint.init_from_hf={tmp_path / 'hf'}"])
+    result = train.run(run_cfg, str(tmp_path / "run"), progress=False,
+                       devices=jax.devices()[:4])
+    want = gradslib.reference_loss(build_model(run_cfg), params, np_batch(run_cfg))
+    assert rel(result.losses[0], float(want)) <= 1e-5
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, over + [f"checkpoint.init_from_hf={tmp_path / 'nope'}"])
+    assert e.value.problems[0].startswith("checkpoint.init_from_hf:")

@@ -165,3 +165,26 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
     return {"out": out_dir, "step": step, "files": files, "dtype": dtype,
             "architecture": layouts.ARCHITECTURES["llama" if cfg.model.kind == "llama"
                                                   else "gpt2"]}
+
+
+def initializer_from_hf(initial, hf_dir: str, model_cfg, plan, shardings):
+    """`checkpoint.init_from_hf`: wraps the loop's `() -> LoopState` initializer so that its
+    parameters are the HF directory's (read once; the rest of the state is as initialised).
+
+    Raises:
+      ConfigError: the directory's weights do not fit `model_cfg` (one line).
+    """
+    import jax
+
+    from jax_overlap.pipeline import layout
+
+    flag = "checkpoint.init_from_hf:"
+    params = load_hf_params(hf_dir, model_cfg, flag)
+
+    def build():
+        loop = initial()
+        staged = jax.device_put(layout.to_staged(params, plan.layer_perm),
+                                shardings.train.params)
+        return loop._replace(train=loop.train._replace(params=staged))
+
+    return build

@@ -209,6 +209,11 @@ class _Trainer:
         # The LR scale does not enter the initial state; compiled on first use.
         self._initial = make_initializer(self.model, cfg, self.plan, self.mesh,
                                          steplib.make_optimizer(cfg.train))
+        if cfg.checkpoint.init_from_hf:  # start (and restart) from Hugging Face weights
+            from jax_overlap.hf.convert import initializer_from_hf
+
+            self._initial = initializer_from_hf(self._initial, cfg.checkpoint.init_from_hf,
+                                                cfg.model, self.plan, self.shardings)
 
     # ---- entry point --------------------------------------------------------------------
 
