@@ -61,9 +61,11 @@ def test_forced_overflow_is_skipped_halves_the_scale_and_resumes(tmp_path):
     # halves it until the steps go through.
     over = ["train.precision=fp16", "train.loss_scale_init=1073741824",
             "train.loss_scale_growth_interval=3", "checkpoint.every_steps=1",
-            "checkpoint.async_save=false", "mesh.dp=8", "mesh.tp=1", "pipeline.microbatches=1"]
+            "checkpoint.async_save=false", "mesh.dp=2", "mesh.tp=1", "pipeline.microbatches=1"]
     run_dir = str(tmp_path / "run")
-    result = train.run(config.load(TINY, over + ["train.steps=3"]), run_dir, progress=False)
+    devices = jax.devices()[:2]
+    result = train.run(config.load(TINY, over + ["train.steps=3"]), run_dir, progress=False,
+                       devices=devices)
     recs = records(run_dir)
     skipped = [r for r in recs if r.get("skipped_overflow")]
     assert skipped and recs[0].get("skipped_overflow"), recs[0]
@@ -77,7 +79,8 @@ def test_forced_overflow_is_skipped_halves_the_scale_and_resumes(tmp_path):
     assert len(ok) == 3 and all(np.isfinite(r["loss"]) for r in ok)
     # 3 clean steps with growth_interval=3 doubled the scale once at the end.
     final_scale = scales[-1] * 2
-    resumed = train.run(config.load(TINY, over + ["train.steps=4"]), run_dir, progress=False)
+    resumed = train.run(config.load(TINY, over + ["train.steps=4"]), run_dir, progress=False,
+                        devices=devices)
     assert resumed.extra["resumed_from"] == 3
     assert records(run_dir)[-1]["loss_scale"] == final_scale
     assert np.isfinite(resumed.losses).all()

@@ -79,7 +79,6 @@ def case_id(case):
 
 
 DEFAULT = [
-    (1, 2, 4, 1, []),  # kv replicated over tp (1 < 4)
     (2, 8, 1, 1, []),
     (4, 2, 4, 1, ["overlap.param_sharding=fsdp"]),  # kv split over tp
     (2, 2, 4, 1, ["overlap.tp_comm=collective_matmul"]),  # 2 < 4: replicated, under CM
