@@ -22,7 +22,8 @@ def test_windows_do_not_overlap_and_drop_the_partial_one():
 
 
 def test_mean_loss_is_the_same_on_a_mesh_and_on_one_device(tmp_path):
-    over = ["model.kind=llama", "model.kv_heads=2", "train.global_batch=4"]
+    over = ["model.kind=llama", "model.kv_heads=2", "train.global_batch=4",
+            "pipeline.microbatches=1"]
     tokens = np.frombuffer(open(config.__file__, "rb").read()[:3000], np.uint8).astype(np.int32)
     cfg1 = config.load(TINY, over + ["mesh.dp=1", "mesh.tp=1"])
     model1 = build_model(cfg1)
