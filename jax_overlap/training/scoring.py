@@ -21,19 +21,18 @@ from jax_overlap.config import Config, ConfigError
 
 
 def file_tokens(path: str, cfg: Config) -> np.ndarray:
-    """The file's token ids (int32).
-
-    Bytes (ids 0..255). This is the one place a tokenizer plugs in: when the data config
-    names one (a `data.tokenizer` key), encode `text` with it here instead.
-    """
+    """The file's token ids (int32): bytes (ids 0..255), or the run's `data.tokenizer` when
+    the config has one that is not `bytes` (the one place tokens are made for evaluation)."""
     if not os.path.isfile(path):
         raise ConfigError([f"--data {path}: file not found; pass a text file"])
     with open(path, "rb") as f:
         raw = f.read()
     tokenizer = getattr(cfg.data, "tokenizer", "bytes") or "bytes"
-    if tokenizer != "bytes":  # hook for a run trained with another tokenizer
-        raise ConfigError([f"data.tokenizer: {tokenizer!r}: evaluate reads bytes only so far"])
-    return np.frombuffer(raw, np.uint8).astype(np.int32)
+    if tokenizer == "bytes":
+        return np.frombuffer(raw, np.uint8).astype(np.int32)
+    from jax_overlap.data.tokenizer import load  # the data package's tokenizers (tokenizer.json)
+
+    return np.asarray(load(tokenizer).encode(raw), np.int32)
 
 
 def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
