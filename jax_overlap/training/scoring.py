@@ -30,7 +30,8 @@ def file_tokens(path: str, cfg: Config) -> np.ndarray:
     tokenizer = getattr(cfg.data, "tokenizer", "bytes") or "bytes"
     if tokenizer == "bytes":
         return np.frombuffer(raw, np.uint8).astype(np.int32)
-    from jax_overlap.data.tokenizer import load  # the data package's tokenizers (tokenizer.json)
+    # The data package's tokenizers (bytes or a tokenizer.json).
+    from jax_overlap.data.tokenizer import load
 
     return np.asarray(load(tokenizer).encode(raw), np.int32)
 
