@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 
-.PHONY: train test test-slow test-gpu bench setup clean
+.PHONY: train test test-slow test-gpu test-hf bench setup clean
 
 $(PY):
 	@base=$$(scripts/find_python.sh) && echo "creating $(VENV) with $$base" && "$$base" -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow $(ARGS)
+
+# Against transformers: installs the [hf] extra (torch, transformers) first.
+test-hf: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pytest -q -m hf tests/test_hf_transformers.py $(ARGS)
 
 test-gpu: $(STAMP)
 	JAX_PLATFORMS=cuda,cpu $(PY) -m pytest -q -m gpu tests/gpu $(ARGS)

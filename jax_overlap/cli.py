@@ -1,4 +1,5 @@
-"""`jax-overlap` command line: train | schedule | analyze | profile | tune | prepare-data.
+"""`jax-overlap` command line: train | schedule | analyze | profile | tune | prepare-data |
+convert | evaluate.
 
 Thin on purpose: parse flags, build the typed config, call the library. The config is read
 before JAX starts so that the process can ask for exactly as many host devices as the mesh
@@ -81,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="cpu_here")
     p.add_argument("--measure", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("convert", help="Hugging Face directory <-> run directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="HF config.json + safetensors")
+    src.add_argument("--to-hf", metavar="RUN_DIR", help="a run's newest verified checkpoint")
+    p.add_argument("--out", required=True, help="the run directory / HF directory to write")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="--to-hf weights")
+    p.add_argument("--shard-mb", type=float, default=0.0,
+                   help="--to-hf: shards of at most this many MiB with an index (0: one file)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("evaluate", help="mean next-token loss and perplexity over a text file")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="score the run's newest verified checkpoint")
+    src.add_argument("--from-hf", metavar="DIR", help="score a Hugging Face directory")
+    p.add_argument("--data", required=True, help="text file (bytes are the tokens)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     return parser
 
@@ -222,8 +242,41 @@ def cmd_prepare_data(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from jax_overlap.hf import convert
+
+    if args.from_hf:
+        cfg = convert.hf_run_config(args.from_hf, args.overrides)
+        prepare_backend(cfg)
+        out = convert.from_hf(args.from_hf, args.out, args.overrides)
+    else:
+        prepare_backend(Config(), devices_needed=1)
+        out = convert.to_hf(args.to_hf, args.out, args.dtype, args.shard_mb, args.overrides)
+    print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from jax_overlap.training import scoring
+
+    if args.run_dir:
+        from jax_overlap.training.run_state import run_config
+
+        cfg = run_config(args.run_dir, args.overrides)
+    else:
+        from jax_overlap.hf.convert import hf_run_config
+
+        cfg = hf_run_config(args.from_hf, args.overrides)
+    prepare_backend(cfg)
+    out = scoring.evaluate_command(args.run_dir, args.from_hf, args.data, args.overrides)
+    print(json.dumps(out) if args.json else
+          f"loss {out['loss']:.4f}  perplexity {out['perplexity']:.3f}  ({out['tokens']} tokens)")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "schedule": cmd_schedule, "analyze": cmd_analyze,
-            "profile": cmd_profile, "tune": cmd_tune, "prepare-data": cmd_prepare_data}
+            "profile": cmd_profile, "tune": cmd_tune, "prepare-data": cmd_prepare_data,
+            "convert": cmd_convert, "evaluate": cmd_evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["gpt", "bert", "resnet"] = "gpt"
+    kind: Literal["gpt", "bert", "resnet", "llama"] = "gpt"
     layers: int = 4
     d_model: int = 128
     heads: int = 4
@@ -52,6 +52,17 @@ class ModelConfig:
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
     # (weight) matmul outputs.
     remat: Literal["none", "full", "save_dots", "minimal"] = "none"
+    # Llama only (docs/llama_and_hf.md; the other models ignore them): key/value heads of
+    # grouped-query attention (0: = heads), RoPE base and optional Llama-3.1 frequency
+    # scaling, RMSNorm epsilon. d_ff is the SwiGLU's hidden size.
+    kv_heads: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
 
 
 @dataclass
@@ -80,7 +91,12 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     weight_decay: float = 0.01
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 compute, fp32 master weights
+    # bf16 / fp16: that compute dtype, fp32 master weights; fp16 adds dynamic loss scaling
+    # (training/loss_scale.py): start at loss_scale_init, x2 after loss_scale_growth_interval
+    # clean steps, /2 and the step skipped on overflow.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
     optimizer: Literal["adamw", "lamb"] = "adamw"
     log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
     eval_every: int = 0  # held-out loss and perplexity every this many steps; 0: off
@@ -142,6 +158,9 @@ class CheckpointConfig:
     local_every: int = 0
     local_keep: int = 2  # local steps kept (1 or 2)
     local_dir: str = ""  # empty: /dev/shm/jax_overlap where it exists, else the system temp dir
+    # A Hugging Face directory (config.json + safetensors) whose weights replace the random
+    # initialisation (fine-tuning); the model config must match it (jax_overlap/hf/convert.py).
+    init_from_hf: str = ""
 
 
 @dataclass
@@ -421,7 +440,9 @@ def validate(cfg: Config) -> None:
             p.append(f"model.{name}: must be >= 1, got {getattr(mo, name)}")
     if p:
         raise ConfigError(p)
-    if mo.kind in ("gpt", "bert"):
+    if mo.kind == "llama":
+        _check_llama(mo, m.tp, p)
+    if mo.kind in ("gpt", "bert", "llama"):
         if mo.d_model % mo.heads:
             p.append(f"model.d_model: {mo.d_model} is not divisible by model.heads={mo.heads}; "
                      f"pick d_model a multiple of heads")
@@ -502,6 +523,9 @@ def validate(cfg: Config) -> None:
     p += _checkpoint_and_guard_problems(cfg)
     if t.global_batch < 1:
         p.append(f"train.global_batch: must be >= 1, got {t.global_batch}")
+    if t.loss_scale_init < 1 or t.loss_scale_growth_interval < 1:
+        p.append(f"train.loss_scale_init: must be >= 1 (got {t.loss_scale_init}) and "
+                 f"train.loss_scale_growth_interval >= 1 (got {t.loss_scale_growth_interval})")
     if not 1 <= ov.window <= 3 and ov.param_sharding == "fsdp":
         p.append(f"overlap.window: {ov.window} is outside 1..3; use 1, 2 or 3")
     if ov.grad_bucket_mb < 0:
@@ -525,6 +549,9 @@ def validate(cfg: Config) -> None:
         p += _tokenizer_mismatch(cfg)
     if cfg.data.source == "tokens" and os.path.isdir(cfg.data.path):
         p += _split_problems(cfg)
+    if cfg.checkpoint.init_from_hf and not os.path.isdir(cfg.checkpoint.init_from_hf):
+        p.append(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf} is not a directory; "
+                 f"point it at a Hugging Face model directory")
     d = cfg.distributed
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")
@@ -601,6 +628,26 @@ def _data_file_problems(cfg: Config) -> list[str]:
         return [f"data.path: {path} holds {usable} usable bytes, fewer than one sequence "
                 f"(model.seq_len + 2 = {need}); use a longer file or a smaller model.seq_len"]
     return []
+
+
+def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
+    kv = mo.kv_heads or mo.heads
+    if mo.kv_heads < 0 or mo.heads % kv:
+        p.append(f"model.kv_heads: {mo.kv_heads} must divide model.heads={mo.heads} "
+                 f"(0 means = heads); pick a divisor of {mo.heads}")
+    elif kv >= tp and kv % tp:
+        p.append(f"model.kv_heads: {kv} >= mesh.tp={tp} is split over tp and must be a "
+                 f"multiple of it; use a multiple of {tp}")
+    elif kv < tp and tp % kv:
+        p.append(f"model.kv_heads: {kv} < mesh.tp={tp} is replicated over tp, which needs "
+                 f"tp to be a multiple of it; use a divisor of {tp}")
+    if mo.heads and (mo.d_model // mo.heads) % 2:
+        p.append(f"model.d_model: head size {mo.d_model}/{mo.heads} is odd; RoPE needs an "
+                 f"even head size")
+    if mo.rope_theta <= 0:
+        p.append(f"model.rope_theta: must be > 0, got {mo.rope_theta}")
+    if mo.rope_scaling == "llama3" and mo.rope_high_freq_factor <= mo.rope_low_freq_factor:
+        p.append("model.rope_high_freq_factor: must exceed model.rope_low_freq_factor")
 
 
 def check_device_count(cfg: Config, available: int) -> None:

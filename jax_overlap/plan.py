@@ -128,7 +128,7 @@ class ParallelPlan:
       layer_perm: staged position -> logical layer (pp > 1 with a non-contiguous placement or
         uneven chunks; -1 marks a padded position, `pipeline.layout`).
       overlap: the resolved overlap choices.
-      compute_dtype: "fp32" or "bf16" (train.precision).
+      compute_dtype: "fp32", "bf16" or "fp16" (train.precision).
       remat: the rematerialisation policy every block runs under (model.remat).
       target: the target the automatic choices were made for.
       choices: the `auto` knobs, by config key, with what was picked and why.
@@ -198,7 +198,7 @@ class ParallelPlan:
         from jax_overlap.parallel.collectives import Parallel
         from jax_overlap.parallel.mesh import TP
 
-        dtype = jnp.bfloat16 if self.compute_dtype == "bf16" else jnp.float32
+        dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(self.compute_dtype, jnp.float32)
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
                         explicit_wgrad=not self.pipelined)
@@ -349,7 +349,7 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
         elif not target.accelerator:
             tp_comm, why = "plain", ("CPU: collectives run synchronously, so the ring steps of "
                                      "collective matmul would only add work")
-        elif mo.kind not in ("gpt", "bert") or mo.seq_len % m.tp:
+        elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")
         else:

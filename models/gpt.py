@@ -201,9 +201,13 @@ class GPT:
         return self._block(par.tp).apply({"params": params_block}, x_btd, par)
 
     def head_loss(self, params_embed, params_head, x_btd, targets_bt, par: Parallel):
-        logits_btv = self._head(par.tp).apply({"params": params_head}, x_btd,
-                                              params_embed["wte"], par)
+        logits_btv = self.logits(params_embed, params_head, x_btd, par)
         return vocab_cross_entropy(logits_btv, targets_bt, par).sum()
+
+    def logits(self, params_embed, params_head, x_btd, par: Parallel):
+        """(B, T, V/tp) logits (the Hugging Face comparison reads them at tp = 1)."""
+        return self._head(par.tp).apply({"params": params_head}, x_btd, params_embed["wte"],
+                                        par)
 
     def loss_count(self, targets_bt):
         return jnp.asarray(targets_bt.size, jnp.float32)

@@ -27,7 +27,7 @@ def test_tiny_loads_with_types():
     (["train.global_batch=10"], "train.global_batch", "multiple of 4"),
     (["model.lyers=3"], "model.lyers", "did you mean 'model.layers'"),
     (["train.steps=ten"], "train.steps", "expected int"),
-    (["train.precision=fp16"], "train.precision", "is not one of"),
+    (["train.precision=fp8"], "train.precision", "is not one of"),
     (["train.optimizer=adam"], "train.optimizer", "did you mean 'adamw'"),
     (["model.layers=3", "mesh.pp=2", "mesh.dp=1"], "model.layers", "multiple of 2"),
     (["pipeline.transfer_latency=3"], "pipeline.transfer_latency", "must be 1 or 2"),

@@ -803,7 +803,7 @@ def micro_batch_size(cfg: Config, plan) -> int:
 
 def dtype_bytes(cfg: Config) -> int:
     """Bytes of one activation element in the compute dtype."""
-    return 2 if cfg.train.precision == "bf16" else 4
+    return 2 if cfg.train.precision in ("bf16", "fp16") else 4
 
 
 def layers_per_virtual_stage(cfg: Config, plan) -> list[int]:

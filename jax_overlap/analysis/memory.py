@@ -24,7 +24,7 @@ from __future__ import annotations
 
 def dtype_bytes(precision: str) -> int:
     """Bytes per activation element: 2 under bf16 compute, else 4."""
-    return 2 if precision == "bf16" else 4
+    return 2 if precision in ("bf16", "fp16") else 4
 
 
 def layer_residual_bytes(model, micro_batch: int, tp: int, precision: str) -> float:
@@ -83,7 +83,7 @@ def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: st
     embed_elems = embed / tp
     elems = block_elems + embed_elems
     moments = 8 * (elems / dp if zero1 and not fsdp else elems)
-    state = elems * (4 + 4) + moments + (2 * elems if precision == "bf16" else 0)
+    state = elems * (4 + 4) + moments + (2 * elems if precision in ("bf16", "fp16") else 0)
     tokens = micro_batch * model.seq_len
     kept = layer_stash_bytes(model, micro_batch, tp, precision, remat)
     # `full` rebuilds one layer's residuals at a time inside the backward.

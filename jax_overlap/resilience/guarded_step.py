@@ -33,7 +33,8 @@ from jax_overlap.training.state import batch_index
 def make_guarded_step(model, cfg, plan, mesh, optimizer) -> Callable:
     """`step(loop, batch) -> (loop, metrics)`: the train step with guards and fault injection.
 
-    See the module docstring for what accepted and rejected steps do. Metrics are the train
+    See the module docstring for what accepted and rejected steps do (an fp16 overflow is
+    rejected with `overflow` set and the guard untouched). Metrics are the train
     step's plus `accepted` (bool), `consecutive_bad`, and the new state's `step`, `next_batch`
     (= `batch_index`) and `version`, so the host needs no other transfer.
 
@@ -51,16 +52,22 @@ def make_guarded_step(model, cfg, plan, mesh, optimizer) -> Callable:
     def guarded(loop: LoopState, batch):
         # The hook closes over this trace's rollback count, so it is built per trace.
         hook = make_fault_hook(faults, loop.rollbacks)
-        inner = steplib.make_train_step(model, plan, mesh, optimizer,
-                                        lr=steplib.lr_schedule(cfg.train), fault_hook=hook,
-                                        jit=False)
+        inner = steplib.make_train_step(
+            model, plan, mesh, optimizer, lr=steplib.lr_schedule(cfg.train), fault_hook=hook,
+            jit=False, loss_scale_growth_interval=cfg.train.loss_scale_growth_interval)
         updated, metrics = inner(loop.train, batch)
+        # fp16: an overflow step is skipped (its batch consumed) and halves the loss scale,
+        # but is no fault: the guard neither counts it nor sees its loss.
+        overflow = metrics.get("overflow", jnp.zeros((), bool))
         if g.enabled:
             ok, guard = guard_update(loop.guard, metrics["loss"], metrics["grad_norm"],
                                      g.spike_sigma)
+            guard = select_tree(~overflow, guard, loop.guard)
         else:
             ok, guard = jnp.ones((), bool), loop.guard
-        rejected = loop.train._replace(data_offset=loop.train.data_offset + 1)
+        ok = ok & ~overflow
+        rejected = loop.train._replace(data_offset=loop.train.data_offset + 1,
+                                       loss_scale=updated.loss_scale)
         train = select_tree(ok, updated, rejected)
         out = {**metrics, "accepted": ok, "consecutive_bad": guard.consecutive_bad,
                "step": train.step, "next_batch": batch_index(train), "version": train.version}

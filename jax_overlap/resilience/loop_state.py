@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.resilience.guard import GuardState, guard_init
+from jax_overlap.training import loss_scale as loss_scale_lib
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import TrainState
 
@@ -55,7 +56,8 @@ def loop_shardings(model, cfg, plan, mesh, optimizer) -> LoopState:
       A LoopState of shardings.
     """
     abstract_params = jax.eval_shape(model.init, jax.random.key(cfg.train.seed))
-    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
+    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
+                                    loss_scaled=cfg.train.precision == "fp16")
     rep = _replicated(mesh)
     guard = GuardState(losses=rep, count=rep, consecutive_bad=rep)
     return LoopState(train=train, guard=guard, rollbacks=rep)
@@ -68,7 +70,8 @@ def abstract_loop_state(model, cfg, plan, mesh, optimizer) -> LoopState:
     shardings from `loop_shardings`; nothing is allocated.
     """
     train = jax.eval_shape(lambda: steplib.init_state(model, plan, mesh, optimizer,
-                                                      cfg.train.seed))
+                                                      cfg.train.seed,
+                                                      loss_scale_lib.initial(cfg.train)))
     shapes = LoopState(train=train, guard=jax.eval_shape(lambda: guard_init(cfg.guard.window)),
                        rollbacks=jax.ShapeDtypeStruct((), jnp.int32))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -86,7 +89,8 @@ def make_initializer(model, cfg, plan, mesh, optimizer) -> Callable[[], LoopStat
     A rollback with no checkpoint to go back to calls it again, hence the single compile.
     """
     def build():
-        train = steplib.init_state(model, plan, mesh, optimizer, cfg.train.seed)
+        train = steplib.init_state(model, plan, mesh, optimizer, cfg.train.seed,
+                                   loss_scale_lib.initial(cfg.train))
         return LoopState(train, guard_init(cfg.guard.window), jnp.zeros((), jnp.int32))
 
     return jax.jit(build, out_shardings=loop_shardings(model, cfg, plan, mesh, optimizer))

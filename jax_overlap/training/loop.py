@@ -226,6 +226,7 @@ class _Trainer:
         self.rollbacks = 0
         self.steps_lost = 0
         self.skipped_steps = 0
+        self.overflow_steps = 0
         self.resumed_from: Optional[int] = None
         self.skipped_checkpoints: list[int] = []
         self._streak = RollbackStreak()
@@ -233,6 +234,11 @@ class _Trainer:
         # The LR scale does not enter the initial state; compiled on first use.
         self._initial = make_initializer(self.model, cfg, self.plan, self.mesh,
                                          steplib.make_optimizer(cfg.train))
+        if cfg.checkpoint.init_from_hf:  # start (and restart) from Hugging Face weights
+            from jax_overlap.hf.convert import initializer_from_hf
+
+            self._initial = initializer_from_hf(self._initial, cfg.checkpoint.init_from_hf,
+                                                cfg.model, self.plan, self.shardings)
 
     # ---- entry point --------------------------------------------------------------------
 
@@ -376,10 +382,16 @@ class _Trainer:
                       "tokens_per_s": self.tokens_per_step / dt, "batch": consumed}
             if self.peak:
                 record["mfu"] = self.flops_per_step / (dt * self.peak * jax.device_count())
+            overflow = bool(m.get("overflow", False))  # fp16 (training/loss_scale.py)
+            if "loss_scale" in m:
+                record["loss_scale"] = float(m["loss_scale"])
             if accepted:
                 self.losses.append(loss)
                 if not compiling:
                     self.times.append(dt)
+            elif overflow:
+                self.overflow_steps += 1
+                record.update(skipped=True, skipped_overflow=True, reason="overflow")
             else:
                 self.skipped_steps += 1
                 record.update(skipped=True, reason=rejection_reason(loss, grad_norm),
@@ -394,7 +406,8 @@ class _Trainer:
                 self._save_if_due(loop, host.step)
                 self._evaluate_if_due(loop, host.step)
             compiling = False
-            if not accepted and self.policy.should_roll_back(m["consecutive_bad"]):
+            if (not accepted and not overflow
+                    and self.policy.should_roll_back(m["consecutive_bad"])):
                 reason = (f"{int(m['consecutive_bad'])} consecutive rejected steps "
                           f"(last: {record['reason']}, loss {loss:.4g})")
                 loop = metrics = batch = None  # let the old state go before restoring
@@ -506,7 +519,7 @@ class _Trainer:
                  "skipped_checkpoint_reasons": getattr(self, "skipped_reasons", []),
                  "resumed_tier": getattr(self, "resumed_tier", None),
                  "rollbacks": self.rollbacks, "steps_lost": self.steps_lost,
-                 "skipped_steps": self.skipped_steps,
+                 "skipped_steps": self.skipped_steps, "skipped_overflow": self.overflow_steps,
                  "lr_scale": lr_scale(self.cfg.guard, host.rollbacks),
                  "preempted": preempted, "last_checkpoint": committed[-1] if committed else None}
         extra.update(self.last_eval)  # eval_loss, eval_perplexity of the last evaluation

@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap.parallel.mesh import DP, PP, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
+from jax_overlap.training import loss_scale as loss_scale_lib
 from jax_overlap.training.state import TrainState, new_state
 
 
 def compute_dtype(precision: str):
-    return jnp.bfloat16 if precision == "bf16" else jnp.float32
+    return {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(precision, jnp.float32)
 
 
 def lr_schedule(t) -> optax.Schedule:
@@ -66,7 +67,7 @@ def _global_norm(tree) -> jax.Array:
 
 def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
                     lr: optax.Schedule | None = None, fault_hook: Callable | None = None,
-                    jit: bool = True) -> Callable:
+                    jit: bool = True, loss_scale_growth_interval: int = 2000) -> Callable:
     """Returns `step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -76,6 +77,9 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
         injection for drills and tests).
       jit: return the jitted step with the state donated; False gives the traceable function
         so callers (guards) can wrap it inside their own jit.
+      loss_scale_growth_interval: fp16 (a state with a `loss_scale`): clean steps before the
+        scale doubles. An overflow step leaves params, optimizer state, `step` and `version`
+        as they were, halves the scale and reports `overflow` (see `training.loss_scale`).
     """
     loss_and_grads = make_loss_and_grads(model, plan, mesh)
     # ZeRO-1 / FSDP: the gradients arrive split over dp and the optimizer state is stored
@@ -85,17 +89,33 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
     shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
 
     def step(state: TrainState, batch):
-        loss, grads = loss_and_grads(state.params, batch)
+        ls = state.loss_scale
+        if ls is None:
+            loss, grads = loss_and_grads(state.params, batch)
+        else:  # fp16: the backward of S x loss, divided back by S
+            scaled = make_loss_and_grads(loss_scale_lib.ScaledLoss(model, ls.scale), plan, mesh)
+            loss, grads = loss_scale_lib.unscale(*scaled(state.params, batch), ls.scale)
+            finite = loss_scale_lib.all_finite(loss, grads)
+            grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
         grad_norm = _global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        applied = jnp.ones((), jnp.int32)
+        if ls is not None:  # an overflow step applies nothing
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            applied = finite.astype(jnp.int32)
         params = jax.lax.with_sharding_constraint(params, shardings.params)
         opt_state = jax.lax.with_sharding_constraint(opt_state, shardings.opt_state)
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                   version=state.version + 1)
+        new_state = state._replace(step=state.step + applied, params=params, opt_state=opt_state,
+                                   version=state.version + applied)
         metrics = {"loss": loss, "grad_norm": grad_norm}
+        if ls is not None:
+            new_state = new_state._replace(loss_scale=loss_scale_lib.update(
+                ls, finite, loss_scale_growth_interval))
+            metrics.update(overflow=~finite, loss_scale=ls.scale)
         if lr is not None:
             metrics["lr"] = lr(state.step)
         return new_state, metrics
@@ -113,7 +133,8 @@ def param_shardings(model, mesh, layout=None) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
-def state_shardings(model, mesh, optimizer, abstract_params, layout=None) -> TrainState:
+def state_shardings(model, mesh, optimizer, abstract_params, layout=None,
+                    loss_scaled: bool = False) -> TrainState:
     """NamedShardings for every leaf of the train state.
 
     The optimizer state mirrors the gradients: like the parameters, except that ZeRO-1
@@ -129,19 +150,24 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None) -> Tra
     opt_abstract = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, grad_sh,
                                    transform_non_params=lambda _: replicated)
+    scale_sh = (loss_scale_lib.LossScale(replicated, replicated, replicated) if loss_scaled
+                else None)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                      data_offset=replicated, version=replicated)
+                      data_offset=replicated, version=replicated, loss_scale=scale_sh)
 
 
-def init_state(model, plan, mesh, optimizer, seed: int) -> TrainState:
+def init_state(model, plan, mesh, optimizer, seed: int,
+               loss_scale: loss_scale_lib.LossScale | None = None) -> TrainState:
     """Initial state, created directly in its sharded layout (never whole on one device):
-    the logical init (same values on every mesh), then the plan's staged layer order."""
+    the logical init (same values on every mesh), then the plan's staged layer order.
+    `loss_scale`: fp16's initial `LossScale` (`loss_scale.initial(cfg.train)`)."""
     abstract_params = jax.eval_shape(model.init, jax.random.key(seed))
-    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
+    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
+                                loss_scaled=loss_scale is not None)
 
     def build():
         params = layout.to_staged(model.init(jax.random.key(seed)), plan.layer_perm)
-        return new_state(params, optimizer.init(params), seed)
+        return new_state(params, optimizer.init(params), seed, loss_scale)
 
     return jax.jit(build, out_shardings=shardings)()
 

@@ -1,0 +1,315 @@
+"""Llama-family decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) with Megatron TP.
+
+Written exactly as `models/gpt.py`: Flax modules declare parameters at their per-device size
+(`tp=1` creates the global parameters, `tp=k` applies to one TP shard), and one definition
+serves the single-device reference, the `shard_map` step and GSPMD.
+
+TP layout:
+* query heads, the SwiGLU's gate/up columns and the vocabulary are split over TP (column /
+  vocab parallel); attention-out and MLP-down are row-parallel (a psum, or a reduce-scatter
+  under sequence parallelism).
+* key/value heads: split over TP when `kv_heads >= tp` (each rank keeps `kv_heads / tp` of
+  them, needs `kv_heads % tp == 0`); otherwise stored replicated and each rank slices the one
+  kv head its query heads read (`tp % kv_heads == 0`). The replicated weights' gradients are
+  summed over TP by autodiff (the implicit `pvary`'s transpose).
+* one column-parallel matmul computes q, k and v (the local q and kv weights concatenated),
+  so sequence parallelism and collective matmul gather each block's input once.
+
+RoPE uses the half-split ("rotate_half") convention of Hugging Face's `LlamaForCausalLM`,
+so HF q/k projection weights load without the Meta-format permutation (see
+`jax_overlap/hf/llama.py` and docs/llama_and_hf.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap.parallel.collectives import (
+    Parallel,
+    column_parallel,
+    row_parallel,
+    tp_index,
+    vocab_cross_entropy,
+    vocab_embed,
+)
+
+
+def _normal(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding frequencies: `theta`, and Llama-3.1 scaling when `scaling == 'llama3'`."""
+
+    theta: float = 10000.0
+    scaling: str = "none"  # none | llama3
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """(head_dim/2,) float32, computed as transformers does (float32 powers)."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.scaling != "llama3":
+            return inv
+        low_wavelen = self.original_max_len / self.low_freq_factor
+        high_wavelen = self.original_max_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+        smooth = ((self.original_max_len / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(t: int, head_dim: int, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape (T, head_dim), fp32: the angles duplicated over the two halves."""
+    inv = jnp.asarray(rope.inv_freq(head_dim))
+    angles_te = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    angles_te = jnp.concatenate([angles_te, angles_te], axis=-1)
+    return jnp.cos(angles_te), jnp.sin(angles_te)
+
+
+def apply_rope(x_bthe: jax.Array, cos_te: jax.Array, sin_te: jax.Array) -> jax.Array:
+    """x*cos + rotate_half(x)*sin, in fp32, back in x's dtype."""
+    x32 = x_bthe.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos_te[:, None, :] + rotated * sin_te[:, None, :]
+    return out.astype(x_bthe.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale, in fp32 whatever the compute dtype."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+def kv_split(kv_heads: int, tp: int) -> bool:
+    """Whether TP splits the kv heads (kv_heads >= tp) or replicates them."""
+    return kv_heads >= tp
+
+
+class Block(nn.Module):
+    """One pre-norm Llama block, written for one device of a TP group."""
+
+    d_model: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    num_layers: int
+    rope: Rope
+    eps: float = 1e-5
+    tp: int = 1
+
+    @nn.compact
+    def __call__(self, x_btd, par: Parallel):
+        d, hd = self.d_model, self.d_model // self.heads
+        h_local, f_local = self.heads // self.tp, self.d_ff // self.tp
+        split = kv_split(self.kv_heads, self.tp)
+        kv_stored = self.kv_heads // self.tp if split else self.kv_heads
+        out_std = 0.02 / math.sqrt(2 * self.num_layers)
+        dt = par.compute_dtype
+
+        w_q_dhe = self.param("w_q", _normal(0.02), (d, h_local, hd))
+        w_kv_dk2e = self.param("w_kv", _normal(0.02), (d, kv_stored, 2, hd))
+        w_o_hed = self.param("w_o", _normal(out_std), (h_local, hd, d))
+        w_gu_d2f = self.param("w_gate_up", _normal(0.02), (d, 2, f_local))
+        w_down_fd = self.param("w_down", _normal(out_std), (f_local, d))
+
+        # Attention: q, k, v from one column-parallel matmul (local query heads, local or
+        # this rank's kv heads), RoPE, causal GQA, row-parallel output.
+        if split:
+            kv_local, w_kv_local = kv_stored, w_kv_dk2e
+        else:  # replicated kv heads: the one this rank's h_local query heads share
+            kv_local = 1
+            first = tp_index(par) * self.kv_heads // self.tp
+            w_kv_local = jax.lax.dynamic_slice_in_dim(w_kv_dk2e, first, 1, axis=1)
+        w_qkv_dn = jnp.concatenate([w_q_dhe.reshape(d, h_local * hd),
+                                    w_kv_local.reshape(d, kv_local * 2 * hd)], axis=1)
+        y_btd = RMSNorm(self.eps, name="attn_norm")(x_btd)
+        qkv_btn = column_parallel(y_btd.astype(dt), w_qkv_dn.astype(dt), par)
+        b, t = qkv_btn.shape[:2]
+        q_bthe = qkv_btn[..., :h_local * hd].reshape(b, t, h_local, hd)
+        kv_btk2e = qkv_btn[..., h_local * hd:].reshape(b, t, kv_local, 2, hd)
+        k_btke, v_btke = kv_btk2e[..., 0, :], kv_btk2e[..., 1, :]
+        cos_te, sin_te = rope_cos_sin(t, hd, self.rope)
+        q_bthe = apply_rope(q_bthe, cos_te, sin_te)
+        k_btke = apply_rope(k_btke, cos_te, sin_te)
+        group = h_local // kv_local
+        q_btkge = q_bthe.reshape(b, t, kv_local, group, hd)
+        scores = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke).astype(jnp.float32)
+        scores = scores / math.sqrt(hd)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        ctx_btkge = jnp.einsum("bkgts,bske->btkge", probs, v_btke)
+        attn_btd = row_parallel(ctx_btkge.reshape(b, t, h_local * hd),
+                                w_o_hed.reshape(h_local * hd, d).astype(dt), par)
+        x_btd = x_btd + attn_btd.astype(x_btd.dtype)
+
+        # SwiGLU MLP: gate and up column-parallel in one matmul, row-parallel down.
+        y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
+        gu_btn = column_parallel(y_btd.astype(dt), w_gu_d2f.reshape(d, 2 * f_local).astype(dt),
+                                 par)
+        gate_btf, up_btf = gu_btn[..., :f_local], gu_btn[..., f_local:]
+        h_btf = jax.nn.silu(gate_btf) * up_btf
+        mlp_btd = row_parallel(h_btf, w_down_fd.astype(dt), par)
+        return x_btd + mlp_btd.astype(x_btd.dtype)
+
+
+class Embed(nn.Module):
+    vocab: int
+    d_model: int
+    tp: int = 1
+
+    @nn.compact
+    def __call__(self, ids_bt, par: Parallel):
+        wte_vd = self.param("wte", _normal(0.02), (self.vocab // self.tp, self.d_model))
+        return vocab_embed(ids_bt, wte_vd.astype(par.compute_dtype), par)
+
+
+class Head(nn.Module):
+    """Final RMSNorm and vocab-parallel logits; `w_out` exists only when untied."""
+
+    vocab: int
+    d_model: int
+    tied: bool
+    eps: float = 1e-5
+    tp: int = 1
+
+    @nn.compact
+    def __call__(self, x_btd, wte_vd, par: Parallel):
+        y_btd = RMSNorm(self.eps, name="norm")(x_btd)
+        if par.sequence_sharded:  # logits need every position: (B, T/tp, D) -> (B, T, D)
+            y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
+        if self.tied:
+            w_dv = wte_vd.T
+        else:
+            w_dv = self.param("w_out", _normal(0.02), (self.d_model, self.vocab // self.tp))
+        return jnp.einsum("btd,dv->btv", y_btd.astype(par.compute_dtype),
+                          w_dv.astype(par.compute_dtype))
+
+
+@dataclass(frozen=True)
+class Llama:
+    """The Llama decoder as a `jax_overlap.model_api.StagedModel`."""
+
+    num_layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    vocab: int
+    seq_len: int
+    tied_embeddings: bool = False
+    rope: Rope = Rope()
+    eps: float = 1e-5
+    # The TP size `param_axes` lays the kv heads out for (split when kv_heads >= tp). The
+    # parameters themselves (global shapes, values) do not depend on it.
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, m, tp: int = 1) -> "Llama":
+        rope = Rope(m.rope_theta, m.rope_scaling, m.rope_factor, m.rope_low_freq_factor,
+                    m.rope_high_freq_factor, m.rope_original_max_len)
+        return cls(m.layers, m.d_model, m.heads, m.kv_heads or m.heads, m.d_ff, m.vocab,
+                   m.seq_len, m.tied_embeddings, rope, m.norm_eps, tp)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    # Modules at a given TP size -------------------------------------------------------------
+    def _embed(self, tp):
+        return Embed(self.vocab, self.d_model, tp)
+
+    def _block(self, tp):
+        return Block(self.d_model, self.heads, self.kv_heads, self.d_ff, self.num_layers,
+                     self.rope, self.eps, tp)
+
+    def _head(self, tp):
+        return Head(self.vocab, self.d_model, self.tied_embeddings, self.eps, tp)
+
+    # StagedModel ------------------------------------------------------------------------------
+    def init(self, rng: jax.Array) -> Any:
+        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
+        par = Parallel()
+        ids = jnp.zeros((1, self.seq_len), jnp.int32)
+        x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
+        embed = self._embed(1).init(k_embed, ids, par)["params"]
+        layer_keys = jax.random.split(k_blocks, self.num_layers)
+        blocks = jax.vmap(lambda k: self._block(1).init(k, x, par)["params"])(layer_keys)
+        head = self._head(1).init(k_head, x, embed["wte"], par).get("params", {})
+        return {"embed": embed, "blocks": blocks, "head": head}
+
+    def param_axes(self) -> Any:
+        """Logical axes. The kv-head dim of `w_kv` is 'heads' (split over tp) when
+        kv_heads >= tp (the `tp` this model was built for), else replicated (None)."""
+        norm = {"scale": ("embed",)}
+        kv_axis = "heads" if kv_split(self.kv_heads, self.tp) else None
+        blocks = {
+            "w_q": ("embed", "heads", "head_dim"),
+            "w_kv": ("embed", kv_axis, None, "head_dim"),
+            "w_o": ("heads", "head_dim", "embed"),
+            "w_gate_up": ("embed", None, "mlp"),
+            "w_down": ("mlp", "embed"),
+            "attn_norm": norm, "mlp_norm": norm,
+        }
+        blocks = jax.tree.map(lambda a: ("layers",) + a, blocks,
+                              is_leaf=lambda x: isinstance(x, tuple))
+        head: dict[str, Any] = {"norm": norm}
+        if not self.tied_embeddings:
+            head["w_out"] = ("embed", "vocab")
+        return {"embed": {"wte": ("vocab", "embed")}, "blocks": blocks, "head": head}
+
+    def embed(self, params_embed, inputs_bt, par: Parallel):
+        return self._embed(par.tp).apply({"params": params_embed}, inputs_bt, par)
+
+    def block(self, params_block, x_btd, par: Parallel):
+        return self._block(par.tp).apply({"params": params_block}, x_btd, par)
+
+    def head_loss(self, params_embed, params_head, x_btd, targets_bt, par: Parallel):
+        logits_btv = self.logits(params_embed, params_head, x_btd, par)
+        return vocab_cross_entropy(logits_btv, targets_bt, par).sum()
+
+    def logits(self, params_embed, params_head, x_btd, par: Parallel):
+        """(B, T, V/tp) logits (the HF comparison reads them at tp = 1)."""
+        return self._head(par.tp).apply({"params": params_head}, x_btd, params_embed["wte"],
+                                        par)
+
+    def loss_count(self, targets_bt):
+        return jnp.asarray(targets_bt.size, jnp.float32)
+
+    def num_params(self) -> int:
+        d, f, v, n = self.d_model, self.d_ff, self.vocab, self.num_layers
+        kv_dim = self.kv_heads * self.head_dim
+        per_block = 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
+        return n * per_block + v * d + d + (0 if self.tied_embeddings else d * v)
+
+    def flops_per_example(self) -> float:
+        """6·N·T for the matmuls plus attention's 12·L·T²·d."""
+        t = self.seq_len
+        return 6.0 * self.num_params() * t + 12.0 * self.num_layers * t * t * self.d_model
+
+
+def build(cfg):
+    """The model `model.kind: llama` names (registered in pyproject.toml)."""
+    return Llama.from_config(cfg.model, tp=cfg.mesh.tp)

@@ -1,0 +1,111 @@
+"""Against transformers (`make test-hf`; needs the `[hf]` extra: torch, transformers).
+
+Tiny random `LlamaForCausalLM` (grouped-query attention, Llama-3.1 RoPE scaling) and
+`GPT2LMHeadModel` are built here, no download. Import: HF weights -> jax_overlap, logits
+compared in fp32. Export: jax_overlap weights -> `from_pretrained`, logits compared. Config:
+written config.json -> transformers -> read back gives the same model fields.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_overlap import config
+from jax_overlap.hf import convert, layouts
+from jax_overlap.model_api import build_model
+from jax_overlap.parallel.collectives import Parallel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+TOL = 1e-5
+
+
+def llama_hf(tied=False):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1 so the scale parameters are tested too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def gpt2_hf():
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def our_logits(model, params, ids):
+    par = Parallel()
+    x = model.embed(params["embed"], jnp.asarray(ids), par)
+    x = jax.lax.scan(lambda h, p: (model.block(p, h, par), None), x, params["blocks"])[0]
+    return np.asarray(model.logits(params["embed"], params["head"], x, par))
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def ids(seq_len=32, batch=2):
+    return np.random.default_rng(0).integers(0, 256, (batch, seq_len)).astype(np.int32)
+
+
+@pytest.mark.parametrize("make", [llama_hf, lambda: llama_hf(tied=True), gpt2_hf],
+                         ids=["llama-gqa", "llama-tied", "gpt2"])
+def test_import_matches_transformers_logits(tmp_path, make):
+    hf_model = make()
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg = convert.hf_run_config(str(tmp_path / "hf"))
+    model = build_model(cfg)
+    params = convert.load_hf_params(str(tmp_path / "hf"), cfg.model)
+    err = rel_err(our_logits(model, params, ids()), hf_logits(hf_model, ids()))
+    print(f"import {cfg.model.kind}: logits rel err {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("over", [
+    ["model.kind=llama", "model.heads=8", "model.kv_heads=2", "model.d_model=64",
+     "model.rope_scaling=llama3", "model.rope_original_max_len=8", "model.rope_theta=5e5"],
+    ["model.kind=gpt", "model.d_model=64"]], ids=["llama-gqa", "gpt2"])
+@pytest.mark.parametrize("shard_mb", [0.0, 0.05])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, over, shard_mb):
+    cfg = config.load(None, [*over, "model.layers=2", "model.seq_len=32", "model.d_ff=96",
+                             "model.vocab=256"])
+    model = build_model(cfg)
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(1)))
+    out = tmp_path / "export"
+    files = convert.export_params(cfg.model, params, str(out), "fp32", int(shard_mb * 2**20))
+    assert (len(files) > 1) == (shard_mb > 0)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    err = rel_err(hf_logits(hf_model, ids()), our_logits(model, params, ids()))
+    print(f"export {cfg.model.kind} shard_mb={shard_mb}: logits rel err {err:.2e}")
+    assert err <= TOL
+    # config.json round-trips through transformers: the same model fields come back.
+    reread = json.loads(hf_model.config.to_json_string())
+    assert layouts.model_fields_from_hf(reread) == layouts.model_fields_from_hf(
+        json.load(open(out / "config.json")))
+    assert build_model(convert.hf_run_config(str(out))) == model
