@@ -349,6 +349,11 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
         elif not target.accelerator:
             tp_comm, why = "plain", ("CPU: collectives run synchronously, so the ring steps of "
                                      "collective matmul would only add work")
+        elif m.pp > 1:
+            tp_comm, why = "sequence_parallel", (
+                "pp > 1: collective matmul's ring permutes would run inside the pipeline's "
+                "per-stage action branches (not supported there); sequence parallelism's "
+                "all-gather / reduce-scatter are async and overlap instead")
         elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")
