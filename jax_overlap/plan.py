@@ -85,6 +85,8 @@ class OverlapPlan:
       tp_comm: "plain", "sequence_parallel" or "collective_matmul".
       cm_direction: collective matmul ring, "uni" or "bi".
       xla_preset: XLA flag preset name, or "none".
+      dcn_delay: 1 applies the cross-dcn reduction of each step's gradient one step late.
+      dcn_delay_compensation: DC-ASGD lambda for the late gradient (0: none).
     """
 
     grad_bucket_bytes: int = 0
@@ -97,12 +99,42 @@ class OverlapPlan:
     tp_comm: str = "plain"
     cm_direction: str = "uni"
     xla_preset: str = "none"
+    dcn_delay: int = 0
+    dcn_delay_compensation: float = 0.0
 
     @property
     def buckets_in_loop(self) -> bool:
         """Whether the pipeline reduces block gradients inside the tick loop: with buckets,
         except under fsdp (reduce-scattered once after the loop)."""
         return self.grad_bucket_bytes > 0 and not self.fsdp
+
+
+@dataclass(frozen=True)
+class DilocoPlan:
+    """Streaming DiLoCo over dcn (`overlap.diloco`), resolved.
+
+    Attributes:
+      inner_steps: H, inner steps between two syncs of one fragment.
+      fragments: parameter fragments; fragment f is issued at inner steps t with
+        t % H == f * H / fragments.
+      delay: tau, inner steps between issuing a fragment's sync and applying it.
+      outer_lr, outer_momentum: outer Nesterov SGD.
+      outer_dtype: "fp32", "bf16" or "int8", what the outer gradient crosses dcn in.
+      mix: share of the local fragment kept when a delayed sync lands.
+    """
+
+    inner_steps: int
+    fragments: int = 1
+    delay: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_dtype: str = "bf16"
+    mix: float = 0.5
+
+    @property
+    def period(self) -> int:
+        """Inner steps between two consecutive fragment syncs (of different fragments)."""
+        return self.inner_steps // self.fragments
 
 
 @dataclass(frozen=True)
@@ -134,6 +166,8 @@ class ParallelPlan:
       layout: the DP layout of the model's parameters (`overlap.dp_layout.DpLayout`), when the
         plan was built with a model.
       chunk_buckets: pp > 1 with in-loop buckets: the bucket plan of one chunk's layers.
+      dcn: the slow data axis's size (mesh.dcn; the mesh has a 'dcn' axis when > 1).
+      diloco: Streaming DiLoCo over dcn, or None.
     """
 
     dp: int
@@ -150,6 +184,8 @@ class ParallelPlan:
     choices: dict[str, Choice] = field(default_factory=dict)
     layout: Any = None
     chunk_buckets: Any = None
+    dcn: int = 1
+    diloco: DilocoPlan | None = None
 
     # ------------------------------------------------------------------ derived values
 
@@ -161,11 +197,22 @@ class ParallelPlan:
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {"dcn": self.dcn, **sizes} if self.dcn > 1 else sizes
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dcn * self.dp * self.pp * self.tp
+
+    @property
+    def slow_mode(self) -> str:
+        """How gradients cross dcn: "none" (no dcn axis), "sync" (hierarchical, every step),
+        "delay" (one step late) or "local" (DiLoCo: never; the parameters are synced)."""
+        if self.dcn == 1:
+            return "none"
+        if self.diloco is not None:
+            return "local"
+        return "delay" if self.overlap.dcn_delay else "sync"
 
     @property
     def pipelined(self) -> bool:
@@ -257,6 +304,8 @@ class ParallelPlan:
             tp_comm=tp_comm,
             cm_direction=direction,
             xla_preset=ov.xla_preset,
+            dcn_delay=ov.dcn_delay,
+            dcn_delay_compensation=ov.dcn_delay_compensation,
         )
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
         try:
@@ -271,10 +320,10 @@ class ParallelPlan:
             num_layers = model.num_layers if model is not None else cfg.model.layers
             perm = _layer_permutation(num_layers, schedule)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
-                   micro_batch=cfg.train.global_batch // (m.dp * microbatches),
+                   micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
-                   choices=choices)
+                   choices=choices, dcn=m.dcn, diloco=_diloco_plan(cfg))
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -357,7 +406,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     m, pl = cfg.mesh, cfg.pipeline
     if pl.microbatches != "auto":
         return pl.microbatches
-    per_replica = cfg.train.global_batch // m.dp
+    per_replica = cfg.train.global_batch // (m.dcn * m.dp)
     group = m.pp * pl.transfer_latency if pl.schedule == "interleaved" and m.pp > 1 else 1
     least = m.pp if m.pp > 1 and pl.schedule != "gpipe" else 1
     valid = [n for n in _divisors(per_replica) if n >= least and n % group == 0]
@@ -391,9 +440,17 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     return n
 
 
+def _diloco_plan(cfg: Config) -> DilocoPlan | None:
+    d = cfg.diloco
+    if d.inner_steps <= 0 or cfg.mesh.dcn == 1:
+        return None
+    return DilocoPlan(d.inner_steps, d.fragments, d.delay, d.outer_lr, d.outer_momentum,
+                      d.outer_dtype, d.mix)
+
+
 def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
-    """The config's (dp, pp, tp) mesh over `devices` (default: all devices of the job, which
-    must match)."""
+    """The config's (dp, pp, tp) mesh -- (dcn, dp, pp, tp) with mesh.dcn > 1 -- over
+    `devices` (default: all devices of the job, which must match)."""
     import jax
 
     from jax_overlap.config import check_device_count
@@ -401,4 +458,4 @@ def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
 
     devices = jax.devices() if devices is None else devices
     check_device_count(cfg, len(devices))
-    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
+    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices, dcn=cfg.mesh.dcn)

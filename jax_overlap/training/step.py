@@ -16,7 +16,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.parallel.mesh import DP, PP, rules_for, tree_specs
+from jax_overlap.parallel.mesh import DP, PP, data_spec, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
 from jax_overlap.training.state import TrainState, new_state
@@ -45,8 +45,10 @@ def make_optimizer(t, lr_scale: float = 1.0) -> optax.GradientTransformation:
     return optax.chain(*parts, core)
 
 
-def batch_specs(batch: Any) -> Any:
-    return jax.tree.map(lambda _: P(DP), batch)
+def batch_specs(batch: Any, mesh=None) -> Any:
+    """Every batch leaf split over the data axes of `mesh` ((dcn, dp), or dp)."""
+    spec = P(DP) if mesh is None else data_spec(dict(mesh.shape))
+    return jax.tree.map(lambda _: spec, batch)
 
 
 def make_loss_and_grads(model, plan, mesh) -> Callable:
@@ -147,8 +149,9 @@ def init_state(model, plan, mesh, optimizer, seed: int) -> TrainState:
 
 
 def put_batch(batch_np: dict, mesh) -> dict:
-    """Global numpy batch -> arrays split over dp; each process keeps its addressable shards."""
-    sharding = NamedSharding(mesh, P(DP))
+    """Global numpy batch -> arrays split over (dcn, dp); each process keeps its addressable
+    shards."""
+    sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
     return {k: jax.make_array_from_callback(v.shape, sharding, partial(_index, v))
             for k, v in batch_np.items()}
 

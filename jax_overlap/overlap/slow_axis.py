@@ -1,0 +1,167 @@
+"""The slow axis: data parallelism across hosts (or slices) whose link is far slower than the
+links inside one.
+
+The mesh gains an outermost 'dcn' axis (`mesh.dcn > 1`); the batch is split over (dcn, dp).
+Every gradient reduction of the step -- buckets, ZeRO-1's scatter, FSDP's reduce-scatter, the
+pipeline's after-the-loop reduction -- goes through `buckets.reduce_flat`, which calls
+`reduce` here: when the buffer varies over dcn (its gradients are per dcn group), the sum is
+hierarchical, with explicit collectives
+
+    psum_scatter over the fast axes (dp, and tp for TP-replicated leaves)   N -> N/f
+    psum over dcn, on the 1/f slice                                         N/f crosses dcn
+    all_gather over the fast axes                                           N/f -> N
+
+and a ZeRO-1 / FSDP scatter simply stops after the dcn psum of its slice (the optimizer
+state is split over dp and replicated over dcn). Only 1/f of the bytes cross the slow link.
+
+Two modes leave the dcn reduction out of the step (`slow_mode` of the plan):
+
+* "delay" (`overlap.dcn_delay: 1`): the step returns its gradients reduced over the fast axes
+  only, one copy per dcn group (a leading dcn dim); the train step sums the previous step's
+  copies over dcn (`dcn_sum`, a psum with no data dependency on this step's compute, so XLA
+  runs it under the forward and backward) and applies them one step late (`delayed.py`).
+* "local" (Streaming DiLoCo, `diloco.py`): every dcn group has its own parameters (leading
+  dcn dim); the step never reduces over dcn, the outer sync moves parameters instead.
+
+Tracing under `deferred(True)` is what makes `reduce` skip the dcn psum; `wrap_step`
+applies it, and the leading-dim plumbing, to a step's per-device body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap.parallel.compat import all_gather_invariant, axis_size, shard_map, varying_axes
+from jax_overlap.parallel.mesh import DCN
+
+_DEFER = contextvars.ContextVar("jax_overlap_defer_dcn", default=False)
+
+
+@contextlib.contextmanager
+def deferred(flag: bool = True):
+    """While tracing inside it, gradient reductions leave out dcn (see the module docstring)."""
+    token = _DEFER.set(bool(flag))
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
+def deferring() -> bool:
+    return _DEFER.get()
+
+
+def crosses_dcn(x: jax.Array) -> bool:
+    """Whether a gradient buffer still has to be summed over dcn in this step."""
+    return DCN in varying_axes(x) and not deferring()
+
+
+def reduce(x: jax.Array, axes, scatter: bool) -> jax.Array:
+    """The sum of `x` over the fast `axes` (and dcn where `crosses_dcn`), hierarchically.
+
+    Args:
+      x: (N,) to psum, or (parts, N/parts) to psum_scatter over `axes` (row r to rank r).
+      axes: the fast axes of the reduction (never dcn).
+      scatter: psum_scatter (ZeRO-1, FSDP) instead of psum.
+
+    Returns:
+      (N,) summed, or this rank's (N/parts,) row summed.
+    """
+    slow = crosses_dcn(x)
+    if scatter:
+        x = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=False)  # (N/parts,), fast
+        return jax.lax.psum(x, DCN) if slow else x  # (N/parts,) per device, over dcn
+    if not slow:
+        return jax.lax.psum(x, axes)  # (N,) per device, over the fast axes
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    fast = math.prod(axis_size(a) for a in axes)
+    if fast == 1:
+        return jax.lax.psum(jax.lax.psum(x, axes), DCN)  # (N,), over dcn
+    n = x.shape[0]
+    pad = (-n) % fast
+    rows = jnp.pad(x, (0, pad)).reshape(fast, (n + pad) // fast)
+    part = jax.lax.psum_scatter(rows, axes, scatter_dimension=0, tiled=False)  # (N/f,), fast
+    part = jax.lax.psum(part, DCN)  # (N/f,) per device, over dcn: the only slow bytes
+    full = all_gather_invariant(part, axes, axis=0, tiled=True)  # (N,), over the fast axes
+    return full[:n]
+
+
+def sink_axes(marked: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a reduced bucket still varies over, of the `marked` ones it is not summed
+    over: dcn drops out unless the reduction is deferred."""
+    return tuple(a for a in marked if a != DCN or deferring())
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's shard_map in the slow modes
+
+
+def stacked_spec(spec: P) -> P:
+    """The spec of a per-dcn-group copy of a leaf: a leading dim split over dcn."""
+    return P(DCN, *tuple(spec))
+
+
+def wrap_step(body: Callable, mesh, param_specs: Any, grad_specs: Any, batch_specs: Any,
+              mode: str) -> Callable:
+    """`shard_map` of a step body `(params, batch) -> (loss, grads)` for the plan's slow mode.
+
+    Args:
+      body: the per-device step (traced under `deferred` in the modes without a dcn
+        reduction).
+      mesh: the mesh; param_specs, grad_specs, batch_specs: the body's own specs.
+      mode: "none" / "sync": the plain shard_map; "delay": grads come out with a leading
+        dcn dim (one copy per dcn group); "local": params go in and grads come out with it.
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    if mode in ("none", "sync"):
+        return shard_map(body, mesh, in_specs=(param_specs, batch_specs),
+                         out_specs=(P(), grad_specs))
+    out_grads = jax.tree.map(stacked_spec, grad_specs, is_leaf=is_spec)
+    in_params = (jax.tree.map(stacked_spec, param_specs, is_leaf=is_spec) if mode == "local"
+                 else param_specs)
+
+    def per_device(params, batch):
+        if mode == "local":
+            params = jax.tree.map(lambda x: x[0], params)  # (1, ...) -> this group's copy
+        with deferred(True):
+            loss, grads = body(params, batch)
+        return loss, jax.tree.map(lambda g: g[None], grads)
+
+    return shard_map(per_device, mesh, in_specs=(in_params, batch_specs),
+                     out_specs=(P(), out_grads))
+
+
+def dcn_sum(tree: Any, mesh, specs: Any, comm_dtype: str = "fp32") -> Any:
+    """Per-dcn-group copies (leading dcn dim) -> their sum, one psum over dcn per leaf.
+
+    Args:
+      tree: leaves (dcn, ...) laid out as `stacked_spec(spec)`.
+      mesh: the mesh; specs: each leaf's spec without the dcn dim.
+      comm_dtype: "fp32" or "bf16", what crosses dcn.
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def per_device(t):
+        def one(x):
+            y = x[0].astype(jnp.bfloat16) if comm_dtype == "bf16" else x[0]
+            return jax.lax.psum(y, DCN).astype(x.dtype)  # (leaf shard) per device, over dcn
+        return jax.tree.map(one, t)
+
+    return shard_map(per_device, mesh,
+                     in_specs=(jax.tree.map(stacked_spec, specs, is_leaf=is_spec),),
+                     out_specs=specs)(tree)
+
+
+def slow_bytes(grad_bytes: int, dp_fast: int, dcn: int) -> float:
+    """Bytes one device sends across dcn per full gradient reduction (ring all-reduce over
+    dcn of its 1/dp_fast slice): 2 (dcn - 1) / dcn of the slice."""
+    if dcn <= 1:
+        return 0.0
+    return 2.0 * (dcn - 1) / dcn * grad_bytes / max(1, dp_fast)
