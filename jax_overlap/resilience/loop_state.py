@@ -55,7 +55,7 @@ def loop_shardings(model, cfg, plan, mesh, optimizer) -> LoopState:
       A LoopState of shardings.
     """
     abstract_params = jax.eval_shape(model.init, jax.random.key(cfg.train.seed))
-    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
+    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan)
     rep = _replicated(mesh)
     guard = GuardState(losses=rep, count=rep, consecutive_bad=rep)
     return LoopState(train=train, guard=guard, rollbacks=rep)

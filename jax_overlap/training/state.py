@@ -19,6 +19,9 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32[2] base key; per-step keys are folded from it
     data_offset: jax.Array  # int32 scalar: batches skipped by rollbacks
     version: jax.Array  # int32 scalar: bumped on every accepted update and every rollback
+    # What the slow axis carries between steps (overlap.delay.InFlight, overlap.diloco
+    # OuterState), None without one.
+    slow: Any = None
 
 
 def batch_index(state: TrainState) -> jax.Array:
@@ -31,7 +34,7 @@ def step_rng(state: TrainState) -> jax.Array:
     return jax.random.fold_in(state.rng, state.step)
 
 
-def new_state(params: Any, opt_state: Any, seed: int) -> TrainState:
+def new_state(params: Any, opt_state: Any, seed: int, slow: Any = None) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -39,4 +42,5 @@ def new_state(params: Any, opt_state: Any, seed: int) -> TrainState:
         rng=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         data_offset=jnp.zeros((), jnp.int32),
         version=jnp.zeros((), jnp.int32),
+        slow=slow,
     )
