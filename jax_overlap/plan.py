@@ -168,6 +168,9 @@ class ParallelPlan:
       chunk_buckets: pp > 1 with in-loop buckets: the bucket plan of one chunk's layers.
       dcn: the slow data axis's size (mesh.dcn; the mesh has a 'dcn' axis when > 1).
       diloco: Streaming DiLoCo over dcn, or None.
+      slow_decisions: what the plan decided about the slow axis, one line each.
+      grad_bytes: fp32 gradient bytes per device (tp / pp split, before any dp split), when
+        built with a model.
     """
 
     dp: int
@@ -186,6 +189,8 @@ class ParallelPlan:
     chunk_buckets: Any = None
     dcn: int = 1
     diloco: DilocoPlan | None = None
+    slow_decisions: tuple[str, ...] = ()
+    grad_bytes: int = 0
 
     # ------------------------------------------------------------------ derived values
 
@@ -203,6 +208,18 @@ class ParallelPlan:
     @property
     def num_devices(self) -> int:
         return self.dcn * self.dp * self.pp * self.tp
+
+    @property
+    def slow_bytes_per_step(self) -> float:
+        """Bytes one device sends across dcn per step for its gradient (ring all-reduce over
+        dcn of its 1/dp slice; DiLoCo: the outer gradient's share per inner step)."""
+        from jax_overlap.overlap.slow_axis import slow_bytes
+
+        full = slow_bytes(self.grad_bytes, self.dp, self.dcn)
+        if self.diloco is not None:
+            size = {"fp32": 4, "bf16": 2, "int8": 1}[self.diloco.outer_dtype]
+            return full * size / 4 / self.diloco.inner_steps
+        return full / 2 if self.overlap.grad_comm_dtype == "bf16" else full
 
     @property
     def slow_mode(self) -> str:
@@ -332,7 +349,8 @@ class ParallelPlan:
             if m.pp > 1 and overlap.buckets_in_loop:
                 chunk = dp_layout.chunk_bucket_plan(
                     model, overlap, plan.axis_sizes, model.num_layers // plan.num_virtual_stages)
-            plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk)
+            plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk,
+                                       grad_bytes=_grad_bytes(model, plan.axis_sizes))
         return plan
 
 
@@ -438,6 +456,23 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "
                                                  "step may still not fit the device's memory")
     return n
+
+
+def _grad_bytes(model, axis_sizes: dict[str, int]) -> int:
+    """fp32 bytes of one device's gradient (its tp / pp share of every parameter)."""
+    import math
+
+    import jax
+
+    from jax_overlap.overlap.buckets import local_shape
+    from jax_overlap.parallel.mesh import rules_for, tree_specs
+
+    specs = tree_specs(model.param_axes(), rules_for(axis_sizes.get("pp", 1)))
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    shapes = jax.tree.map(lambda a, s: local_shape(a.shape, tuple(s), axis_sizes), abstract,
+                          specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return 4 * sum(math.prod(s) for s in jax.tree.leaves(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)))
 
 
 def _diloco_plan(cfg: Config) -> DilocoPlan | None:

@@ -139,20 +139,50 @@ def wrap_step(body: Callable, mesh, param_specs: Any, grad_specs: Any, batch_spe
 
 
 def dcn_sum(tree: Any, mesh, specs: Any, comm_dtype: str = "fp32") -> Any:
-    """Per-dcn-group copies (leading dcn dim) -> their sum, one psum over dcn per leaf.
+    """Per-dcn-group copies (leading dcn dim) -> their sum over dcn, hierarchically.
+
+    Leaves of one type (the axes they vary over) go into one flat buffer. A buffer that is
+    replicated over dp (a psum'd gradient) is cut into dp slices; each rank sums its own
+    slice over dcn and the slices are all-gathered over dp, so 1/dp of the bytes cross dcn.
+    A buffer already split over dp (ZeRO-1) is psum'd over dcn as it is.
 
     Args:
       tree: leaves (dcn, ...) laid out as `stacked_spec(spec)`.
       mesh: the mesh; specs: each leaf's spec without the dcn dim.
       comm_dtype: "fp32" or "bf16", what crosses dcn.
     """
+    from jax_overlap.parallel.mesh import DP
+
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    dp = dict(mesh.shape).get(DP, 1)
 
     def per_device(t):
-        def one(x):
-            y = x[0].astype(jnp.bfloat16) if comm_dtype == "bf16" else x[0]
-            return jax.lax.psum(y, DCN).astype(x.dtype)  # (leaf shard) per device, over dcn
-        return jax.tree.map(one, t)
+        leaves, treedef = jax.tree.flatten(t)
+        leaves = [x[0] for x in leaves]  # (1, ...) -> this group's copy
+        groups: dict[frozenset, list[int]] = {}
+        for i, x in enumerate(leaves):
+            groups.setdefault(varying_axes(x), []).append(i)
+        out: list[Any] = [None] * len(leaves)
+        for axes, members in groups.items():
+            flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
+            if comm_dtype == "bf16":
+                flat = flat.astype(jnp.bfloat16)
+            if DP in axes or dp == 1:
+                summed = jax.lax.psum(flat, DCN)  # (N,) per device, over dcn
+            else:
+                n = flat.shape[0]
+                pad = (-n) % dp
+                rows = jnp.pad(flat, (0, pad)).reshape(dp, (n + pad) // dp)
+                mine = rows[jax.lax.axis_index(DP)]  # (N/dp,): this dp rank's slice
+                mine = jax.lax.psum(mine, DCN)  # (N/dp,) per device, over dcn
+                summed = all_gather_invariant(mine, DP, axis=0, tiled=True)[:n]  # (N,), dp
+            start = 0
+            for i in members:
+                size = leaves[i].size
+                out[i] = summed[start:start + size].reshape(leaves[i].shape).astype(
+                    leaves[i].dtype)
+                start += size
+        return jax.tree.unflatten(treedef, out)
 
     return shard_map(per_device, mesh,
                      in_specs=(jax.tree.map(stacked_spec, specs, is_leaf=is_spec),),
