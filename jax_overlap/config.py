@@ -37,6 +37,9 @@ class MeshConfig:
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
     # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
     dcn: int = 1
+    # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
+    # the exposed-time estimate in metrics.jsonl assume.
+    dcn_gbps: float = 100.0
 
 
 @dataclass
@@ -416,6 +419,8 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
     elif ov.dcn_delay and m.dcn < 2:
         p.append("overlap.dcn_delay: 1 delays the reduction over mesh.dcn, which is 1; set "
                  "mesh.dcn >= 2 or overlap.dcn_delay=0")
+    if m.dcn_gbps <= 0:
+        p.append(f"mesh.dcn_gbps: must be > 0, got {m.dcn_gbps}")
     if ov.dcn_delay_compensation < 0:
         p.append(f"overlap.dcn_delay_compensation: must be >= 0, got "
                  f"{ov.dcn_delay_compensation}")

@@ -171,6 +171,7 @@ class ParallelPlan:
       slow_decisions: what the plan decided about the slow axis, one line each.
       grad_bytes: fp32 gradient bytes per device (tp / pp split, before any dp split), when
         built with a model.
+      dcn_bytes_per_s: the slow link's per-device bandwidth (mesh.dcn_gbps).
     """
 
     dp: int
@@ -191,6 +192,7 @@ class ParallelPlan:
     diloco: DilocoPlan | None = None
     slow_decisions: tuple[str, ...] = ()
     grad_bytes: int = 0
+    dcn_bytes_per_s: float = 12.5e9
 
     # ------------------------------------------------------------------ derived values
 
@@ -340,7 +342,8 @@ class ParallelPlan:
                    micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
-                   choices=choices, dcn=m.dcn, diloco=_diloco_plan(cfg))
+                   choices=choices, dcn=m.dcn, diloco=_diloco_plan(cfg),
+                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 

@@ -195,3 +195,26 @@ def slow_bytes(grad_bytes: int, dp_fast: int, dcn: int) -> float:
     if dcn <= 1:
         return 0.0
     return 2.0 * (dcn - 1) / dcn * grad_bytes / max(1, dp_fast)
+
+
+def exposed_s(plan, step_time_s: float) -> float:
+    """Estimated seconds per step the slow link adds to the step: the transfer time of
+    `plan.slow_bytes_per_step` at `plan.dcn_bytes_per_s`, less the compute it hides under
+    (none for the synchronous reduction, which follows the backward; the whole step for the
+    delayed reduction and DiLoCo's outer sync, which depend on no compute of the step)."""
+    transfer = plan.slow_bytes_per_step / plan.dcn_bytes_per_s
+    if plan.slow_mode == "sync":
+        return transfer
+    return max(0.0, transfer - step_time_s)
+
+
+def step_record(plan, step_time_s: float, metrics: dict) -> dict:
+    """The slow-axis fields of a step's metrics.jsonl record (empty without dcn)."""
+    if plan.dcn == 1:
+        return {}
+    out = {"dcn_delay": plan.overlap.dcn_delay if plan.diloco is None else 0,
+           "dcn_exposed_s": exposed_s(plan, step_time_s)}
+    for key in ("dcn_applied", "diloco_issued", "diloco_landed"):
+        if key in metrics:
+            out[key] = metrics[key].item() if hasattr(metrics[key], "item") else metrics[key]
+    return out

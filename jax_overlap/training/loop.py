@@ -43,6 +43,7 @@ from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
 from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
+from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
@@ -319,6 +320,7 @@ class _Trainer:
                       "tokens_per_s": self.tokens_per_step / dt, "batch": consumed}
             if self.peak:
                 record["mfu"] = self.flops_per_step / (dt * self.peak * jax.device_count())
+            record.update(slow_axis.step_record(self.plan, dt, m))
             if accepted:
                 self.losses.append(loss)
                 if not compiling:
