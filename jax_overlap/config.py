@@ -436,6 +436,9 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
         if dl.fragments < 1 or dl.inner_steps % dl.fragments:
             p.append(f"diloco.fragments: {dl.fragments} must be >= 1 and divide "
                      f"diloco.inner_steps={dl.inner_steps}")
+        elif (cfg.model.layers // m.pp) % dl.fragments:
+            p.append(f"diloco.fragments: {dl.fragments} must divide the layers per stage "
+                     f"(model.layers / mesh.pp = {cfg.model.layers // m.pp})")
         elif not 0 <= dl.delay < dl.inner_steps // dl.fragments:
             p.append(f"diloco.delay: {dl.delay} must be in 0..{dl.inner_steps // dl.fragments - 1}"
                      f" (below inner_steps / fragments, so a fragment's sync lands before its "

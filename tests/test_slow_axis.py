@@ -28,8 +28,8 @@ CASES = {
     "zero1_buckets": MESH + ["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
     "buckets": pytest.param(MESH + ["overlap.grad_bucket_mb=0.01"], marks=pytest.mark.slow),
     "zero1": pytest.param(MESH + ["overlap.zero1=true"], marks=pytest.mark.slow),
-    "fsdp": MESH + ["overlap.param_sharding=fsdp"],
-    "pp": PP,
+    "fsdp": pytest.param(MESH + ["overlap.param_sharding=fsdp"], marks=pytest.mark.slow),
+    "pp": pytest.param(PP, marks=pytest.mark.slow),
     "pp_buckets": pytest.param(PP + ["overlap.grad_bucket_mb=0.01"], marks=pytest.mark.slow),
     "pp_fsdp": pytest.param(PP + ["overlap.param_sharding=fsdp"], marks=pytest.mark.slow),
 }

@@ -165,6 +165,10 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None, plan=N
     opt_abstract = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, grad_sh,
                                    transform_non_params=lambda _: replicated)
+    if plan is not None and plan.slow_mode == "local":  # DiLoCo: one inner state per group
+        from jax_overlap.overlap import diloco
+
+        opt_sh = diloco.opt_shardings(mesh, optimizer, abstract_params, grad_sh)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                       data_offset=replicated, version=replicated,
                       slow=_slow_shardings(plan, mesh, optimizer, abstract_params, param_sh))
@@ -203,8 +207,13 @@ def init_state(model, plan, mesh, optimizer, seed: int) -> TrainState:
 
     def build():
         params = layout.to_staged(model.init(jax.random.key(seed)), plan.layer_perm)
-        return new_state(params, optimizer.init(params), seed,
-                         _slow_init(plan, params, optimizer))
+        if plan.slow_mode == "local":
+            from jax_overlap.overlap import diloco
+
+            opt_state = diloco.init_opt(plan, params, optimizer)
+        else:
+            opt_state = optimizer.init(params)
+        return new_state(params, opt_state, seed, _slow_init(plan, params, optimizer))
 
     return jax.jit(build, out_shardings=shardings)()
 
