@@ -112,8 +112,13 @@ class OverlapConfig:
     collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
     xla_preset: str = "none"
     # 1: the cross-dcn gradient reduction of step t runs under step t+1's compute and is
-    # applied one step late (the dp reduction stays exact); needs mesh.dcn > 1.
-    dcn_delay: int = 0
+    # applied one step late (the dp reduction stays exact); needs mesh.dcn > 1. auto: the
+    # plan picks 1 where a bucket's dcn transfer outlasts the compute it hides under even in
+    # bf16 (on a GPU target; 0 on a CPU).
+    dcn_delay: int | Literal["auto"] = 0
+    # dtype of the gradient bytes that cross dcn (the dp reduction keeps grad_comm_dtype).
+    # auto: bf16 where a bucket's fp32 dcn transfer outlasts the compute it hides under.
+    dcn_comm_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     # DC-ASGD delay compensation of the one-step-late gradient: g + lambda * g * g * (the
     # update applied since it was computed); 0 applies it as it is.
     dcn_delay_compensation: float = 0.0
@@ -414,9 +419,9 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
     """mesh.dcn, overlap.dcn_delay and diloco.*: one line per problem."""
     m, ov, dl = cfg.mesh, cfg.overlap, cfg.diloco
     p = []
-    if ov.dcn_delay not in (0, 1):
-        p.append(f"overlap.dcn_delay: must be 0 or 1, got {ov.dcn_delay}")
-    elif ov.dcn_delay and m.dcn < 2:
+    if ov.dcn_delay not in (0, 1, "auto"):
+        p.append(f"overlap.dcn_delay: must be 0, 1 or auto, got {ov.dcn_delay}")
+    elif ov.dcn_delay == 1 and m.dcn < 2:
         p.append("overlap.dcn_delay: 1 delays the reduction over mesh.dcn, which is 1; set "
                  "mesh.dcn >= 2 or overlap.dcn_delay=0")
     if m.dcn_gbps <= 0:
@@ -430,7 +435,7 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
         if m.dcn < 2:
             p.append("diloco.inner_steps: DiLoCo runs over mesh.dcn, which is 1; set "
                      "mesh.dcn >= 2 or diloco.inner_steps=0")
-        if ov.dcn_delay:
+        if ov.dcn_delay == 1:
             p.append("overlap.dcn_delay: DiLoCo never reduces gradients over dcn; set "
                      "overlap.dcn_delay=0 with diloco.inner_steps > 0")
         if dl.fragments < 1 or dl.inner_steps % dl.fragments:
@@ -445,7 +450,7 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
                      f"next one is issued)")
         if not 0 <= dl.mix < 1:
             p.append(f"diloco.mix: must be in [0, 1), got {dl.mix}")
-    if (ov.dcn_delay or dl.inner_steps) and cfg.pipeline.schedule in ("interleaved", "zb-v") \
+    if (ov.dcn_delay == 1 or dl.inner_steps) and cfg.pipeline.schedule in ("interleaved", "zb-v") \
             and m.pp > 1:
         p.append(f"pipeline.schedule: {cfg.pipeline.schedule} stages layers out of order, which "
                  f"the slow-axis state does not follow yet; use 1f1b, gpipe or zb-h1 with "

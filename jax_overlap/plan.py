@@ -87,6 +87,7 @@ class OverlapPlan:
       xla_preset: XLA flag preset name, or "none".
       dcn_delay: 1 applies the cross-dcn reduction of each step's gradient one step late.
       dcn_delay_compensation: DC-ASGD lambda for the late gradient (0: none).
+      dcn_comm_dtype: "fp32" or "bf16", what the gradient bytes crossing dcn travel in.
     """
 
     grad_bucket_bytes: int = 0
@@ -101,6 +102,7 @@ class OverlapPlan:
     xla_preset: str = "none"
     dcn_delay: int = 0
     dcn_delay_compensation: float = 0.0
+    dcn_comm_dtype: str = "fp32"
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -323,8 +325,9 @@ class ParallelPlan:
             tp_comm=tp_comm,
             cm_direction=direction,
             xla_preset=ov.xla_preset,
-            dcn_delay=ov.dcn_delay,
+            dcn_delay=0 if ov.dcn_delay == "auto" else ov.dcn_delay,
             dcn_delay_compensation=ov.dcn_delay_compensation,
+            dcn_comm_dtype="fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype,
         )
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
         try:
@@ -354,6 +357,8 @@ class ParallelPlan:
                     model, overlap, plan.axis_sizes, model.num_layers // plan.num_virtual_stages)
             plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk,
                                        grad_bytes=_grad_bytes(model, plan.axis_sizes))
+        if m.dcn > 1 and "auto" in (ov.dcn_delay, ov.dcn_comm_dtype):
+            plan = _resolve_slow(cfg, plan, choices)
         return plan
 
 
@@ -459,6 +464,52 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "
                                                  "step may still not fit the device's memory")
     return n
+
+
+def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]
+                  ) -> "ParallelPlan":
+    """`overlap.dcn_comm_dtype` / `overlap.dcn_delay` auto: per gradient bucket, the dcn
+    transfer against the backward compute it hides under (`slow_axis.decide`), on a GPU
+    target from FLOP estimates at half the chip's peak; on a CPU fp32 and no delay."""
+    from jax_overlap.overlap import slow_axis
+
+    ov = cfg.overlap
+    delay_knob = 0 if plan.diloco is not None else ov.dcn_delay  # DiLoCo: no gradient crosses
+    if not plan.target.accelerator:
+        why = "CPU: collectives run synchronously, nothing hides under compute"
+        dtype, delay, lines = "fp32", 0, []
+        if ov.dcn_comm_dtype == "auto":
+            choices["overlap.dcn_comm_dtype"] = Choice("fp32", why)
+        if delay_knob == "auto":
+            choices["overlap.dcn_delay"] = Choice(0, why)
+    else:
+        from jax_overlap.analysis.machine import chip_spec
+
+        mo = cfg.model
+        flops = 0.5 * chip_spec(plan.target.name).peak_bf16_flops
+        tokens = plan.micro_batch * mo.seq_len
+        layer_fwd = 2 * (4 * mo.d_model ** 2 + 2 * mo.d_model * mo.d_ff) * tokens / plan.tp
+        layer_bwd = 2 * layer_fwd / flops
+        layers = mo.layers // plan.pp
+        backward_end = layers * layer_bwd
+        step = 3 * layer_fwd / flops * layers * plan.microbatches
+        bp = plan.layout.plan if plan.layout is not None else None
+        if bp is not None:  # in-backward buckets: ready as the backward passes their layer
+            ready = [(layers + 1 - min(b.ready_segment, layers + 1)) * layer_bwd
+                     for b in bp.buckets]
+            nbytes = [b.nbytes / (plan.dp if not b.scatter else 1) for b in bp.buckets]
+        else:
+            ready, nbytes = [backward_end], [plan.grad_bytes / plan.dp]
+        dtype, delay, lines = slow_axis.decide(ready, nbytes, plan.dcn, plan.dcn_bytes_per_s,
+                                               backward_end, step, ov.dcn_comm_dtype,
+                                               delay_knob)
+        for line in lines:
+            key, why = line.split(": ", 1)
+            choices[f"overlap.{key.split('=')[0]}"] = Choice(
+                dtype if key.startswith("dcn_comm") else delay, why)
+    overlap = dataclasses.replace(plan.overlap, dcn_comm_dtype=dtype, dcn_delay=delay)
+    return dataclasses.replace(plan, overlap=overlap, choices=choices,
+                               slow_decisions=tuple(lines))
 
 
 def _grad_bytes(model, axis_sizes: dict[str, int]) -> int:

@@ -42,20 +42,31 @@ from jax_overlap.parallel.compat import all_gather_invariant, axis_size, shard_m
 from jax_overlap.parallel.mesh import DCN
 
 _DEFER = contextvars.ContextVar("jax_overlap_defer_dcn", default=False)
+_DTYPE = contextvars.ContextVar("jax_overlap_dcn_dtype", default="fp32")
 
 
 @contextlib.contextmanager
-def deferred(flag: bool = True):
-    """While tracing inside it, gradient reductions leave out dcn (see the module docstring)."""
+def deferred(flag: bool = True, dtype: str | None = None):
+    """While tracing inside it, gradient reductions leave out dcn (see the module docstring);
+    `dtype` ("fp32" / "bf16"): what the bytes crossing dcn travel in."""
     token = _DEFER.set(bool(flag))
+    dtoken = _DTYPE.set(dtype or _DTYPE.get())
     try:
         yield
     finally:
         _DEFER.reset(token)
+        _DTYPE.reset(dtoken)
 
 
 def deferring() -> bool:
     return _DEFER.get()
+
+
+def _over_dcn(x: jax.Array) -> jax.Array:
+    """psum over dcn, in the slow axis's dtype (`deferred(dtype=...)`)."""
+    if _DTYPE.get() == "bf16" and x.dtype == jnp.float32:
+        return jax.lax.psum(x.astype(jnp.bfloat16), DCN).astype(jnp.float32)
+    return jax.lax.psum(x, DCN)
 
 
 def crosses_dcn(x: jax.Array) -> bool:
@@ -77,18 +88,18 @@ def reduce(x: jax.Array, axes, scatter: bool) -> jax.Array:
     slow = crosses_dcn(x)
     if scatter:
         x = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=False)  # (N/parts,), fast
-        return jax.lax.psum(x, DCN) if slow else x  # (N/parts,) per device, over dcn
+        return _over_dcn(x) if slow else x  # (N/parts,) per device, over dcn
     if not slow:
         return jax.lax.psum(x, axes)  # (N,) per device, over the fast axes
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     fast = math.prod(axis_size(a) for a in axes)
     if fast == 1:
-        return jax.lax.psum(jax.lax.psum(x, axes), DCN)  # (N,), over dcn
+        return _over_dcn(jax.lax.psum(x, axes))  # (N,), over dcn
     n = x.shape[0]
     pad = (-n) % fast
     rows = jnp.pad(x, (0, pad)).reshape(fast, (n + pad) // fast)
     part = jax.lax.psum_scatter(rows, axes, scatter_dimension=0, tiled=False)  # (N/f,), fast
-    part = jax.lax.psum(part, DCN)  # (N/f,) per device, over dcn: the only slow bytes
+    part = _over_dcn(part)  # (N/f,) per device, over dcn: the only slow bytes
     full = all_gather_invariant(part, axes, axis=0, tiled=True)  # (N,), over the fast axes
     return full[:n]
 
@@ -109,7 +120,7 @@ def stacked_spec(spec: P) -> P:
 
 
 def wrap_step(body: Callable, mesh, param_specs: Any, grad_specs: Any, batch_specs: Any,
-              mode: str) -> Callable:
+              mode: str, dtype: str = "fp32") -> Callable:
     """`shard_map` of a step body `(params, batch) -> (loss, grads)` for the plan's slow mode.
 
     Args:
@@ -118,10 +129,15 @@ def wrap_step(body: Callable, mesh, param_specs: Any, grad_specs: Any, batch_spe
       mesh: the mesh; param_specs, grad_specs, batch_specs: the body's own specs.
       mode: "none" / "sync": the plain shard_map; "delay": grads come out with a leading
         dcn dim (one copy per dcn group); "local": params go in and grads come out with it.
+      dtype: what the bytes crossing dcn travel in ("sync").
     """
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     if mode in ("none", "sync"):
-        return shard_map(body, mesh, in_specs=(param_specs, batch_specs),
+        def synced(params, batch):
+            with deferred(False, dtype):
+                return body(params, batch)
+
+        return shard_map(synced, mesh, in_specs=(param_specs, batch_specs),
                          out_specs=(P(), grad_specs))
     out_grads = jax.tree.map(stacked_spec, grad_specs, is_leaf=is_spec)
     in_params = (jax.tree.map(stacked_spec, param_specs, is_leaf=is_spec) if mode == "local"
@@ -218,3 +234,58 @@ def step_record(plan, step_time_s: float, metrics: dict) -> dict:
         if key in metrics:
             out[key] = metrics[key].item() if hasattr(metrics[key], "item") else metrics[key]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Staleness, decided: does each bucket's dcn transfer fit under the compute after it?
+
+
+def bucket_timeline(ready_s: list[float], transfer_s: list[float], backward_end_s: float
+                    ) -> list[float]:
+    """Per bucket (in issue order), how long before the backward's end its dcn transfer
+    finishes (negative: after it, exposed), on one FIFO stream over the slow link."""
+    out, free = [], 0.0
+    for ready, t in zip(ready_s, transfer_s):
+        free = max(free, ready) + t
+        out.append(backward_end_s - free)
+    return out
+
+
+def decide(ready_s: list[float], nbytes: list[float], dcn: int, bytes_per_s: float,
+           backward_end_s: float, step_s: float, dtype: str, delay) -> tuple[str, int, list]:
+    """The slow axis's dtype and delay for `auto` knobs, with one line per decision.
+
+    Each bucket's dcn bytes (`nbytes`, the 1/dp slice, fp32) travel at `bytes_per_s` as a
+    ring all-reduce over dcn, queued behind the buckets before it. If the last one finishes
+    after the backward, bf16 halves the bytes (dtype auto); if even that is exposed and it
+    fits under a whole step, the reduction goes one step late (delay auto).
+    """
+    ring = 2 * (dcn - 1) / dcn
+
+    def slack(size):
+        return bucket_timeline(ready_s, [ring * b * size / 4 / bytes_per_s for b in nbytes],
+                               backward_end_s)
+
+    lines = []
+    fp32 = slack(4)
+    late = [i for i, s in enumerate(fp32) if s < 0]
+    chosen = dtype
+    if dtype == "auto":
+        chosen = "bf16" if late else "fp32"
+        lines.append(
+            f"dcn_comm_dtype={chosen}: " + (
+                f"{len(late)} of {len(nbytes)} buckets' fp32 dcn transfers end after the "
+                f"backward (worst {-min(fp32) * 1e3:.2f} ms)" if late else
+                f"every bucket's fp32 dcn transfer ends under the backward (least slack "
+                f"{min(fp32) * 1e3:.2f} ms)"))
+    chosen_delay = delay
+    if delay == "auto":
+        left = slack(2 if chosen == "bf16" else 4)
+        total = ring * sum(nbytes) * (2 if chosen == "bf16" else 4) / 4 / bytes_per_s
+        chosen_delay = 1 if min(left) < 0 else 0
+        lines.append(
+            f"dcn_delay={chosen_delay}: " + (
+                f"still {-min(left) * 1e3:.2f} ms exposed in {chosen}; one step late the "
+                f"{total * 1e3:.2f} ms transfer runs under a {step_s * 1e3:.2f} ms step"
+                if chosen_delay else f"nothing exposed in {chosen}"))
+    return chosen, int(chosen_delay), lines

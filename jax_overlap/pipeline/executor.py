@@ -919,7 +919,8 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
                    remat=plan.remat)
     batch_spec = data_spec(dict(mesh.shape))
     mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
-                                 {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode)
+                                 {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode,
+                                 plan.overlap.dcn_comm_dtype)
 
     def loss_and_grads(params, batch):
         return mapped(params, batch)

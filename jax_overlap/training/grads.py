@@ -165,7 +165,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
 
     batch_in = {"inputs": data_spec(axis_sizes), "targets": data_spec(axis_sizes)}
     return slow_axis.wrap_step(per_device, mesh, layout.param_specs, layout.grad_specs,
-                               batch_in, mode)
+                               batch_in, mode, ov.dcn_comm_dtype)
 
 
 def _global_count(model, targets, data: tuple[str, ...], replicas: int) -> jax.Array:

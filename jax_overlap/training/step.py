@@ -110,7 +110,7 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
         if delayed:
             fresh = grads
             grads, valid = delay.arrived(state.slow, state.version, mesh, grad_out_specs(plan),
-                                         ov.grad_comm_dtype, ov.dcn_delay_compensation)
+                                         ov.dcn_comm_dtype, ov.dcn_delay_compensation)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         slow = state.slow
