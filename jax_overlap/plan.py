@@ -477,7 +477,8 @@ def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]
     delay_knob = 0 if plan.diloco is not None else ov.dcn_delay  # DiLoCo: no gradient crosses
     if not plan.target.accelerator:
         why = "CPU: collectives run synchronously, nothing hides under compute"
-        dtype, delay, lines = "fp32", 0, []
+        dtype = "fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype
+        delay, lines = 0 if delay_knob == "auto" else delay_knob, []
         if ov.dcn_comm_dtype == "auto":
             choices["overlap.dcn_comm_dtype"] = Choice("fp32", why)
         if delay_knob == "auto":

@@ -14,7 +14,7 @@ from helpers import TINY, gpt_reference, max_rel_err, rel
 from jax_overlap import config
 from jax_overlap.analysis import analyze as an
 from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
-from jax_overlap.overlap import delay
+from jax_overlap.overlap import delay, slow_axis
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
 from jax_overlap.plan import ParallelPlan
@@ -54,6 +54,34 @@ def test_hierarchical_reduction_matches_single_device(reference, overrides):
         staged, steplib.put_batch(batch, mesh))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("extra", [
+    [], pytest.param(["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
+                     marks=pytest.mark.slow),
+    pytest.param(["overlap.param_sharding=fsdp"], marks=pytest.mark.slow)],
+    ids=["plain", "zero1_buckets", "fsdp"])
+def test_delayed_gradient_summed_over_dcn_matches_single_device(reference, extra):
+    """overlap.dcn_delay=1: the step's per-dcn-group gradients (reduced over dp only), summed
+    over dcn as the next step does, are the single-device gradients."""
+    model, params, batch, ref_loss, ref_grads = reference
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", *extra])
+    plan = ParallelPlan.build(cfg, model)
+    assert plan.slow_mode == "delay"
+    mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
+    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
+
+    def step(p, b):
+        loss, copies = loss_and_grads(p, b)
+        return loss, copies, slow_axis.dcn_sum(copies, mesh, steplib.grad_out_specs(plan))
+
+    loss, copies, grads = jax.jit(step)(
+        jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout)),
+        steplib.put_batch(batch, mesh))
+    assert copies["embed"]["wte"].shape == (2, *params["embed"]["wte"].shape)
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+    assert max_rel_err(jax.tree.map(lambda c: c[0], copies), ref_grads) > 1e-3  # one group's
 
 
 def _dcn_bytes(overrides):
