@@ -33,6 +33,7 @@ TESTED = {
     "pipeline.py": "test_pipeline_quick",
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
     "simulator_validation.py": "test_simulator_validation_quick",
+    "slow_axis.py": "test_slow_axis_quick",
     "step_time.py": "test_step_time_quick",
 }
 WRITABLE = ("bench/results", "docs", "runs/profile_gpu")  # what the full runs write
@@ -192,6 +193,17 @@ def test_simulator_validation_quick():
     positive(measured), positive(predicted), positive(fit)
     assert error.endswith("%") and error_fit.endswith("%")
     float(error[:-1]), float(error_fit[:-1])
+
+
+@pytest.mark.slow
+def test_slow_axis_quick():
+    # Three short training runs (three compiles): in make test-slow.
+    out = run_bench("slow_axis.py")
+    _, rows = table_rows(out, "variant ", 3)
+    assert [r[0] for r in rows] == ["sync", "delay1", "diloco"]
+    for r in rows:
+        assert positive(r[1]) and positive(r[2])
+    assert float(rows[0][3]) == 0.0
 
 
 def test_fault_drill_quick():
