@@ -130,6 +130,36 @@ def test_in_flight_gradient_of_another_version_is_not_applied():
     assert not bool(delay.select(valid, jnp.ones(()), jnp.zeros(())))
 
 
+def test_delayed_training_is_one_device_training_with_the_gradient_one_step_late(tmp_path):
+    """dcn=2 x dp=2 x tp=2 with overlap.dcn_delay=1 reproduces, step by step, a single-device
+    loop whose optimizer applies each step's gradient at the next step (fp32)."""
+    import optax
+    from helpers import np_batch
+
+    from jax_overlap.training import grads as gradslib
+    from models.gpt import GPT
+
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "train.steps=5",
+                                    "guard.enabled=false"])
+    run = train.run(cfg, str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
+    model = GPT.from_config(cfg.model)
+    params = model.init(jax.random.key(cfg.train.seed))
+    opt = steplib.make_optimizer(cfg.train)
+    opt_state = opt.init(params)
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, b: gradslib.reference_loss(model, p, b)))
+    pending, losses = None, []
+    for t in range(5):
+        loss, g = value_and_grad(params, np_batch(cfg, t))
+        losses.append(float(loss))
+        if pending is not None:
+            updates, opt_state = opt.update(pending, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        pending = g
+    assert max(rel(a, b) for a, b in zip(run.losses, losses)) <= 1e-5, (run.losses, losses)
+    assert losses[1] != losses[2]  # updates were applied
+
+
 def _records(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -193,3 +223,25 @@ def test_slow_axis_config_errors_name_the_field(overrides, field):
     with pytest.raises(config.ConfigError) as e:
         config.load(TINY, overrides)
     assert any(p.startswith(field + ":") for p in e.value.problems), e.value.problems
+
+
+# ----------------------------------------------------------------- simulator and tuner
+
+
+def test_gpt_1p3b_on_two_hosts_at_100_gbps_simulated():
+    """configs/hardware/h100_2x8_100g: the flat reduction puts the whole gradient on the slow
+    link; hierarchical 1/dp of it; one step late it hides under the next step; DiLoCo sends
+    1/H of it (bf16: half again) per inner step."""
+    from jax_overlap.analysis import tune
+    from jax_overlap.analysis.hardware import load_profile
+
+    hw = load_profile("h100_2x8_100g")
+    cfg = config.load(os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml"),
+                      ["mesh.dcn=2", "mesh.dp=8", "overlap.grad_bucket_mb=0"])
+    rows = {r["mode"]: r for r in tune.slow_axis_modes(cfg, hw)}
+    flat, hier, late, dl = (rows[m] for m in ("flat", "hierarchical", "delay1", "diloco"))
+    assert hier["dcn_bytes_per_step"] <= flat["dcn_bytes_per_step"] / 8
+    assert flat["exposed_dcn_s"] > 10 * hier["exposed_dcn_s"] > 0
+    assert late["exposed_dcn_s"] == 0 and late["step_time_s"] < hier["step_time_s"]
+    assert dl["dcn_bytes_per_step"] <= hier["dcn_bytes_per_step"] / 8
+    assert tune.best_slow_mode(list(rows.values()))["mode"] == "hierarchical"

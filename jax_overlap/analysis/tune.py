@@ -821,8 +821,8 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
 
     flat: one dp axis of dcn x dp ranks whose all-reduce runs on the slow link (the
       simulator's bucketed dp stream on it). hierarchical: the fast step (dp inside a host)
-      plus the dcn all-reduce of 1/dp of every bucket as a second bucket stream on the slow
-      link, both beside the same compute. delay1: the fast step, with the whole dcn
+      plus what the dcn all-reduce of 1/dp of every bucket, simulated as a bucket stream on
+      the slow link beside the same compute, leaves exposed. delay1: the fast step, with the whole dcn
       all-reduce (1/dp of the gradient) hidden under the next step: exposed only where it is
       longer. diloco: the fast step; one fragment's outer gradient (1/F of the parameters,
       1/dp per device, in diloco.outer_dtype) crosses every H/F steps under tau + 1 steps.
@@ -859,7 +859,9 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
                                     grad_buckets=tuple(b / dp for b in buckets))
     slow_hw = hw.with_link("dp", slow)
     r = simulate(slow_plan, flop_costs(fast_cfg, slow_hw, efficiency), slow_hw)
-    t_hier = max(t_fast, r.step_time_s)
+    # What the slow stream leaves exposed comes on top of the fast step (its fast reduce-
+    # scatter / all-gather are in the fast step already): conservative, they do not overlap.
+    t_hier = t_fast + r.exposed_comm_s
     per_step = 2 * (dcn - 1) / dcn * grad / dp
     rows.append({"mode": "hierarchical", "step_time_s": t_hier,
                  "exposed_dcn_s": t_hier - t_fast, "dcn_bytes_per_step": per_step})
