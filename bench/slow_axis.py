@@ -79,6 +79,9 @@ def main(argv=None) -> int:
                          "median_step_time_s": run.extra["median_step_time_s"]}
         print(f"{name}: final loss {run.losses[-1]:.4f} in {results[name]['seconds']:.0f} s",
               flush=True)
+    if not args.quick and args.only and os.path.exists(args.out):  # merge a partial rerun
+        with open(args.out) as f:
+            results = {**json.load(f)["variants"], **results}
     base = results.get("sync")
     print(f"{'variant':8s} {'final':>8s} {'tail_mean':>9s} {'rel_final':>9s} {'rel_tail':>9s}")
     for name, r in results.items():
@@ -90,11 +93,6 @@ def main(argv=None) -> int:
     if not args.quick:
         doc = {"config": os.path.relpath(config_path, REPO), "steps": steps, "mesh": MESH,
                "extra": extra, "tail": TAIL, "variants": results}
-        if os.path.exists(args.out) and args.only:  # merge a partial rerun
-            with open(args.out) as f:
-                old = json.load(f)
-            old["variants"].update(results)
-            doc = {**old, "variants": old["variants"]}
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_overlap.model_api import batch_shapes
 from jax_overlap.parallel.mesh import data_spec, make_mesh

@@ -38,7 +38,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.parallel.compat import all_gather_invariant, axis_size, shard_map, varying_axes
+from jax_overlap.parallel.compat import (
+    all_gather_invariant,
+    axis_size,
+    shard_map,
+    varying_axes,
+)
 from jax_overlap.parallel.mesh import DCN
 
 _DEFER = contextvars.ContextVar("jax_overlap_defer_dcn", default=False)
