@@ -144,7 +144,8 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
 def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> str:
     data = {**report.to_json(), "dcn": dcn}
     lines = [f"train step of {cfg.model.kind} ({cfg.model.layers} layers, d_model "
-             f"{cfg.model.d_model}) on dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
+             f"{cfg.model.d_model}) on {f'dcn={plan.dcn} ' if plan.dcn > 1 else ''}"
+             f"dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
              f"{plan.microbatches} microbatches, compiled for {target}"]
     for key, choice in plan.choices.items():
         lines.append(f"auto {key} = {choice.value}: {choice.why}")
