@@ -25,7 +25,8 @@ MESH = ["mesh.dcn=2", "mesh.dp=2", "mesh.tp=2"]
 PP = ["mesh.dcn=2", "mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "pipeline.microbatches=2"]
 CASES = {
     "plain": MESH,
-    "zero1_buckets": MESH + ["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
+    "zero1_buckets": pytest.param(MESH + ["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
+                                  marks=pytest.mark.slow),
     "buckets": pytest.param(MESH + ["overlap.grad_bucket_mb=0.01"], marks=pytest.mark.slow),
     "zero1": pytest.param(MESH + ["overlap.zero1=true"], marks=pytest.mark.slow),
     "fsdp": pytest.param(MESH + ["overlap.param_sharding=fsdp"], marks=pytest.mark.slow),

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 MESH = ["mesh.dcn=2", "mesh.dp=2", "mesh.tp=2", "train.steps=8", "checkpoint.every_steps=2",
-        "checkpoint.async_save=false", "distributed.timeout_s=20"]
+        "checkpoint.async_save=false", "distributed.timeout_s=60"]
 VARIANTS = {
     "delay": ["overlap.dcn_delay=1"],
     "diloco": ["diloco.inner_steps=4", "diloco.fragments=2", "diloco.delay=1",
