@@ -191,7 +191,7 @@ def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_p
 
 
 @pytest.mark.slow
-def test_delay_trains_and_resumes_across_a_dcn_change(tmp_path):
+def test_checkpoint_restores_across_a_dcn_change(tmp_path):
     """dcn=2 x dp=2 saves; dcn=1 x dp=4 (the same data parallelism, one host) resumes and
     ends where an uninterrupted dp=4 run ends (the checkpoint's layout is logical)."""
     ck = ["checkpoint.every_steps=2", "checkpoint.async_save=false"]
