@@ -1,6 +1,8 @@
 """Streaming DiLoCo over dcn: the fragment schedule, the outer step (fp32 / int8 with its
 stated error bound), bytes across dcn, training and exact resume with the outer state."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,15 +101,20 @@ def test_outer_sync_bytes_per_inner_step_are_at_most_one_h_th_of_synchronous():
 
 @pytest.mark.slow
 def test_diloco_trains_and_resumes_bit_exact_with_its_outer_state(tmp_path):
+    """A run's checkpoint of step 3 (mid-period, a fragment sync in flight) resumes to the
+    same losses as the run itself (the newer checkpoints are removed first)."""
+    import shutil
+
     over = MESH + ["diloco.inner_steps=4", "diloco.fragments=2", "diloco.delay=1",
-                   "checkpoint.every_steps=3", "checkpoint.async_save=false"]
-    straight = train.run(config.load(TINY, over + ["train.steps=8"]), str(tmp_path / "a"),
-                         progress=False, devices=jax.devices()[:8])
+                   "checkpoint.every_steps=3", "checkpoint.async_save=false", "train.steps=8"]
+    cfg = config.load(TINY, over)
+    first = str(tmp_path / "a")
+    straight = train.run(cfg, first, progress=False, devices=jax.devices()[:8])
     assert straight.losses[-1] < straight.losses[0]
-    run_dir = str(tmp_path / "b")
-    train.run(config.load(TINY, over + ["train.steps=3"]), run_dir, progress=False,
-              devices=jax.devices()[:8])
-    resumed = train.run(config.load(TINY, over + ["train.steps=8"]), run_dir, progress=False,
-                        devices=jax.devices()[:8])
+    again = str(tmp_path / "b")
+    shutil.copytree(first, again)
+    for step in ("6", "8"):
+        shutil.rmtree(os.path.join(again, "checkpoints", step))
+    resumed = train.run(cfg, again, progress=False, devices=jax.devices()[:8])
     assert resumed.extra["resumed_from"] == 3
     assert resumed.losses == straight.losses[3:]
