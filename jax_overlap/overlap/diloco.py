@@ -25,7 +25,10 @@ gradient crosses in fp32, bf16, or int8: a scale per fragment buffer (the absmax
 element is at most scale / 2 per group, so |mean error| <= absmax(Delta) / 254.
 
 Which fragment a step issues / lands is data (`lax.switch` on the traced step), so one
-program serves every step; its collectives sit in the switch's branch.
+program serves every step; its collectives sit in the switch's branch. On a CPU target the
+step's compute waits for the sync (an optimization barrier): XLA's CPU runtime may otherwise
+run the branch's collectives and the step's in different orders on different devices, a
+rendezvous deadlock.
 """
 
 from __future__ import annotations
@@ -240,12 +243,20 @@ def make_train_step(model, plan, mesh, optimizer, loss_and_grads, shardings, lr,
     del model
     issue, land = make_outer(plan, mesh)
     d = plan.diloco
+    ordered = not plan.target.accelerator
 
     def step(state, batch):
         outer: OuterState = state.slow
         # The sync: from the state only, so it depends on nothing this step computes.
         params, momentum = issue(state.step, state.params, outer.local, outer.momentum)
-        loss, grads = loss_and_grads(outer.local, batch)  # grads: (dcn, ...) per group
+        local_in = outer.local
+        if ordered:
+            # XLA's CPU runtime may run a conditional's collectives and the step's own in a
+            # different order on different devices (a rendezvous deadlock): there the step
+            # waits for the sync. Accelerators keep them independent.
+            params, momentum, local_in = jax.lax.optimization_barrier(
+                (params, momentum, local_in))
+        loss, grads = loss_and_grads(local_in, batch)  # grads: (dcn, ...) per group
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
