@@ -34,6 +34,13 @@ class MeshConfig:
     dp: int = 1  # data-parallel replicas
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor-parallel shards (Megatron-style, inside each block)
+    # Slow data axis, outermost: groups of dp x pp x tp devices on different hosts (or slices)
+    # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
+    # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
+    dcn: int = 1
+    # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
+    # the exposed-time estimate in metrics.jsonl assume.
+    dcn_gbps: float = 100.0
 
 
 @dataclass
@@ -141,6 +148,33 @@ class OverlapConfig:
     tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"
     collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
     xla_preset: str = "none"
+    # 1: the cross-dcn gradient reduction of step t runs under step t+1's compute and is
+    # applied one step late (the dp reduction stays exact); needs mesh.dcn > 1. auto: the
+    # plan picks 1 where a bucket's dcn transfer outlasts the compute it hides under even in
+    # bf16 (on a GPU target; 0 on a CPU).
+    dcn_delay: int | Literal["auto"] = 0
+    # dtype of the gradient bytes that cross dcn (the dp reduction keeps grad_comm_dtype).
+    # auto: bf16 where a bucket's fp32 dcn transfer outlasts the compute it hides under.
+    dcn_comm_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    # DC-ASGD delay compensation of the one-step-late gradient: g + lambda * g * g * (the
+    # update applied since it was computed); 0 applies it as it is.
+    dcn_delay_compensation: float = 0.0
+
+
+@dataclass
+class DilocoConfig:
+    # Streaming DiLoCo over dcn (docs/slow_axis.md): each dcn group trains on its own for
+    # inner_steps (H) steps per fragment sync; 0 is off. Needs mesh.dcn > 1.
+    inner_steps: int = 0
+    fragments: int = 1  # parameter fragments, synced in turn (every H / fragments steps)
+    delay: int = 0  # tau: inner steps between issuing a fragment's sync and applying it
+    outer_lr: float = 0.7  # outer Nesterov SGD
+    outer_momentum: float = 0.9
+    # dtype the outer gradient crosses dcn in; int8 is per-fragment absmax scaled
+    outer_dtype: Literal["fp32", "bf16", "int8"] = "bf16"
+    # with delay > 0, how much of the local fragment is kept when the synced one arrives
+    # (0: replaced; the Streaming DiLoCo paper's alpha)
+    mix: float = 0.5
 
 
 @dataclass
@@ -200,6 +234,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -207,7 +242,7 @@ class Config:
 
     @property
     def num_devices(self) -> int:
-        return self.mesh.dp * self.mesh.pp * self.mesh.tp
+        return self.mesh.dcn * self.mesh.dp * self.mesh.pp * self.mesh.tp
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -432,7 +467,7 @@ def _read_yaml(path: str) -> dict:
 def validate(cfg: Config) -> None:
     p: list[str] = []
     m, mo, t, pl, ov = cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.overlap
-    for name in ("dp", "pp", "tp"):
+    for name in ("dp", "pp", "tp", "dcn"):
         if getattr(m, name) < 1:
             p.append(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
     for name in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"):
@@ -484,13 +519,13 @@ def validate(cfg: Config) -> None:
     explicit_mb = pl.microbatches != "auto"
     if explicit_mb and pl.microbatches < 1:
         p.append(f"pipeline.microbatches: must be >= 1, got {pl.microbatches}")
-    elif not explicit_mb and t.global_batch % m.dp:
-        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dp = {m.dp}; "
-                 f"use a multiple of {m.dp}")
-    elif explicit_mb and t.global_batch % (m.dp * pl.microbatches):
-        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dp x "
-                 f"pipeline.microbatches = {m.dp * pl.microbatches}; use a multiple of "
-                 f"{m.dp * pl.microbatches}")
+    elif not explicit_mb and t.global_batch % (m.dcn * m.dp):
+        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dcn x mesh.dp "
+                 f"= {m.dcn * m.dp}; use a multiple of {m.dcn * m.dp}")
+    elif explicit_mb and t.global_batch % (m.dcn * m.dp * pl.microbatches):
+        n = m.dcn * m.dp * pl.microbatches
+        p.append(f"train.global_batch: {t.global_batch} is not divisible by mesh.dcn x mesh.dp x "
+                 f"pipeline.microbatches = {n}; use a multiple of {n}")
     if explicit_mb and m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
         p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
@@ -556,6 +591,7 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.init_from_hf and not os.path.isdir(cfg.checkpoint.init_from_hf):
         p.append(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf} is not a directory; "
                  f"point it at a Hugging Face model directory")
+    p += _slow_axis_problems(cfg)
     d = cfg.distributed
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         p.append(f"distributed.process_id: {d.process_id} is outside 0..{d.num_processes - 1}")
@@ -654,13 +690,61 @@ def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
         p.append("model.rope_high_freq_factor: must exceed model.rope_low_freq_factor")
 
 
+def _slow_axis_problems(cfg: Config) -> list[str]:
+    """mesh.dcn, overlap.dcn_delay and diloco.*: one line per problem."""
+    m, ov, dl = cfg.mesh, cfg.overlap, cfg.diloco
+    p = []
+    if cfg.train.precision == "fp16" and m.dcn > 1 and (ov.dcn_delay in (1, "auto")
+                                                         or dl.inner_steps > 0):
+        p.append("train.precision: fp16's skipped overflow steps are not supported with "
+                 "overlap.dcn_delay or diloco over mesh.dcn; use bf16 (no loss scaling needed)")
+    if ov.dcn_delay not in (0, 1, "auto"):
+        p.append(f"overlap.dcn_delay: must be 0, 1 or auto, got {ov.dcn_delay}")
+    elif ov.dcn_delay == 1 and m.dcn < 2:
+        p.append("overlap.dcn_delay: 1 delays the reduction over mesh.dcn, which is 1; set "
+                 "mesh.dcn >= 2 or overlap.dcn_delay=0")
+    if m.dcn_gbps <= 0:
+        p.append(f"mesh.dcn_gbps: must be > 0, got {m.dcn_gbps}")
+    if ov.dcn_delay_compensation < 0:
+        p.append(f"overlap.dcn_delay_compensation: must be >= 0, got "
+                 f"{ov.dcn_delay_compensation}")
+    if dl.inner_steps < 0:
+        p.append(f"diloco.inner_steps: must be >= 0 (0 is off), got {dl.inner_steps}")
+    elif dl.inner_steps:
+        if m.dcn < 2:
+            p.append("diloco.inner_steps: DiLoCo runs over mesh.dcn, which is 1; set "
+                     "mesh.dcn >= 2 or diloco.inner_steps=0")
+        if ov.dcn_delay == 1:
+            p.append("overlap.dcn_delay: DiLoCo never reduces gradients over dcn; set "
+                     "overlap.dcn_delay=0 with diloco.inner_steps > 0")
+        if dl.fragments < 1 or dl.inner_steps % dl.fragments:
+            p.append(f"diloco.fragments: {dl.fragments} must be >= 1 and divide "
+                     f"diloco.inner_steps={dl.inner_steps}")
+        elif (cfg.model.layers // m.pp) % dl.fragments:
+            p.append(f"diloco.fragments: {dl.fragments} must divide the layers per stage "
+                     f"(model.layers / mesh.pp = {cfg.model.layers // m.pp})")
+        elif not 0 <= dl.delay < dl.inner_steps // dl.fragments:
+            p.append(f"diloco.delay: {dl.delay} must be in 0..{dl.inner_steps // dl.fragments - 1}"
+                     f" (below inner_steps / fragments, so a fragment's sync lands before its "
+                     f"next one is issued)")
+        if not 0 <= dl.mix < 1:
+            p.append(f"diloco.mix: must be in [0, 1), got {dl.mix}")
+    if (ov.dcn_delay == 1 or dl.inner_steps) and cfg.pipeline.schedule in ("interleaved", "zb-v") \
+            and m.pp > 1:
+        p.append(f"pipeline.schedule: {cfg.pipeline.schedule} stages layers out of order, which "
+                 f"the slow-axis state does not follow yet; use 1f1b, gpipe or zb-h1 with "
+                 f"overlap.dcn_delay / diloco")
+    return p
+
+
 def check_device_count(cfg: Config, available: int) -> None:
     """The mesh must use exactly the devices the job has."""
     if cfg.num_devices != available:
+        m = cfg.mesh
         raise ConfigError([
-            f"mesh: dp x pp x tp = {cfg.mesh.dp} x {cfg.mesh.pp} x {cfg.mesh.tp} = "
+            f"mesh: dcn x dp x pp x tp = {m.dcn} x {m.dp} x {m.pp} x {m.tp} = "
             f"{cfg.num_devices}, but {available} devices are available; make the product "
-            f"{available} (e.g. --set mesh.dp={max(1, available // (cfg.mesh.pp * cfg.mesh.tp))})"])
+            f"{available} (e.g. --set mesh.dp={max(1, available // (m.dcn * m.pp * m.tp))})"])
 
 
 def _tokenizer_mismatch(cfg: Config) -> list[str]:

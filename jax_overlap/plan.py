@@ -85,6 +85,9 @@ class OverlapPlan:
       tp_comm: "plain", "sequence_parallel" or "collective_matmul".
       cm_direction: collective matmul ring, "uni" or "bi".
       xla_preset: XLA flag preset name, or "none".
+      dcn_delay: 1 applies the cross-dcn reduction of each step's gradient one step late.
+      dcn_delay_compensation: DC-ASGD lambda for the late gradient (0: none).
+      dcn_comm_dtype: "fp32" or "bf16", what the gradient bytes crossing dcn travel in.
     """
 
     grad_bucket_bytes: int = 0
@@ -97,12 +100,43 @@ class OverlapPlan:
     tp_comm: str = "plain"
     cm_direction: str = "uni"
     xla_preset: str = "none"
+    dcn_delay: int = 0
+    dcn_delay_compensation: float = 0.0
+    dcn_comm_dtype: str = "fp32"
 
     @property
     def buckets_in_loop(self) -> bool:
         """Whether the pipeline reduces block gradients inside the tick loop: with buckets,
         except under fsdp (reduce-scattered once after the loop)."""
         return self.grad_bucket_bytes > 0 and not self.fsdp
+
+
+@dataclass(frozen=True)
+class DilocoPlan:
+    """Streaming DiLoCo over dcn (`overlap.diloco`), resolved.
+
+    Attributes:
+      inner_steps: H, inner steps between two syncs of one fragment.
+      fragments: parameter fragments; fragment f is issued at inner steps t with
+        t % H == f * H / fragments.
+      delay: tau, inner steps between issuing a fragment's sync and applying it.
+      outer_lr, outer_momentum: outer Nesterov SGD.
+      outer_dtype: "fp32", "bf16" or "int8", what the outer gradient crosses dcn in.
+      mix: share of the local fragment kept when a delayed sync lands.
+    """
+
+    inner_steps: int
+    fragments: int = 1
+    delay: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_dtype: str = "bf16"
+    mix: float = 0.5
+
+    @property
+    def period(self) -> int:
+        """Inner steps between two consecutive fragment syncs (of different fragments)."""
+        return self.inner_steps // self.fragments
 
 
 @dataclass(frozen=True)
@@ -137,6 +171,12 @@ class ParallelPlan:
       chunk_buckets: pp > 1 with in-loop buckets: the bucket plan of one chunk's layers.
       stage_layers: layers per virtual stage in model order (`pipeline.stage_layers`
         resolved: even, explicit or auto); empty only in hand-built plans (= even).
+      dcn: the slow data axis's size (mesh.dcn; the mesh has a 'dcn' axis when > 1).
+      diloco: Streaming DiLoCo over dcn, or None.
+      slow_decisions: what the plan decided about the slow axis, one line each.
+      grad_bytes: fp32 gradient bytes per device (tp / pp split, before any dp split), when
+        built with a model.
+      dcn_bytes_per_s: the slow link's per-device bandwidth (mesh.dcn_gbps).
     """
 
     dp: int
@@ -154,6 +194,11 @@ class ParallelPlan:
     layout: Any = None
     chunk_buckets: Any = None
     stage_layers: tuple[int, ...] = ()
+    dcn: int = 1
+    diloco: DilocoPlan | None = None
+    slow_decisions: tuple[str, ...] = ()
+    grad_bytes: int = 0
+    dcn_bytes_per_s: float = 12.5e9
 
     # ------------------------------------------------------------------ derived values
 
@@ -165,11 +210,34 @@ class ParallelPlan:
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        return {"dcn": self.dcn, **sizes} if self.dcn > 1 else sizes
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dcn * self.dp * self.pp * self.tp
+
+    @property
+    def slow_bytes_per_step(self) -> float:
+        """Bytes one device sends across dcn per step for its gradient (ring all-reduce over
+        dcn of its 1/dp slice; DiLoCo: the outer gradient's share per inner step)."""
+        from jax_overlap.overlap.slow_axis import slow_bytes
+
+        full = slow_bytes(self.grad_bytes, self.dp, self.dcn)
+        if self.diloco is not None:
+            size = {"fp32": 4, "bf16": 2, "int8": 1}[self.diloco.outer_dtype]
+            return full * size / 4 / self.diloco.inner_steps
+        return full / 2 if self.overlap.grad_comm_dtype == "bf16" else full
+
+    @property
+    def slow_mode(self) -> str:
+        """How gradients cross dcn: "none" (no dcn axis), "sync" (hierarchical, every step),
+        "delay" (one step late) or "local" (DiLoCo: never; the parameters are synced)."""
+        if self.dcn == 1:
+            return "none"
+        if self.diloco is not None:
+            return "local"
+        return "delay" if self.overlap.dcn_delay else "sync"
 
     @property
     def pipelined(self) -> bool:
@@ -263,6 +331,9 @@ class ParallelPlan:
             tp_comm=tp_comm,
             cm_direction=direction,
             xla_preset=ov.xla_preset,
+            dcn_delay=0 if ov.dcn_delay == "auto" else ov.dcn_delay,
+            dcn_delay_compensation=ov.dcn_delay_compensation,
+            dcn_comm_dtype="fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype,
         )
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
         try:
@@ -278,10 +349,11 @@ class ParallelPlan:
         if m.pp > 1:
             perm = _layer_permutation(num_layers, schedule, split)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
-                   micro_batch=cfg.train.global_batch // (m.dp * microbatches),
+                   micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
-                   choices=choices, stage_layers=split)
+                   choices=choices, stage_layers=split, dcn=m.dcn, diloco=_diloco_plan(cfg),
+                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -290,7 +362,10 @@ class ParallelPlan:
             if m.pp > 1 and overlap.buckets_in_loop:
                 chunk = dp_layout.chunk_bucket_plan(
                     model, overlap, plan.axis_sizes, max(split))
-            plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk)
+            plan = dataclasses.replace(plan, layout=layout, chunk_buckets=chunk,
+                                       grad_bytes=_grad_bytes(model, plan.axis_sizes))
+        if m.dcn > 1 and "auto" in (ov.dcn_delay, ov.dcn_comm_dtype):
+            plan = _resolve_slow(cfg, plan, choices)
         return plan
 
 
@@ -399,7 +474,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     m, pl = cfg.mesh, cfg.pipeline
     if pl.microbatches != "auto":
         return pl.microbatches
-    per_replica = cfg.train.global_batch // m.dp
+    per_replica = cfg.train.global_batch // (m.dcn * m.dp)
     group = m.pp * pl.transfer_latency if pl.schedule == "interleaved" and m.pp > 1 else 1
     least = m.pp if m.pp > 1 and pl.schedule != "gpipe" else 1
     valid = [n for n in _divisors(per_replica) if n >= least and n % group == 0]
@@ -433,9 +508,81 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     return n
 
 
+def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]
+                  ) -> "ParallelPlan":
+    """`overlap.dcn_comm_dtype` / `overlap.dcn_delay` auto: per gradient bucket, the dcn
+    transfer against the backward compute it hides under (`slow_axis.decide`), on a GPU
+    target from FLOP estimates at half the chip's peak; on a CPU fp32 and no delay."""
+    from jax_overlap.overlap import slow_axis
+
+    ov = cfg.overlap
+    delay_knob = 0 if plan.diloco is not None else ov.dcn_delay  # DiLoCo: no gradient crosses
+    if not plan.target.accelerator:
+        why = "CPU: collectives run synchronously, nothing hides under compute"
+        dtype = "fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype
+        delay, lines = 0 if delay_knob == "auto" else delay_knob, []
+        if ov.dcn_comm_dtype == "auto":
+            choices["overlap.dcn_comm_dtype"] = Choice("fp32", why)
+        if delay_knob == "auto":
+            choices["overlap.dcn_delay"] = Choice(0, why)
+    else:
+        from jax_overlap.analysis.machine import chip_spec
+
+        mo = cfg.model
+        flops = 0.5 * chip_spec(plan.target.name).peak_bf16_flops
+        tokens = plan.micro_batch * mo.seq_len
+        layer_fwd = 2 * (4 * mo.d_model ** 2 + 2 * mo.d_model * mo.d_ff) * tokens / plan.tp
+        layer_bwd = 2 * layer_fwd / flops
+        layers = mo.layers // plan.pp
+        backward_end = layers * layer_bwd
+        step = 3 * layer_fwd / flops * layers * plan.microbatches
+        bp = plan.layout.plan if plan.layout is not None else None
+        if bp is not None:  # in-backward buckets: ready as the backward passes their layer
+            ready = [(layers + 1 - min(b.ready_segment, layers + 1)) * layer_bwd
+                     for b in bp.buckets]
+            nbytes = [b.nbytes / (plan.dp if not b.scatter else 1) for b in bp.buckets]
+        else:
+            ready, nbytes = [backward_end], [plan.grad_bytes / plan.dp]
+        dtype, delay, lines = slow_axis.decide(ready, nbytes, plan.dcn, plan.dcn_bytes_per_s,
+                                               backward_end, step, ov.dcn_comm_dtype,
+                                               delay_knob)
+        for line in lines:
+            key, why = line.split(": ", 1)
+            choices[f"overlap.{key.split('=')[0]}"] = Choice(
+                dtype if key.startswith("dcn_comm") else delay, why)
+    overlap = dataclasses.replace(plan.overlap, dcn_comm_dtype=dtype, dcn_delay=delay)
+    return dataclasses.replace(plan, overlap=overlap, choices=choices,
+                               slow_decisions=tuple(lines))
+
+
+def _grad_bytes(model, axis_sizes: dict[str, int]) -> int:
+    """fp32 bytes of one device's gradient (its tp / pp share of every parameter)."""
+    import math
+
+    import jax
+
+    from jax_overlap.overlap.buckets import local_shape
+    from jax_overlap.parallel.mesh import rules_for, tree_specs
+
+    specs = tree_specs(model.param_axes(), rules_for(axis_sizes.get("pp", 1)))
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    shapes = jax.tree.map(lambda a, s: local_shape(a.shape, tuple(s), axis_sizes), abstract,
+                          specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return 4 * sum(math.prod(s) for s in jax.tree.leaves(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def _diloco_plan(cfg: Config) -> DilocoPlan | None:
+    d = cfg.diloco
+    if d.inner_steps <= 0 or cfg.mesh.dcn == 1:
+        return None
+    return DilocoPlan(d.inner_steps, d.fragments, d.delay, d.outer_lr, d.outer_momentum,
+                      d.outer_dtype, d.mix)
+
+
 def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
-    """The config's (dp, pp, tp) mesh over `devices` (default: all devices of the job, which
-    must match)."""
+    """The config's (dp, pp, tp) mesh -- (dcn, dp, pp, tp) with mesh.dcn > 1 -- over
+    `devices` (default: all devices of the job, which must match)."""
     import jax
 
     from jax_overlap.config import check_device_count
@@ -443,4 +590,4 @@ def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
 
     devices = jax.devices() if devices is None else devices
     check_device_count(cfg, len(devices))
-    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
+    return make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices, dcn=cfg.mesh.dcn)

@@ -35,6 +35,7 @@ TESTED = {
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
     "remat.py": "test_remat_quick",
     "simulator_validation.py": "test_simulator_validation_quick",
+    "slow_axis.py": "test_slow_axis_quick",
     "stage_balance.py": "test_stage_balance_quick",
     "step_time.py": "test_step_time_quick",
 }
@@ -213,6 +214,17 @@ def test_simulator_validation_quick():
     positive(measured), positive(predicted), positive(fit)
     assert error.endswith("%") and error_fit.endswith("%")
     float(error[:-1]), float(error_fit[:-1])
+
+
+@pytest.mark.slow
+def test_slow_axis_quick():
+    # Three short training runs (three compiles): in make test-slow.
+    out = run_bench("slow_axis.py")
+    _, rows = table_rows(out, "variant ", 3)
+    assert [r[0] for r in rows] == ["sync", "delay1", "diloco"]
+    for r in rows:
+        assert positive(r[1]) and positive(r[2])
+    assert float(rows[0][3]) == 0.0
 
 
 def test_fault_drill_quick():

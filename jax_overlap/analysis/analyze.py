@@ -14,10 +14,9 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jax_overlap.model_api import batch_shapes
-from jax_overlap.parallel.mesh import DP, make_mesh
+from jax_overlap.parallel.mesh import data_spec, make_mesh
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import new_state
 
@@ -39,12 +38,17 @@ def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
     """ShapeDtypeStructs (with shardings) of the train state and a batch: nothing allocated."""
     key = jax.random.key(cfg.train.seed)
     abstract_params = jax.eval_shape(model.init, key)
-    shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
-    shapes = jax.eval_shape(
-        lambda: new_state(model.init(key), optimizer.init(model.init(key)), cfg.train.seed))
+    shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
+                                        plan)
+    if plan.slow_mode in ("delay", "local"):  # the slow axis's state: as init_state builds it
+        shapes = jax.eval_shape(lambda: steplib.init_state(model, plan, mesh, optimizer,
+                                                           cfg.train.seed))
+    else:
+        shapes = jax.eval_shape(
+            lambda: new_state(model.init(key), optimizer.init(model.init(key)), cfg.train.seed))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, shardings)
-    batch_sharding = NamedSharding(mesh, P(DP))
+    batch_sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
     example = batch_shapes(model, cfg.train.global_batch, cfg.model.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
              for k, (shape, dtype) in example.items()}
@@ -64,15 +68,16 @@ def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any
     """`jax.jit(step).lower(...)` of the configured train step on `devices`, with the plan
     made for `target` (`built`: a `(model, plan)` from `build_plan`, to reuse)."""
     model, plan = built or build_plan(cfg, target)
-    mesh = make_mesh(plan.dp, plan.pp, plan.tp, devices)
+    mesh = make_mesh(plan.dp, plan.pp, plan.tp, devices, dcn=plan.dcn)
     optimizer = steplib.make_optimizer(cfg.train)
     state, batch = abstract_inputs(cfg, plan, model, mesh, optimizer)
     return steplib.make_train_step(model, plan, mesh, optimizer,
                                    steplib.lr_schedule(cfg.train)).lower(state, batch)
 
 
-def analyze(cfg, target: str = "cpu", built=None):
-    """HloReport of the configured train step compiled for `target`."""
+def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
+    """HloReport of the configured train step compiled for `target` (`texts`, when given,
+    receives the compiled HLO text on a CPU target)."""
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     model, plan = built = built or build_plan(cfg, target)
@@ -84,6 +89,8 @@ def analyze(cfg, target: str = "cpu", built=None):
 
         check_device_count(cfg, jax.device_count())
         text = lower_train_step(cfg, jax.devices(), target, built).compile().as_text()
+        if texts is not None:
+            texts.append(text)
         return analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
     from jax_overlap.analysis import deviceless
 
@@ -134,10 +141,11 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
     return hints
 
 
-def format_report(cfg, plan, target: str, report) -> str:
-    data = report.to_json()
+def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> str:
+    data = {**report.to_json(), "dcn": dcn}
     lines = [f"train step of {cfg.model.kind} ({cfg.model.layers} layers, d_model "
-             f"{cfg.model.d_model}) on dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
+             f"{cfg.model.d_model}) on {f'dcn={plan.dcn} ' if plan.dcn > 1 else ''}"
+             f"dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
              f"{plan.microbatches} microbatches, compiled for {target}"]
     for key, choice in plan.choices.items():
         lines.append(f"auto {key} = {choice.value}: {choice.why}")
@@ -147,6 +155,13 @@ def format_report(cfg, plan, target: str, report) -> str:
     lines.append(f"async fraction of collective bytes:       {data['async_fraction']:.3f}")
     lines.append(f"collective bytes scheduled under GEMMs:   "
                  f"{data['collective_bytes_under_gemm_fraction']:.3f}")
+    dcn = data.get("dcn")
+    if dcn is not None:
+        lines.append(f"bytes crossing dcn per step (per device): "
+                     f"{dcn['bytes_per_step'] / 2**20:.3f} MiB in "
+                     f"{dcn['count_per_step']:.0f} collectives ({dcn['mode']})")
+        for d in dcn.get("decisions", []):
+            lines.append(f"slow axis: {d}")
     est = data.get("exposed_comm_s_estimate")
     if est is not None:
         lines.append(f"exposed communication estimate:           {est * 1e3:.3f} ms/step")
@@ -157,14 +172,35 @@ def format_report(cfg, plan, target: str, report) -> str:
     return "\n".join(lines)
 
 
+def dcn_summary(plan, texts: list, frequencies=None) -> dict | None:
+    """Bytes per step crossing dcn (from the compiled CPU HLO) and the plan's slow-axis
+    decisions; None without a slow axis."""
+    if plan.dcn == 1:
+        return None
+    from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
+
+    out = {"mode": plan.slow_mode, "decisions": list(plan.slow_decisions)}
+    if texts:
+        out.update(dcn_bytes_of_hlo(texts[0], plan.num_devices // plan.dcn, frequencies))
+    else:  # deviceless GPU: the plan's estimate
+        out.update({"bytes_per_step": float(plan.slow_bytes_per_step), "count_per_step": 0,
+                    "by_kind": {}, "unknown": 0, "estimated": True})
+    return out
+
+
 def analyze_command(cfg, target: str = "cpu", as_json: bool = False) -> str:
     built = build_plan(cfg, target)
-    report = analyze(cfg, target, built)
+    texts: list = []
+    report = analyze(cfg, target, built, texts)
     plan = built[1]
+    frequencies = plan.program.branch_frequencies() if plan.program is not None else None
+    dcn = dcn_summary(plan, texts, frequencies)
     if as_json:
         out = report.to_json()
+        if dcn is not None:
+            out["dcn"] = dcn
         out["mesh"] = plan.axis_sizes
         out["plan"] = plan.describe()
         out["hints"] = overlap_hints(cfg, plan, out["collective_bytes_under_gemm_fraction"])
         return json.dumps(out, default=float)
-    return format_report(cfg, plan, target, report)
+    return format_report(cfg, plan, target, report, dcn)

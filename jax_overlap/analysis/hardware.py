@@ -123,6 +123,12 @@ def profile_from_dict(doc: Mapping[str, Any], where: str = "<dict>") -> Hardware
                 f"{link!r} (links: {', '.join(links)})"
             )
         axes[axis] = AxisLink(link, bool(_get(doc, f"axes.{axis}.crosses_hosts", where)))
+    if isinstance(doc.get("axes"), Mapping) and "dcn" in doc["axes"]:  # optional slow axis
+        link = str(_get(doc, "axes.dcn.link", where))
+        if link not in links:
+            raise ProfileError(f"hardware profile {where}: field 'axes.dcn.link' names unknown "
+                               f"link {link!r} (links: {', '.join(links)})")
+        axes["dcn"] = AxisLink(link, True)
     sync = False
     if "synchronous_collectives" in doc:
         sync = bool(_get(doc, "synchronous_collectives.value", where))

@@ -871,8 +871,9 @@ def tune_command(
         raise ValueError(f"--measure: must be >= 0, got {measure}")
     result = tune(cfg, devices, hardware)
     best = result.best
+    slow_rows, slow_best, best_cfg = slow_axis_search(best.config, hardware)
     path = write_config(
-        best.config,
+        best_cfg,
         out or DEFAULT_OUT,
         header=[
             f"Written by `jax-overlap tune --devices {devices} --hardware {hardware}`: best of "
@@ -894,9 +895,16 @@ def tune_command(
         }
         if result.calibration is not None:
             doc["calibration"] = result.calibration.to_dict()
+        if slow_rows:
+            doc["slow_axis"] = {"modes": slow_rows, "best": slow_best["mode"]}
         return json.dumps(doc, sort_keys=True)
     text = format_table(result)
     text += f"\nbest: {best.candidate.label()} -> {path}"
+    if slow_rows:
+        text += ("\n\nacross hosts (mesh.dcn = hosts; dp inside a host):\n"
+                 + format_slow_table(slow_rows)
+                 + f"\nbest exact: {slow_best['mode']} (delay1 / diloco: opt-in, "
+                   f"they change the optimisation)")
     if measured:
         text += "\n\npredicted vs measured (median step after compilation):\n"
         text += format_measured(measured)
@@ -904,3 +912,131 @@ def tune_command(
             text += (f"\nnote: measured on this machine's devices, predicted for "
                      f"{result.hardware}; the two only agree on the machine the profile describes")
     return text
+
+
+# ---------------------------------------------------------------------------------------------
+# The slow axis: flat vs hierarchical vs one step late vs Streaming DiLoCo
+
+
+SLOW_MODES: tuple[str, ...] = ("flat", "hierarchical", "delay1", "diloco")
+
+
+def _without_dcn(cfg: Config, dp: int, batch_share: int = 1) -> Config:
+    """`cfg` on a mesh without dcn: mesh.dp = dp, 1/batch_share of the batch (the same work
+    per device), no delay / DiLoCo."""
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, dcn=1, dp=dp),
+        train=dataclasses.replace(cfg.train, global_batch=cfg.train.global_batch // batch_share),
+        overlap=dataclasses.replace(cfg.overlap, dcn_delay=0),
+        diloco=dataclasses.replace(cfg.diloco, inner_steps=0))
+
+
+def slow_axis_modes(cfg: Config, hw: HardwareProfile,
+                    efficiency: float = FLOP_EFFICIENCY) -> list[dict[str, Any]]:
+    """Simulated step time and exposed slow-axis communication of `cfg`'s mesh (dcn > 1) in
+    each way of crossing dcn (`SLOW_MODES`), on a profile with a 'dcn' axis link.
+
+    flat: one dp axis of dcn x dp ranks whose all-reduce runs on the slow link (the
+      simulator's bucketed dp stream on it). hierarchical: the fast step (dp inside a host)
+      plus what the dcn all-reduce of 1/dp of every bucket, simulated as a bucket stream on
+      the slow link beside the same compute, leaves exposed. delay1: the fast step, with the whole dcn
+      all-reduce (1/dp of the gradient) hidden under the next step: exposed only where it is
+      longer. diloco: the fast step; one fragment's outer gradient (1/F of the parameters,
+      1/dp per device, in diloco.outer_dtype) crosses every H/F steps under tau + 1 steps.
+
+    Returns:
+      One row per mode: {"mode", "step_time_s", "exposed_dcn_s", "dcn_bytes_per_step"}.
+    """
+    from jax_overlap.analysis.simulate import all_reduce_time
+
+    if "dcn" not in hw.axes:
+        raise ConfigError([f"--hardware {hw.name}: the profile has no 'dcn' axis link (see "
+                           f"configs/hardware/h100_2x8_100g.yaml)"])
+    plan = plan_of(cfg)
+    dcn, dp = plan.dcn, plan.dp
+    slow = hw.link("dcn")
+    fast_cfg = _without_dcn(cfg, dp, dcn)  # one host's share of the step
+    fast_plan = plan_of(fast_cfg)
+    fast = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
+    t_fast = fast.step_time_s
+    buckets, issue = cal_lib.grad_buckets(fast_cfg, fast_plan)
+    grad = float(sum(buckets))
+    rows = []
+    # flat: every dp byte on the slow link
+    flat_cfg = _without_dcn(cfg, dcn * dp)
+    flat_plan = plan_of(flat_cfg)
+    flat_hw = hw.with_link("dp", slow)
+    r = simulate(sim_plan(flat_cfg, flat_plan), flop_costs(flat_cfg, flat_hw, efficiency),
+                 flat_hw)
+    rows.append({"mode": "flat", "step_time_s": r.step_time_s,
+                 "exposed_dcn_s": max(0.0, r.step_time_s - t_fast),
+                 "dcn_bytes_per_step": 2 * (dcn * dp - 1) / (dcn * dp) * grad})
+    # hierarchical: a second bucket stream of 1/dp of each bucket over dcn
+    slow_plan = dataclasses.replace(sim_plan(fast_cfg, fast_plan), dp=dcn,
+                                    grad_buckets=tuple(b / dp for b in buckets))
+    slow_hw = hw.with_link("dp", slow)
+    r = simulate(slow_plan, flop_costs(fast_cfg, slow_hw, efficiency), slow_hw)
+    # What the slow stream leaves exposed comes on top of the fast step (its fast reduce-
+    # scatter / all-gather are in the fast step already): conservative, they do not overlap.
+    t_hier = t_fast + r.exposed_comm_s
+    per_step = 2 * (dcn - 1) / dcn * grad / dp
+    rows.append({"mode": "hierarchical", "step_time_s": t_hier,
+                 "exposed_dcn_s": t_hier - t_fast, "dcn_bytes_per_step": per_step})
+    t_all = all_reduce_time(grad / dp, dcn, slow)
+    rows.append({"mode": "delay1", "step_time_s": max(t_fast, t_all),
+                 "exposed_dcn_s": max(0.0, t_all - t_fast), "dcn_bytes_per_step": per_step})
+    d = plan.diloco or dataclasses.replace(_default_diloco(), outer_dtype="bf16")
+    # outer-gradient bytes per gradient byte (the buckets are in overlap.grad_comm_dtype)
+    size = ({"fp32": 4, "bf16": 2, "int8": 1}[d.outer_dtype]
+            / (2 if fast_plan.overlap.grad_comm_dtype == "bf16" else 4))
+    frag = grad * size / d.fragments / dp
+    t_frag = all_reduce_time(frag, dcn, slow)
+    exposed = max(0.0, t_frag - (d.delay + 1) * t_fast) / d.period
+    rows.append({"mode": "diloco", "step_time_s": t_fast + exposed, "exposed_dcn_s": exposed,
+                 "dcn_bytes_per_step": 2 * (dcn - 1) / dcn * frag / d.period,
+                 "diloco": dataclasses.asdict(d)})
+    for row in rows:
+        row["fast_step_time_s"] = t_fast
+    return rows
+
+
+def slow_axis_search(cfg: Config, hardware: str):
+    """For a profile with several hosts and a 'dcn' link: the slow-axis modes of `cfg` with
+    its dp split as mesh.dcn = hosts x dp / hosts, and the config to write (dcn set when
+    the hierarchical reduction wins). ([], None, cfg) otherwise."""
+    hw = load_profile(hardware)
+    if "dcn" not in hw.axes or hw.hosts < 2 or cfg.mesh.dcn > 1 or cfg.mesh.dp % hw.hosts:
+        if "dcn" in hw.axes and cfg.mesh.dcn > 1:
+            rows = slow_axis_modes(cfg, hw)
+            return rows, best_slow_mode(rows), cfg
+        return [], None, cfg
+    split = dataclasses.replace(cfg, mesh=dataclasses.replace(
+        cfg.mesh, dcn=hw.hosts, dp=cfg.mesh.dp // hw.hosts))
+    try:
+        configlib.validate(split)
+    except ConfigError:
+        return [], None, cfg
+    rows = slow_axis_modes(split, hw)
+    best = best_slow_mode(rows)
+    return rows, best, split if best["mode"] == "hierarchical" else cfg
+
+
+def _default_diloco():
+    from jax_overlap.plan import DilocoPlan
+
+    return DilocoPlan(inner_steps=8, fragments=2, delay=1)
+
+
+def best_slow_mode(rows: Sequence[dict[str, Any]], exact: bool = True) -> dict[str, Any]:
+    """The fastest mode; `exact` keeps to the ones that train like one device (flat,
+    hierarchical) -- delay and DiLoCo change the optimisation and are opt-in."""
+    pool = [r for r in rows if not exact or r["mode"] in ("flat", "hierarchical")]
+    return min(pool, key=lambda r: (_sig(r["step_time_s"]), SLOW_MODES.index(r["mode"])))
+
+
+def format_slow_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'mode':14s} {'step ms':>10s} {'exposed dcn ms':>15s} {'dcn MB/step':>12s}"]
+    for r in rows:
+        lines.append(f"{r['mode']:14s} {r['step_time_s'] * 1e3:10.1f} "
+                     f"{r['exposed_dcn_s'] * 1e3:15.1f} {r['dcn_bytes_per_step'] / 1e6:12.1f}")
+    return "\n".join(lines)

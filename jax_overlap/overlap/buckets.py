@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_overlap.overlap import slow_axis
 from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
 
 MIB = 1 << 20
@@ -344,13 +345,14 @@ def unpack(flat: jax.Array, units: Sequence[Unit], parts: int, scattered: bool
 
 def reduce_flat(flat: jax.Array, axes: str | tuple[str, ...], scatter: bool, comm_dtype: str
                 ) -> jax.Array:
-    """The bucket's one collective, optionally on a bf16 copy; the result is fp32."""
+    """The bucket's one collective, optionally on a bf16 copy; the result is fp32.
+
+    With a slow 'dcn' axis the buffer varies over, the sum also covers dcn, hierarchically
+    (`slow_axis.reduce`: reduce-scatter over `axes`, psum over dcn, all-gather).
+    """
     x = flat.astype(jnp.bfloat16) if comm_dtype == "bf16" else flat
-    if scatter:
-        # (parts, N/parts) per device -> (N/parts,) summed, over axes
-        x = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=False)
-    else:
-        x = jax.lax.psum(x, axes)  # (N,) per device, summed over axes
+    # (parts, N/parts) -> (N/parts,) with scatter, else (N,) -> (N,); summed over axes (+ dcn)
+    x = slow_axis.reduce(x, axes, scatter)
     return x.astype(jnp.float32)
 
 
@@ -429,6 +431,7 @@ def make_sinks(plan: BucketPlan, axis_sizes: dict[str, int], marked_axes: Sequen
     """Zero inputs, one per bucket, typed like its reduced buffer: a psum result no longer
     varies over the summed axes, a psum_scatter result is each rank's own slice."""
     sinks = []
+    marked_axes = slow_axis.sink_axes(tuple(marked_axes))
     for b in plan.buckets:
         axes = tuple(marked_axes) if b.scatter else tuple(a for a in marked_axes
                                                           if a not in b.axes)

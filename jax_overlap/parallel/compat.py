@@ -65,3 +65,17 @@ def bind_eqn(eqn, invals):
         subfuns, bound = bound
     with eqn.ctx.manager:
         return eqn.primitive.bind(*subfuns, *invals, **bound)
+
+
+def all_gather_invariant(x: jax.Array, axes, axis: int = 0, tiled: bool = True) -> jax.Array:
+    """`all_gather` whose result is typed invariant over `axes` (every rank holds the same
+    value), so it can leave a shard_map replicated: `to="invarying"` on jax 0.12,
+    `all_gather_invariant` before."""
+    try:
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invarying")
+    except TypeError:  # jax 0.11: no `to`
+        pass
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axes, axis=axis, tiled=tiled)

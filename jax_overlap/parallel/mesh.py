@@ -1,4 +1,5 @@
-"""The device mesh: named axes for data (dp), pipeline (pp) and tensor (tp) parallelism.
+"""The device mesh: named axes for data (dp), pipeline (pp) and tensor (tp) parallelism, and
+the slow data axis (dcn) between hosts or slices.
 
 Also the two things that must happen before JAX starts its backends: forcing enough host
 devices when there is no accelerator, and `jax.distributed.initialize` for multi-process runs.
@@ -13,6 +14,9 @@ from typing import Any
 
 DP, PP, TP = "dp", "pp", "tp"
 AXES = (DP, PP, TP)
+# The slow axis: data-parallel groups on different hosts (or slices) whose link is far slower
+# than the links inside one. Outermost, and only in the mesh when mesh.dcn > 1.
+DCN = "dcn"
 
 # Logical axis -> mesh axis. Model code names logical axes only.
 LOGICAL_RULES: dict[str, str | None] = {
@@ -77,20 +81,42 @@ def init_distributed(coordinator: str = "", num_processes: int = 1, process_id: 
     return True
 
 
-def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None):
-    """A (dp, pp, tp) mesh; tp varies fastest so TP groups share the fastest links."""
+def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None, dcn: int = 1):
+    """A (dp, pp, tp) mesh, or (dcn, dp, pp, tp) with dcn > 1; tp varies fastest so TP groups
+    share the fastest links, dcn slowest so each dcn group is a run of consecutive devices (one
+    host's, in a multi-process job)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     devices = list(jax.devices() if devices is None else devices)
-    needed = dp * pp * tp
+    needed = dcn * dp * pp * tp
     if len(devices) < needed:
         from jax_overlap.config import ConfigError
-        raise ConfigError([f"mesh: dp x pp x tp = {needed} devices, but only {len(devices)} are "
-                           f"available; shrink mesh.dp/pp/tp"])
+        raise ConfigError([f"mesh: dcn x dp x pp x tp = {needed} devices, but only "
+                           f"{len(devices)} are available; shrink mesh.dcn/dp/pp/tp"])
+    if dcn > 1:
+        grid = np.array(devices[:needed], dtype=object).reshape(dcn, dp, pp, tp)
+        return Mesh(grid, (DCN, *AXES))
     grid = np.array(devices[:needed], dtype=object).reshape(dp, pp, tp)
     return Mesh(grid, AXES)
+
+
+def data_axes(axis_sizes) -> tuple[str, ...]:
+    """The axes the batch is split over: (dcn, dp) when the mesh has a slow axis, else (dp,).
+
+    Args:
+      axis_sizes: mesh axis name -> size (`dict(mesh.shape)`, `plan.axis_sizes`).
+    """
+    return (DCN, DP) if DCN in axis_sizes else (DP,)
+
+
+def data_spec(axis_sizes):
+    """PartitionSpec of a batch (leading dim split over `data_axes`)."""
+    from jax.sharding import PartitionSpec as P
+
+    axes = data_axes(axis_sizes)
+    return P(axes if len(axes) > 1 else axes[0])
 
 
 def logical_to_spec(logical_axes: tuple[str | None, ...], rules: dict | None = None):

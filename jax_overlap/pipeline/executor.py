@@ -92,11 +92,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.model_api import batch_shapes
-from jax_overlap.overlap import buckets, fsdp
+from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import shard_map, to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
-from jax_overlap.parallel.mesh import DP, PP, TP
+from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
 from jax_overlap.pipeline.program import COL, TickProgram
@@ -112,6 +112,11 @@ def _vary(x, axes) -> jax.Array:
     """Marks `x` varying over `axes`, skipping the ones it already varies over."""
     missing = tuple(a for a in axes if a not in _varying_axes(x))
     return to_varying(x, missing)
+
+
+def _summed_slow(x) -> set[str]:
+    """{'dcn'} when the in-loop buckets also sum over it (see `overlap.slow_axis`)."""
+    return {DCN} if slow_axis.crosses_dcn(x) else set()
 
 
 def _like(tree, ref) -> Any:
@@ -546,7 +551,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     meets.
     """
     want_x = kind == "B" and role != "first"
-    marked = (DP, PP, TP)
+    marked = (*data_axes(ctx.axis_sizes), PP, TP)
     plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
 
     def branch(pool, res, grads, loss, row):
@@ -588,7 +593,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             y, vjp = jax.vjp(forward, sinks, others, x)
         else:
             y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
-        ct = (_vary(jnp.ones(y.shape, y.dtype), (DP, PP)) if role == "last"
+        ct = (_vary(jnp.ones(y.shape, y.dtype), (*data_axes(axis_sizes), PP)) if role == "last"
               else pool[row[COL["g_slot"]]])
         # The tp-marked weights make the output's *type* tp-varying while its values are
         # equal on every tp rank. vjp then reads the cotangent per rank and sums the ranks'
@@ -818,9 +823,10 @@ def _prologue(params, batch, model, program: TickProgram, axis_sizes, fsdp_layou
     s = program.schedule
     v = s.virtual_stages
     # Global divisor first, so every microbatch's loss is already scaled to the global mean.
-    count = jax.lax.psum(model.loss_count(batch["targets"]), DP)  # () per device, over dp
+    data = data_axes(axis_sizes)  # (dcn, dp) with a slow axis, else (dp,)
+    count = jax.lax.psum(model.loss_count(batch["targets"]), data)  # () per device, over data
     # Per-replica, per-stage values: autodiff must not reduce over dp or pp behind our back.
-    params = jax.tree.map(lambda x: _vary(x, (DP, PP)), params)
+    params = jax.tree.map(lambda x: _vary(x, (*data, PP)), params)
     if fsdp_layout is not None:
         # FSDP under a pipeline: every tick of the step uses the stage's blocks, so they are
         # gathered once per step (not per tick: that would move them `ticks` times) and the
@@ -852,11 +858,12 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
         return count
 
     abstract = jax.eval_shape(model.init, jax.random.key(0))
-    b = plan.micro_batch * plan.microbatches * plan.dp
+    b = plan.micro_batch * plan.microbatches * plan.dp * plan.dcn
     batch = {k: jax.ShapeDtypeStruct(shape, dtype)
              for k, (shape, dtype) in batch_shapes(model, b, model.seq_len).items()}
     mapped = shard_map(probe, mesh, in_specs=(plan.layout.param_specs,
-                                              {k: P(DP) for k in batch}), out_specs=P())
+                                              {k: data_spec(dict(mesh.shape)) for k in batch}),
+                       out_specs=P())
     jax.eval_shape(mapped, abstract, batch)
     return found
 
@@ -959,7 +966,8 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     # What travels between stages: one microbatch's activations (shape, dtype and varying
     # axes as the embedding produces them; the probe is dead code after tracing).
     probe_btd = model.embed(params["embed"], mbs["inputs"][0], par)
-    act_axes = sorted(_varying_axes(probe_btd) | {DP, PP})
+    data = data_axes(axis_sizes)
+    act_axes = sorted(_varying_axes(probe_btd) | {*data, PP})
     zeros_btd = _vary(jnp.zeros(probe_btd.shape, probe_btd.dtype), act_axes)
     pool_sbtd = _vary(jnp.zeros((program.slots + 1, *probe_btd.shape), probe_btd.dtype),
                       act_axes)
@@ -972,7 +980,8 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         # Block gradients reduced over dp inside the loop land here: typed without dp (a
         # psum result), so they are kept apart from the per-replica accumulators.
         grads0["synced"] = jax.tree.map(
-            lambda b: _vary(jnp.zeros(b.shape, jnp.float32), sorted(_varying_axes(b) - {DP})),
+            lambda b: _vary(jnp.zeros(b.shape, jnp.float32),
+                            sorted(set(_varying_axes(b)) - {DP} - _summed_slow(b))),
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
@@ -982,7 +991,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
-                      loss0=_vary(jnp.zeros((), jnp.float32), (DP, PP)),
+                      loss0=_vary(jnp.zeros((), jnp.float32), (*data, PP)),
                       split=s.split_backward, pieces=pieces, layouts=found.layouts,
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
                       tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0,
@@ -992,7 +1001,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                                      else action(ctx, b.kind, b.role)
                                      for b in program.branches]
     grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools)
-    loss = jax.lax.psum(loss, (DP, PP))  # () per device, over dp and pp
+    loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
 
 
@@ -1022,8 +1031,10 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
                    overlap=plan.overlap, axis_sizes=dict(mesh.shape),
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
                    remat=plan.remat, stage_layers=plan.stage_layers)
-    mapped = shard_map(body, mesh, in_specs=(param_specs, {"inputs": P(DP), "targets": P(DP)}),
-                       out_specs=(P(), param_specs))
+    batch_spec = data_spec(dict(mesh.shape))
+    mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
+                                 {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode,
+                                 plan.overlap.dcn_comm_dtype)
 
     def loss_and_grads(params, batch):
         return mapped(params, batch)

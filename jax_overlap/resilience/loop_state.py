@@ -56,7 +56,7 @@ def loop_shardings(model, cfg, plan, mesh, optimizer) -> LoopState:
       A LoopState of shardings.
     """
     abstract_params = jax.eval_shape(model.init, jax.random.key(cfg.train.seed))
-    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
+    train = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan,
                                     loss_scaled=cfg.train.precision == "fp16")
     rep = _replicated(mesh)
     guard = GuardState(losses=rep, count=rep, consecutive_bad=rep)

@@ -3,6 +3,8 @@
 Data flow on a (dp, 1, tp) mesh:
   batch (B, ...) split over dp -> microbatches -> model (TP collectives inside blocks)
   -> gradients, explicitly summed over dp (buckets, ZeRO-1 scatter, FSDP reduce-scatter).
+With a slow axis, (dcn, dp, 1, tp): the batch is split over (dcn, dp) and every reduction
+also covers dcn, hierarchically (`overlap.slow_axis`), or leaves it to the train step.
 
 The DP reduction is ours, not autodiff's: parameters are marked dp-varying before
 differentiation, so JAX's implicit reductions do not fire and we choose where each `psum` goes.
@@ -10,17 +12,17 @@ differentiation, so JAX's implicit reductions do not fire and we choose where ea
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from jax_overlap.overlap import buckets, fsdp
+from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
-from jax_overlap.parallel.compat import shard_map, to_varying
-from jax_overlap.parallel.mesh import DP, TP
+from jax_overlap.parallel.compat import to_varying, varying_axes
+from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 
 
@@ -64,15 +66,17 @@ def reference_loss(model, params, batch) -> jax.Array:
     return loss_sum(model, params, batch, Parallel()) / model.loss_count(batch["targets"])
 
 
-def _mark_varying(tree: Any, specs: Any, axes: tuple[str, ...], dp_only=frozenset()) -> Any:
+def _mark_varying(tree: Any, specs: Any, axes: tuple[str, ...], dp_only=frozenset(),
+                  data: tuple[str, ...] = (DP,)) -> Any:
     """Leaves marked varying over each of `axes` they are stored replicated over (a leaf
-    split over an axis already varies over it); leaves in `dp_only` over dp at most."""
+    split over an axis already varies over it, and so does one that came in as a dcn
+    group's own copy); leaves in `dp_only` over the `data` axes at most."""
     leaves, treedef = jax.tree.flatten(tree)
     spec_leaves = treedef.flatten_up_to(specs)
     out = []
     for i, (x, s) in enumerate(zip(leaves, spec_leaves)):
-        present = _spec_axes(s)
-        todo = tuple(a for a in ((DP,) if i in dp_only else axes) if a not in present)
+        present = _spec_axes(s) | set(varying_axes(x))
+        todo = tuple(a for a in (data if i in dp_only else axes) if a not in present)
         out.append(to_varying(x, todo))
     return jax.tree.unflatten(treedef, out)
 
@@ -103,6 +107,9 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     ov = plan.overlap
     axis_sizes = dict(mesh.shape)
     dp = axis_sizes[DP]
+    data = data_axes(axis_sizes)  # (dcn, dp) with a slow axis, else (dp,)
+    replicas = math.prod(axis_sizes[a] for a in data)
+    mode = plan.slow_mode
     layout = plan.layout
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
@@ -111,15 +118,19 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                       ov.window, DP, dp, ov.grad_comm_dtype)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
     # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
-    marked = (DP, TP) if layout.plan is not None and axis_sizes[TP] > 1 else (DP,)
+    marked = (*data, TP) if layout.plan is not None and axis_sizes[TP] > 1 else data
+    # FSDP blocks: their reduce-scatter sits in a custom VJP, whose cotangent varies over dcn
+    # when the dcn reduction is left to the train step; their primal must then too.
+    fsdp_marked = data if mode in ("delay", "local") else (DP,)
 
     def per_device(params, batch):
         # Global divisor first, so every partial loss is already scaled to the global mean.
-        count = _global_count(model, batch["targets"], dp)
+        count = _global_count(model, batch["targets"], data, replicas)
         # Marked varying, parameters get per-device gradients and no implicit reduction:
-        # over dp always; over tp too for in-backward buckets (TP-replicated leaves then
-        # get partial sums that their bucket reduces over (dp, tp)).
-        local_params = _mark_varying(params, layout.param_specs, marked, fsdp_leaves)
+        # over dp (and dcn) always; over tp too for in-backward buckets (TP-replicated leaves
+        # then get partial sums that their bucket reduces over (dp, tp)).
+        local_params = _mark_varying(params, layout.param_specs, marked, fsdp_leaves,
+                                     fsdp_marked)
 
         def microbatch_step(carry, mb):
             loss_acc, grads_acc = carry
@@ -127,7 +138,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                 lambda p: loss_sum(model, p, mb, par, layers) / count)(local_params)
             return (loss_acc + loss, tree_add(grads_acc, grads)), None
 
-        zero = (to_varying(jnp.zeros((), jnp.float32), (DP,)), tree_zeros_like(local_params))
+        zero = (to_varying(jnp.zeros((), jnp.float32), data), tree_zeros_like(local_params))
         mbs = microbatched(batch, microbatches)
         if layout.plan is None:
             (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
@@ -138,7 +149,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
                 leaves[i] = g
-            return jax.lax.psum(loss, DP), jax.tree.unflatten(treedef, leaves)
+            return jax.lax.psum(loss, data), jax.tree.unflatten(treedef, leaves)
 
         earlier = jax.tree.map(lambda x: x[:-1], mbs)
         last = jax.tree.map(lambda x: x[-1], mbs)
@@ -150,20 +161,20 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         loss_last, grads = _bucketed_last_microbatch(
             model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
             ov.grad_comm_dtype)
-        return jax.lax.psum(loss + loss_last, DP), grads
+        return jax.lax.psum(loss + loss_last, data), grads
 
-    batch_in = {"inputs": P(DP), "targets": P(DP)}
-    return shard_map(per_device, mesh, in_specs=(layout.param_specs, batch_in),
-                     out_specs=(P(), layout.grad_specs))
+    batch_in = {"inputs": data_spec(axis_sizes), "targets": data_spec(axis_sizes)}
+    return slow_axis.wrap_step(per_device, mesh, layout.param_specs, layout.grad_specs,
+                               batch_in, mode, ov.dcn_comm_dtype)
 
 
-def _global_count(model, targets, dp: int) -> jax.Array:
-    """`model.loss_count` summed over dp. A count the data does not decide (tokens per
-    batch) is a constant: dp times it, not an all-reduce that every rank waits on before its
-    first loss; a data-dependent one (masked tokens) is psum'd."""
+def _global_count(model, targets, data: tuple[str, ...], replicas: int) -> jax.Array:
+    """`model.loss_count` summed over the data axes. A count the data does not decide
+    (tokens per batch) is a constant: `replicas` times it, not an all-reduce that every rank
+    waits on before its first loss; a data-dependent one (masked tokens) is psum'd."""
     with jax.ensure_compile_time_eval():
         local = model.loss_count(targets)
-    return jax.lax.psum(local, DP) if isinstance(local, jax.core.Tracer) else local * dp
+    return jax.lax.psum(local, data) if isinstance(local, jax.core.Tracer) else local * replicas
 
 
 def _bucketed_last_microbatch(model, par, block, layout: DpLayout, layers, params, acc, mb,

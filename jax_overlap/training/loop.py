@@ -49,6 +49,7 @@ from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
 from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
+from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience import run_guard
 from jax_overlap.resilience.ckpt_layout import (
@@ -385,6 +386,7 @@ class _Trainer:
             overflow = bool(m.get("overflow", False))  # fp16 (training/loss_scale.py)
             if "loss_scale" in m:
                 record["loss_scale"] = float(m["loss_scale"])
+            record.update(slow_axis.step_record(self.plan, dt, m))
             if accepted:
                 self.losses.append(loss)
                 if not compiling:

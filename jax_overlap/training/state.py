@@ -21,6 +21,9 @@ class TrainState(NamedTuple):
     version: jax.Array  # int32 scalar: bumped on every accepted update and every rollback
     # fp16 only: the dynamic loss scale (`training.loss_scale.LossScale`); None otherwise.
     loss_scale: Any = None
+    # What the slow axis carries between steps (overlap.delay.InFlight, overlap.diloco
+    # OuterState), None without one.
+    slow: Any = None
 
 
 def batch_index(state: TrainState) -> jax.Array:
@@ -33,7 +36,8 @@ def step_rng(state: TrainState) -> jax.Array:
     return jax.random.fold_in(state.rng, state.step)
 
 
-def new_state(params: Any, opt_state: Any, seed: int, loss_scale: Any = None) -> TrainState:
+def new_state(params: Any, opt_state: Any, seed: int, loss_scale: Any = None,
+              slow: Any = None) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -42,4 +46,5 @@ def new_state(params: Any, opt_state: Any, seed: int, loss_scale: Any = None) ->
         data_offset=jnp.zeros((), jnp.int32),
         version=jnp.zeros((), jnp.int32),
         loss_scale=loss_scale,
+        slow=slow,
     )

@@ -16,7 +16,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.parallel.mesh import DP, PP, rules_for, tree_specs
+from jax_overlap.overlap import delay
+from jax_overlap.parallel.mesh import DP, PP, data_spec, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
 from jax_overlap.training import loss_scale as loss_scale_lib
@@ -46,8 +47,10 @@ def make_optimizer(t, lr_scale: float = 1.0) -> optax.GradientTransformation:
     return optax.chain(*parts, core)
 
 
-def batch_specs(batch: Any) -> Any:
-    return jax.tree.map(lambda _: P(DP), batch)
+def batch_specs(batch: Any, mesh=None) -> Any:
+    """Every batch leaf split over the data axes of `mesh` ((dcn, dp), or dp)."""
+    spec = P(DP) if mesh is None else data_spec(dict(mesh.shape))
+    return jax.tree.map(lambda _: spec, batch)
 
 
 def make_loss_and_grads(model, plan, mesh) -> Callable:
@@ -56,6 +59,12 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     if plan.pipelined:
         return executor.make_pipeline_loss_and_grads(model, plan, mesh)
     return grads.make_loss_and_grads(model, plan, mesh)
+
+
+def grad_out_specs(plan) -> Any:
+    """Specs of the gradients `make_loss_and_grads` returns: the layout's gradient specs
+    (ZeRO-1 splits) at pp = 1, the parameter specs from the pipeline executor."""
+    return plan.layout.param_specs if plan.pipelined else plan.layout.grad_specs
 
 
 def _global_norm(tree) -> jax.Array:
@@ -86,7 +95,14 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
     # split the same way, so GSPMD runs the (elementwise) update on 1/dp of every leaf and
     # the constraint below all-gathers the updated parameters that are stored replicated.
     abstract_params = jax.eval_shape(model.init, jax.random.key(0))
-    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout)
+    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan)
+    if plan.slow_mode == "local":
+        from jax_overlap.overlap import diloco
+
+        return diloco.make_train_step(model, plan, mesh, optimizer, loss_and_grads, shardings,
+                                      lr, fault_hook, jit)
+    delayed = plan.slow_mode == "delay"
+    ov = plan.overlap
 
     def step(state: TrainState, batch):
         ls = state.loss_scale
@@ -99,7 +115,13 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
+        # Delay: the norm of this step's own gradient (its per-dcn-group copies), so the
+        # guard sees a bad gradient before it ever goes in flight.
         grad_norm = _global_norm(grads)
+        if delayed:
+            fresh = grads
+            grads, valid = delay.arrived(state.slow, state.version, mesh, grad_out_specs(plan),
+                                         ov.dcn_comm_dtype, ov.dcn_delay_compensation)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         applied = jnp.ones((), jnp.int32)
@@ -107,15 +129,27 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                              (params, opt_state), (state.params, state.opt_state))
             applied = finite.astype(jnp.int32)
+        slow = state.slow
+        if delayed:  # a gradient of another timeline is dropped: no update this step
+            params = delay.select(valid, params, state.params)
+            opt_state = delay.select(valid, opt_state, state.opt_state)
+            last = None
+            if state.slow.last_update is not None:
+                last = delay.select(valid, updates, jax.tree.map(jnp.zeros_like, updates))
+            slow = delay.launch(fresh, state.version + 1, last)
         params = jax.lax.with_sharding_constraint(params, shardings.params)
         opt_state = jax.lax.with_sharding_constraint(opt_state, shardings.opt_state)
+        if slow is not None:
+            slow = jax.lax.with_sharding_constraint(slow, shardings.slow)
         new_state = state._replace(step=state.step + applied, params=params, opt_state=opt_state,
-                                   version=state.version + applied)
+                                   version=state.version + applied, slow=slow)
         metrics = {"loss": loss, "grad_norm": grad_norm}
         if ls is not None:
             new_state = new_state._replace(loss_scale=loss_scale_lib.update(
                 ls, finite, loss_scale_growth_interval))
             metrics.update(overflow=~finite, loss_scale=ls.scale)
+        if delayed:
+            metrics["dcn_applied"] = valid
         if lr is not None:
             metrics["lr"] = lr(state.step)
         return new_state, metrics
@@ -133,14 +167,15 @@ def param_shardings(model, mesh, layout=None) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
-def state_shardings(model, mesh, optimizer, abstract_params, layout=None,
+def state_shardings(model, mesh, optimizer, abstract_params, layout=None, plan=None,
                     loss_scaled: bool = False) -> TrainState:
     """NamedShardings for every leaf of the train state.
 
     The optimizer state mirrors the gradients: like the parameters, except that ZeRO-1
     (`plan.overlap.zero1`, in `layout.grad_specs`) splits every leaf's moments over dp. With
     pp > 1 the executor's gradients arrive whole (psum) and GSPMD slices them for the split
-    update.
+    update. With a `plan` whose slow axis carries state (`plan.slow_mode` delay / local), its
+    shardings too.
     """
     param_sh = param_shardings(model, mesh, layout)
     grad_sh = param_sh
@@ -150,10 +185,40 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None,
     opt_abstract = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, grad_sh,
                                    transform_non_params=lambda _: replicated)
+    if plan is not None and plan.slow_mode == "local":  # DiLoCo: one inner state per group
+        from jax_overlap.overlap import diloco
+
+        opt_sh = diloco.opt_shardings(mesh, optimizer, abstract_params, grad_sh)
     scale_sh = (loss_scale_lib.LossScale(replicated, replicated, replicated) if loss_scaled
                 else None)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                      data_offset=replicated, version=replicated, loss_scale=scale_sh)
+                      data_offset=replicated, version=replicated, loss_scale=scale_sh,
+                      slow=_slow_shardings(plan, mesh, optimizer, abstract_params, param_sh))
+
+
+def _slow_shardings(plan, mesh, optimizer, abstract_params, param_sh) -> Any:
+    mode = "none" if plan is None else plan.slow_mode
+    if mode == "delay":
+        return delay.shardings(mesh, grad_out_specs(plan), param_sh,
+                               plan.overlap.dcn_delay_compensation > 0)
+    if mode == "local":
+        from jax_overlap.overlap import diloco
+
+        return diloco.shardings(plan, mesh, optimizer, abstract_params, param_sh)
+    return None
+
+
+def _slow_init(plan, params, optimizer) -> Any:
+    """The slow axis's initial state for the initial `params` (staged layout)."""
+    if plan.slow_mode == "delay":
+        # Gradients have the parameters' global shapes (ZeRO-1 only shards them otherwise).
+        return delay.init(params, plan.dcn,
+                          params if plan.overlap.dcn_delay_compensation > 0 else None)
+    if plan.slow_mode == "local":
+        from jax_overlap.overlap import diloco
+
+        return diloco.init(plan, params, optimizer)
+    return None
 
 
 def init_state(model, plan, mesh, optimizer, seed: int,
@@ -162,19 +227,27 @@ def init_state(model, plan, mesh, optimizer, seed: int,
     the logical init (same values on every mesh), then the plan's staged layer order.
     `loss_scale`: fp16's initial `LossScale` (`loss_scale.initial(cfg.train)`)."""
     abstract_params = jax.eval_shape(model.init, jax.random.key(seed))
-    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
+    shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan,
                                 loss_scaled=loss_scale is not None)
 
     def build():
         params = layout.to_staged(model.init(jax.random.key(seed)), plan.layer_perm)
-        return new_state(params, optimizer.init(params), seed, loss_scale)
+        if plan.slow_mode == "local":
+            from jax_overlap.overlap import diloco
+
+            opt_state = diloco.init_opt(plan, params, optimizer)
+        else:
+            opt_state = optimizer.init(params)
+        return new_state(params, opt_state, seed, loss_scale,
+                         _slow_init(plan, params, optimizer))
 
     return jax.jit(build, out_shardings=shardings)()
 
 
 def put_batch(batch_np: dict, mesh) -> dict:
-    """Global numpy batch -> arrays split over dp; each process keeps its addressable shards."""
-    sharding = NamedSharding(mesh, P(DP))
+    """Global numpy batch -> arrays split over (dcn, dp); each process keeps its addressable
+    shards."""
+    sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
     return {k: jax.make_array_from_callback(v.shape, sharding, partial(_index, v))
             for k, v in batch_np.items()}
 

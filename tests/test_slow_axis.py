@@ -1,0 +1,248 @@
+"""The slow axis (mesh.dcn): hierarchical reduction is exact, crosses dcn with 1/dp of the
+bytes, restores across a dcn change; the one-step-late reduction (overlap.dcn_delay) and its
+two-phase commit."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, gpt_reference, max_rel_err, rel
+
+from jax_overlap import config
+from jax_overlap.analysis import analyze as an
+from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
+from jax_overlap.overlap import delay, slow_axis
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.pipeline import layout
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import loop as train
+from jax_overlap.training import step as steplib
+
+MESH = ["mesh.dcn=2", "mesh.dp=2", "mesh.tp=2"]
+PP = ["mesh.dcn=2", "mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "pipeline.microbatches=2"]
+CASES = {
+    "plain": MESH,
+    "zero1_buckets": pytest.param(MESH + ["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
+                                  marks=pytest.mark.slow),
+    "buckets": pytest.param(MESH + ["overlap.grad_bucket_mb=0.01"], marks=pytest.mark.slow),
+    "zero1": pytest.param(MESH + ["overlap.zero1=true"], marks=pytest.mark.slow),
+    "fsdp": pytest.param(MESH + ["overlap.param_sharding=fsdp"], marks=pytest.mark.slow),
+    "pp": pytest.param(PP, marks=pytest.mark.slow),
+    "pp_buckets": pytest.param(PP + ["overlap.grad_bucket_mb=0.01"], marks=pytest.mark.slow),
+    "pp_fsdp": pytest.param(PP + ["overlap.param_sharding=fsdp"], marks=pytest.mark.slow),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return gpt_reference()
+
+
+@pytest.mark.parametrize("overrides", list(CASES.values()), ids=list(CASES))
+def test_hierarchical_reduction_matches_single_device(reference, overrides):
+    model, params, batch, ref_loss, ref_grads = reference
+    cfg = config.load(TINY, overrides)
+    plan = ParallelPlan.build(cfg, model)
+    assert plan.slow_mode == "sync" and plan.axis_sizes["dcn"] == 2
+    mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, jax.devices()[:8], dcn=2)
+    assert mesh.axis_names == ("dcn", "dp", "pp", "tp")
+    staged = jax.device_put(layout.to_staged(params, plan.layer_perm),
+                            steplib.param_shardings(model, mesh, plan.layout))
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
+        staged, steplib.put_batch(batch, mesh))
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("extra", [
+    [], pytest.param(["overlap.zero1=true", "overlap.grad_bucket_mb=0.01"],
+                     marks=pytest.mark.slow),
+    pytest.param(["overlap.param_sharding=fsdp"], marks=pytest.mark.slow)],
+    ids=["plain", "zero1_buckets", "fsdp"])
+def test_delayed_gradient_summed_over_dcn_matches_single_device(reference, extra):
+    """overlap.dcn_delay=1: the step's per-dcn-group gradients (reduced over dp only), summed
+    over dcn as the next step does, are the single-device gradients."""
+    model, params, batch, ref_loss, ref_grads = reference
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", *extra])
+    plan = ParallelPlan.build(cfg, model)
+    assert plan.slow_mode == "delay"
+    mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
+    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
+
+    def step(p, b):
+        loss, copies = loss_and_grads(p, b)
+        return loss, copies, slow_axis.dcn_sum(copies, mesh, steplib.grad_out_specs(plan))
+
+    loss, copies, grads = jax.jit(step)(
+        jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout)),
+        steplib.put_batch(batch, mesh))
+    assert copies["embed"]["wte"].shape == (2, *params["embed"]["wte"].shape)
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+    assert max_rel_err(jax.tree.map(lambda c: c[0], copies), ref_grads) > 1e-3  # one group's
+
+
+def _dcn_bytes(overrides):
+    cfg = config.load(TINY, overrides)
+    built = an.build_plan(cfg)
+    text = an.lower_train_step(cfg, jax.devices()[:8], "cpu", built).compile().as_text()
+    # Gradient-sized collectives only: the loss and count scalars cross in every layout.
+    return dcn_bytes_of_hlo(text, 4), built[1]
+
+
+def test_hierarchical_reduction_sends_one_dp_th_of_the_flat_bytes_across_dcn():
+    """From the compiled HLO: with the same 8 devices as 2 hosts x 4, a flat dp=4 all-reduce
+    crosses hosts with the whole gradient; dcn=2 x dp=2 with half of it."""
+    flat, _ = _dcn_bytes(["mesh.dp=4", "mesh.tp=2"])
+    hier, plan = _dcn_bytes(MESH)
+    scalars = 64  # the loss psum crosses in both
+    assert flat["bytes_per_step"] >= plan.grad_bytes
+    assert hier["bytes_per_step"] <= flat["bytes_per_step"] / plan.dp + scalars, (flat, hier)
+    assert hier["by_kind"].keys() == {"all-reduce"}  # the dcn psum; scatter/gather stay in
+
+
+@pytest.mark.slow
+def test_delayed_reduction_is_hierarchical_too():
+    hier, plan = _dcn_bytes(MESH + ["overlap.dcn_delay=1"])
+    assert hier["bytes_per_step"] <= plan.grad_bytes / plan.dp * 1.01 + 64, hier
+
+
+# --------------------------------------------------------------------- the delayed update
+
+
+def test_in_flight_gradient_of_another_version_is_not_applied():
+    mesh = meshlib.make_mesh(2, 1, 1, jax.devices()[:4], dcn=2)
+    specs = {"w": jax.sharding.PartitionSpec()}
+    fresh = delay.init({"w": jnp.zeros((3,))}, 2)
+    assert int(fresh.version) == -1
+    copies = jnp.stack([jnp.ones(3), 2 * jnp.ones(3)])  # two dcn groups' gradients
+    put = jax.device_put(copies, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("dcn")))
+    inflight = delay.launch({"w": put}, jnp.int32(5))
+    summed, valid = jax.jit(lambda f, v: delay.arrived(f, v, mesh, specs))(inflight,
+                                                                          jnp.int32(5))
+    np.testing.assert_allclose(summed["w"], 3 * np.ones(3))
+    assert bool(valid)
+    _, valid = jax.jit(lambda f, v: delay.arrived(f, v, mesh, specs))(inflight, jnp.int32(6))
+    assert not bool(valid)
+    assert not bool(delay.select(valid, jnp.ones(()), jnp.zeros(())))
+
+
+def test_delayed_training_is_one_device_training_with_the_gradient_one_step_late(tmp_path):
+    """dcn=2 x dp=2 x tp=2 with overlap.dcn_delay=1 reproduces, step by step, a single-device
+    loop whose optimizer applies each step's gradient at the next step (fp32)."""
+    import optax
+    from helpers import np_batch
+
+    from jax_overlap.training import grads as gradslib
+    from models.gpt import GPT
+
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "train.steps=5",
+                                    "guard.enabled=false"])
+    run = train.run(cfg, str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
+    model = GPT.from_config(cfg.model)
+    params = model.init(jax.random.key(cfg.train.seed))
+    opt = steplib.make_optimizer(cfg.train)
+    opt_state = opt.init(params)
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, b: gradslib.reference_loss(model, p, b)))
+    pending, losses = None, []
+    for t in range(5):
+        loss, g = value_and_grad(params, np_batch(cfg, t))
+        losses.append(float(loss))
+        if pending is not None:
+            updates, opt_state = opt.update(pending, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        pending = g
+    assert max(rel(a, b) for a, b in zip(run.losses, losses)) <= 1e-5, (run.losses, losses)
+    assert losses[1] != losses[2]  # updates were applied
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path):
+    """A NaN at step 3 is rejected (never in flight); the rollback restores the checkpoint of
+    step 2, whose in-flight gradient belongs to the undone timeline: the first step after
+    the rollback applies nothing, the next one applies its successor's."""
+    cfg = config.load(TINY, MESH + [
+        "overlap.dcn_delay=1", "train.steps=6", "fault.nan_at_step=3", "guard.max_skips=0",
+        "checkpoint.every_steps=2", "checkpoint.async_save=false"])
+    run_dir = str(tmp_path / "run")
+    result = train.run(cfg, run_dir, progress=False, devices=jax.devices()[:8])
+    assert result.extra["rollbacks"] == 1 and result.extra["final_step"] == 6
+    assert np.isfinite(result.losses).all()
+    records = _records(run_dir)
+    events = [r.get("event") for r in records]
+    steps = [r for r in records if "loss" in r]
+    assert all(r["dcn_delay"] == 1 for r in steps) and all("dcn_exposed_s" in r for r in steps)
+    rb = events.index("rollback")
+    before = [r for r in records[:rb] if "loss" in r]
+    after = [r for r in records[rb + 1:] if "loss" in r]
+    assert [r["dcn_applied"] for r in before] == [False, True, True, True]  # the NaN: skipped
+    assert before[-1].get("skipped")
+    assert after[0]["step"] == 3 and after[0]["dcn_applied"] is False
+    assert all(r["dcn_applied"] for r in after[1:])
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_across_a_dcn_change(tmp_path):
+    """dcn=2 x dp=2 saves; dcn=1 x dp=4 (the same data parallelism, one host) resumes and
+    ends where an uninterrupted dp=4 run ends (the checkpoint's layout is logical)."""
+    ck = ["checkpoint.every_steps=2", "checkpoint.async_save=false"]
+    first = config.load(TINY, MESH + ["train.steps=2", *ck])
+    run_dir = str(tmp_path / "a")
+    train.run(first, run_dir, progress=False, devices=jax.devices()[:8])
+    second = config.load(TINY, ["mesh.dp=4", "mesh.tp=2", "train.steps=4", *ck])
+    resumed = train.run(second, run_dir, progress=False, devices=jax.devices()[:8])
+    assert resumed.extra["resumed_from"] == 2
+    straight = train.run(config.load(TINY, ["mesh.dp=4", "mesh.tp=2", "train.steps=4"]),
+                         str(tmp_path / "b"), progress=False, devices=jax.devices()[:8])
+    assert max(rel(a, b) for a, b in zip(resumed.losses, straight.losses[2:])) <= 1e-4
+
+
+# --------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["overlap.dcn_delay=1"], "overlap.dcn_delay"),
+    (["overlap.dcn_delay=2", "mesh.dcn=2"], "overlap.dcn_delay"),
+    (["mesh.dcn=0"], "mesh.dcn"),
+    (["mesh.dcn=3", "train.global_batch=8"], "train.global_batch"),
+    (["diloco.inner_steps=8"], "diloco.inner_steps"),
+    (["diloco.inner_steps=8", "mesh.dcn=2", "diloco.fragments=3"], "diloco.fragments"),
+    (["diloco.inner_steps=8", "mesh.dcn=2", "diloco.fragments=2", "diloco.delay=4"],
+     "diloco.delay"),
+    (["diloco.inner_steps=8", "mesh.dcn=2", "overlap.dcn_delay=1"], "overlap.dcn_delay"),
+])
+def test_slow_axis_config_errors_name_the_field(overrides, field):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, overrides)
+    assert any(p.startswith(field + ":") for p in e.value.problems), e.value.problems
+
+
+# ----------------------------------------------------------------- simulator and tuner
+
+
+def test_gpt_1p3b_on_two_hosts_at_100_gbps_simulated():
+    """configs/hardware/h100_2x8_100g: the flat reduction puts the whole gradient on the slow
+    link; hierarchical 1/dp of it; one step late it hides under the next step; DiLoCo sends
+    1/H of it (bf16: half again) per inner step."""
+    from jax_overlap.analysis import tune
+    from jax_overlap.analysis.hardware import load_profile
+
+    hw = load_profile("h100_2x8_100g")
+    cfg = config.load(os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml"),
+                      ["mesh.dcn=2", "mesh.dp=8", "overlap.grad_bucket_mb=0"])
+    rows = {r["mode"]: r for r in tune.slow_axis_modes(cfg, hw)}
+    flat, hier, late, dl = (rows[m] for m in ("flat", "hierarchical", "delay1", "diloco"))
+    assert hier["dcn_bytes_per_step"] <= flat["dcn_bytes_per_step"] / 8
+    assert flat["exposed_dcn_s"] > 10 * hier["exposed_dcn_s"] > 0
+    assert late["exposed_dcn_s"] == 0 and late["step_time_s"] < hier["step_time_s"]
+    assert dl["dcn_bytes_per_step"] <= hier["dcn_bytes_per_step"] / 8
+    assert tune.best_slow_mode(list(rows.values()))["mode"] == "hierarchical"
