@@ -114,9 +114,10 @@ class TickProgram:
 
     def idle_fraction(self) -> float:
         """Idle stage-ticks / (stages x ticks) of the table the executor runs, with each
-        action one unit and a tick as long as its busiest stage (2 units where one pairs)."""
+        action one unit and a tick as long as its busiest stage (2 units where one pairs, at
+        least 1: a tick where every stage idles still runs)."""
         busy = (self.column("branch") != IDLE).sum(axis=2)  # (ticks, stages)
-        width = busy.max(axis=1, initial=0)
+        width = np.maximum(busy.max(axis=1, initial=0), 1)  # an all-idle tick still runs
         total = width.sum() * busy.shape[1]
         return float((total - busy.sum()) / total) if total else 0.0
 
