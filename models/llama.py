@@ -36,9 +36,9 @@ from jax_overlap.parallel.collectives import (
     column_parallel,
     row_parallel,
     tp_index,
-    vocab_cross_entropy,
     vocab_embed,
 )
+from models.decoder import DecoderStagedModel
 
 
 def _normal(std: float):
@@ -209,7 +209,7 @@ class Head(nn.Module):
 
 
 @dataclass(frozen=True)
-class Llama:
+class Llama(DecoderStagedModel):
     """The Llama decoder as a `jax_overlap.model_api.StagedModel`."""
 
     num_layers: int
@@ -248,18 +248,7 @@ class Llama:
     def _head(self, tp):
         return Head(self.vocab, self.d_model, self.tied_embeddings, self.eps, tp)
 
-    # StagedModel ------------------------------------------------------------------------------
-    def init(self, rng: jax.Array) -> Any:
-        k_embed, k_blocks, k_head = jax.random.split(rng, 3)
-        par = Parallel()
-        ids = jnp.zeros((1, self.seq_len), jnp.int32)
-        x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
-        embed = self._embed(1).init(k_embed, ids, par)["params"]
-        layer_keys = jax.random.split(k_blocks, self.num_layers)
-        blocks = jax.vmap(lambda k: self._block(1).init(k, x, par)["params"])(layer_keys)
-        head = self._head(1).init(k_head, x, embed["wte"], par).get("params", {})
-        return {"embed": embed, "blocks": blocks, "head": head}
-
+    # StagedModel (init, embed, block, head_loss, logits, loss_count: DecoderStagedModel) ---
     def param_axes(self) -> Any:
         """Logical axes. The kv-head dim of `w_kv` is 'heads' (split over tp) when
         kv_heads >= tp (the `tp` this model was built for), else replicated (None)."""
@@ -279,24 +268,6 @@ class Llama:
         if not self.tied_embeddings:
             head["w_out"] = ("embed", "vocab")
         return {"embed": {"wte": ("vocab", "embed")}, "blocks": blocks, "head": head}
-
-    def embed(self, params_embed, inputs_bt, par: Parallel):
-        return self._embed(par.tp).apply({"params": params_embed}, inputs_bt, par)
-
-    def block(self, params_block, x_btd, par: Parallel):
-        return self._block(par.tp).apply({"params": params_block}, x_btd, par)
-
-    def head_loss(self, params_embed, params_head, x_btd, targets_bt, par: Parallel):
-        logits_btv = self.logits(params_embed, params_head, x_btd, par)
-        return vocab_cross_entropy(logits_btv, targets_bt, par).sum()
-
-    def logits(self, params_embed, params_head, x_btd, par: Parallel):
-        """(B, T, V/tp) logits (the HF comparison reads them at tp = 1)."""
-        return self._head(par.tp).apply({"params": params_head}, x_btd, params_embed["wte"],
-                                        par)
-
-    def loss_count(self, targets_bt):
-        return jnp.asarray(targets_bt.size, jnp.float32)
 
     def num_params(self) -> int:
         d, f, v, n = self.d_model, self.d_ff, self.vocab, self.num_layers
