@@ -84,3 +84,25 @@ def gpt_reference(overrides=()):
     batch = np_batch(cfg)
     loss, grads = jax.value_and_grad(lambda p: gradslib.reference_loss(model, p, batch))(params)
     return model, params, batch, float(loss), grads
+
+
+def cached_references(cfg_for_tied):
+    """`get(tied) -> (model, params, batch, loss, grads)`: the tiny GPT's single-device loss
+    and gradients for the config `cfg_for_tied(tied)` returns, computed once per `tied`."""
+    from jax_overlap.training import grads as gradslib
+    from models.gpt import GPT
+
+    cache = {}
+
+    def get(tied):
+        if tied not in cache:
+            cfg = cfg_for_tied(tied)
+            model = GPT.from_config(cfg.model)
+            params = model.init(jax.random.key(cfg.train.seed))
+            batch = np_batch(cfg)
+            loss, grads = jax.jit(jax.value_and_grad(
+                lambda p: gradslib.reference_loss(model, p, batch)))(params)
+            cache[tied] = (model, params, batch, float(loss), grads)
+        return cache[tied]
+
+    return get

@@ -9,7 +9,7 @@ schedule x mesh x microbatch count, sequence-parallel TP, and curves for every s
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, cached_references, max_rel_err, np_batch, rel
 
 from jax_overlap import config
 from jax_overlap import plan as plan_lib
@@ -17,7 +17,6 @@ from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules
 from jax_overlap.pipeline import program as tick_program
 from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import grads as gradslib
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -50,20 +49,7 @@ def pipeline_cfg(name, pp, dp, tp, m, tied=True, extra=()):
 @pytest.fixture(scope="module")
 def references():
     """Single-device loss and gradients, per tied/untied model (computed once each)."""
-    cache = {}
-
-    def get(tied):
-        if tied not in cache:
-            cfg = pipeline_cfg("1f1b", 2, 4, 1, 2, tied)
-            model = GPT.from_config(cfg.model)
-            params = model.init(jax.random.key(cfg.train.seed))
-            batch = np_batch(cfg)
-            loss, grads = jax.jit(jax.value_and_grad(
-                lambda p: gradslib.reference_loss(model, p, batch)))(params)
-            cache[tied] = (model, params, batch, float(loss), grads)
-        return cache[tied]
-
-    return get
+    return cached_references(lambda tied: pipeline_cfg("1f1b", 2, 4, 1, 2, tied))
 
 
 def check_equivalence(references, name, pp, dp, tp, m, tied, extra=()):

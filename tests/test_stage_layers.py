@@ -10,14 +10,13 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, max_rel_err, np_batch, rel, run_cli
+from helpers import TINY, cached_references, max_rel_err, rel, run_cli
 
 from jax_overlap import config
 from jax_overlap.config import ConfigError
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules, stage_split
 from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
@@ -60,20 +59,7 @@ def stage_cfg(name, pp, dp, tp, m, tied=True, split=None, extra=()):
 @pytest.fixture(scope="module")
 def references():
     """Single-device loss and gradients, per tied/untied model (computed once each)."""
-    cache = {}
-
-    def get(tied):
-        if tied not in cache:
-            cfg = stage_cfg("1f1b", 2, 4, 1, 2, tied)
-            model = GPT.from_config(cfg.model)
-            params = model.init(jax.random.key(cfg.train.seed))
-            batch = np_batch(cfg)
-            loss, grads = jax.jit(jax.value_and_grad(
-                lambda p: gradslib.reference_loss(model, p, batch)))(params)
-            cache[tied] = (model, params, batch, float(loss), grads)
-        return cache[tied]
-
-    return get
+    return cached_references(lambda tied: stage_cfg("1f1b", 2, 4, 1, 2, tied))
 
 
 def check_equivalence(references, name, pp, dp, tp, m, tied, remat, extra=()):
