@@ -15,6 +15,10 @@ Paired ticks (`pipeline.paired: true`, latency 1) run each tick's forward and ba
 lanes: the forward's output travels while the backward computes, the backward's while the
 next tick's forward does.
 
+`--model gpt_1p3b` compiles GPT-1.3B (configs/gpt_1p3b.yaml: 24 layers, d 2048, seq 2048) on
+the same meshes instead, pp4 x dp2 and pp2 x dp2 x tp2 (`--mesh`), 8 microbatches of one
+sequence per replica: a stage-to-stage message is 16 MiB (fp32), and a compile takes minutes.
+
 `--quick` checks that the bench runs: two rows (1f1b skewed, 1f1b paired) of a 4-layer model
 of tiny widths, still dp2 x pp4 compiled for 8 GPUs without one; it writes no results file.
 """
@@ -60,10 +64,24 @@ def main() -> int:
                     help="two rows of a 4-layer tiny model: checks the bench runs")
     ap.add_argument("--schedules", default="", help="comma-separated subset, e.g. 1f1b,zb-v")
     ap.add_argument("--paired-only", action="store_true", help="only the paired rows")
+    ap.add_argument("--model", default="small", choices=("small", "gpt_1p3b"),
+                    help="small: 16 layers d256 (default); gpt_1p3b: configs/gpt_1p3b.yaml")
+    ap.add_argument("--mesh", default="pp4xdp2", choices=("pp4xdp2", "pp2xdp2xtp2"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="extra config override, e.g. model.remat=full (repeatable)")
     args = ap.parse_args()
     if not args.quick:
         args.out = args.out or "bench/results/pipeline_overlap.json"
     layers, model = (QUICK_LAYERS, QUICK_MODEL) if args.quick else (LAYERS, MODEL)
+    base = os.path.join(REPO, "configs", "tiny.yaml")
+    if args.model == "gpt_1p3b":
+        base, layers = os.path.join(REPO, "configs", "gpt_1p3b.yaml"), 24
+        # remat full: without it one microbatch's stash (attention probabilities included)
+        # is ~1 GB a layer and the step needs 62-120 GiB per GPU, past which XLA's
+        # scheduler stops overlapping to save memory.
+        model = ["train.global_batch=16", "pipeline.microbatches=8", "model.remat=full"]
+    mesh = {"pp4xdp2": ["mesh.dp=2", "mesh.pp=4", "mesh.tp=1"],
+            "pp2xdp2xtp2": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]}[args.mesh]
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.preset != "none":
         from jax_overlap.overlap import xla_flags
@@ -77,14 +95,16 @@ def main() -> int:
     todo = QUICK_ROWS if args.quick else ROWS
     if args.schedules:
         todo = [r for r in todo if r[0] in args.schedules.split(",")]
+    if args.model == "gpt_1p3b":  # minutes per compile: the rows without in-loop buckets
+        todo = [r for r in todo if r[3] == 0]
     if args.paired_only:
         todo = [r for r in todo if r[4]]
     for name, v, latency, bucket_mb, paired in todo:
-        cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), [
-            "mesh.dp=2", "mesh.pp=4", "mesh.tp=1", f"model.layers={layers}", *model,
+        cfg = config.load(base, [
+            *mesh, f"model.layers={layers}", *model,
             f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}",
             f"pipeline.transfer_latency={latency}", f"overlap.grad_bucket_mb={bucket_mb}",
-            f"pipeline.paired={str(paired).lower()}"])
+            f"pipeline.paired={str(paired).lower()}", *args.overrides])
         program = ParallelPlan.build(cfg).program
         data = analyze.analyze(cfg, args.target).to_json()
         permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
@@ -103,7 +123,7 @@ def main() -> int:
         print(f"compiled {name} latency {latency} buckets {bucket_mb} paired {paired}",
               file=sys.stderr,
               flush=True)
-    print(f"dp2 x pp4, {layers} layers d{cfg.model.d_model}, {program.schedule.microbatches} "
+    print(f"{args.mesh}, {layers} layers d{cfg.model.d_model}, {program.schedule.microbatches} "
           f"microbatches, compiled for 8x{args.target} (preset {args.preset}); fractions = "
           f"bytes with a GEMM between start and done")
     print(f"{'schedule':19s} {'latency':>7s} {'buckets':>7s} {'ticks':>5s} {'bubble':>6s} "
@@ -121,7 +141,8 @@ def main() -> int:
         return 0
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "target": args.target, "rows": rows}, f, indent=2)
+        json.dump({"preset": args.preset, "target": args.target, "model": args.model,
+                   "mesh": args.mesh, "overrides": args.overrides, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -327,10 +327,10 @@ class StepContext:
             w["head"] = self.params["head"]
         return w
 
-    def action_input(self, role: str, pool, row):
+    def action_input(self, role: str, inbox, row):
         """Token ids (virtual stage 0) or the stashed activation the action reads."""
         mb = row[COL["microbatch"]]
-        return self.ids_mbt[mb] if role == "first" else pool[row[COL["x_slot"]]]
+        return self.ids_mbt[mb] if role == "first" else inbox["x"]
 
     def typed(self, res, grads, loss, out, res0):
         """The branch result cast to the carry's varying types (branches must agree)."""
@@ -356,7 +356,7 @@ def _checked(layout: Layout, want: Layout, what: str) -> None:
                            f"branch than in the probe; the model's functions must be pure")
 
 
-def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, pool, res, loss,
+def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, inbox, res, loss,
                     row):
     """An F: embedding (virtual stage 0), chunk and head (the last) under `jax.vjp`, each
     one's residuals returned for this (microbatch, chunk)'s slots. `chunk_residuals(w_chunk,
@@ -371,7 +371,7 @@ def _forward_action(ctx: StepContext, role: str, chunk_residuals: Callable, pool
         _checked(got, lay["embed"], "embedding")
         res["first"] = list(leaves + [x])
     else:
-        x = pool[row[COL["x_slot"]]]
+        x = inbox["x"]
     y, res["chunk"] = chunk_residuals(w["chunk"], x, w.get("valid"))
     if role == "last":
         part, _, got, leaves = vjp_with_layout(
@@ -403,11 +403,11 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves)
 
-    def forward(pool, res, grads, loss, row):
-        res, loss, out = _forward_action(ctx, role, chunk_residuals, pool, res, loss, row)
+    def forward(inbox, res, grads, loss, row):
+        res, loss, out = _forward_action(ctx, role, chunk_residuals, inbox, res, loss, row)
         return res, grads, loss, out
 
-    def backward(pool, res, grads, loss, row):
+    def backward(inbox, res, grads, loss, row):
         chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         want_w = kind == "W" or not ctx.split
@@ -418,8 +418,8 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             d_embed, d_head, dy = pull(residuals.ones_cotangent(lay["head"]))
             dw.update(embed=d_embed, head=d_head)
         else:
-            dy = pool[row[COL["g_slot"]]]
-        x = res["first"][-1] if role == "first" else pool[row[COL["x_slot"]]]
+            dy = inbox["g"]
+        x = res["first"][-1] if role == "first" else inbox["x"]
         pull = residuals.pullback(lay["chunk"], res["chunk"], (w["chunk"], x))
         dw["chunk"], dx = pull(dy)
         if role == "first":
@@ -431,13 +431,13 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             grads = _accumulate(grads, dw, chunk)
         return res, grads, loss, out
 
-    def branch(pool, res, grads, loss, row):
+    def branch(inbox, res, grads, loss, row):
         if kind == "F":
-            out = forward(pool, res, grads, loss, row)
+            out = forward(inbox, res, grads, loss, row)
         elif kind == "B" and ctx.split and role == "first":
             out = (res, grads, loss, ctx.zeros_btd)  # split B of vs 0: W does the work
         else:
-            out = backward(pool, res, grads, loss, row)
+            out = backward(inbox, res, grads, loss, row)
         return ctx.typed(*out, res)
 
     return branch
@@ -484,37 +484,37 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves + jax.tree.leaves(acts))
 
-    def forward(pool, res, grads, loss, row):
-        res, loss, out = _forward_action(ctx, role, chunk_residuals, pool, res, loss, row)
+    def forward(inbox, res, grads, loss, row):
+        res, loss, out = _forward_action(ctx, role, chunk_residuals, inbox, res, loss, row)
         return res, grads, loss, out
 
     def head_pull(res, w):
         pull = residuals.pullback(lay["head"], res["last"], (w["embed"], w["head"]))
         return pull(residuals.ones_cotangent(lay["head"]))
 
-    def input_grads(pool, res, grads, row):
+    def input_grads(inbox, res, grads, row):
         """B: the input gradient, each weight matmul's output gradient, the small params'."""
         chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         if role == "last":
             _, _, dy = head_pull(res, w)
         else:
-            dy = pool[row[COL["g_slot"]]]
-        x = res["first"][-1] if role == "first" else pool[row[COL["x_slot"]]]
+            dy = inbox["g"]
+        x = res["first"][-1] if role == "first" else inbox["x"]
         dx, dz, d_other = chunk_pull(res, w["chunk"], x)(dy)
         return dx, list(dz), _add_leaves(grads, chunk, other, d_other)
 
-    def backward(pool, res, grads, loss, row):
+    def backward(inbox, res, grads, loss, row):
         chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         res, out = dict(res), ctx.zeros_btd
         if kind == "B":
-            dx, dz, grads = input_grads(pool, res, grads, row)
+            dx, dz, grads = input_grads(inbox, res, grads, row)
             res["dz"] = list(dz)
             out = dx
         else:  # W
             if role == "first":
-                dh, dz, grads = input_grads(pool, res, grads, row)
+                dh, dz, grads = input_grads(inbox, res, grads, row)
                 pull = residuals.pullback(lay["embed"], res["first"][:-1], (w["embed"],))
                 (d_embed,) = pull(dh)
                 grads = {**grads, "embed": jax.tree.map(jnp.add, grads["embed"], d_embed)}
@@ -528,13 +528,13 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
                                     chunk, blocks=False)
         return res, grads, loss, out
 
-    def branch(pool, res, grads, loss, row):
+    def branch(inbox, res, grads, loss, row):
         if kind == "F":
-            out = forward(pool, res, grads, loss, row)
+            out = forward(inbox, res, grads, loss, row)
         elif kind == "B" and role == "first":
             out = (res, grads, loss, ctx.zeros_btd)  # vs 0: W does the work
         else:
-            out = backward(pool, res, grads, loss, row)
+            out = backward(inbox, res, grads, loss, row)
         return ctx.typed(*out, res)
 
     return branch
@@ -554,10 +554,10 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     marked = (*data_axes(ctx.axis_sizes), PP, TP)
     plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
 
-    def branch(pool, res, grads, loss, row):
+    def branch(inbox, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
         w = ctx.weights(role, chunk)
-        x = ctx.action_input(role, pool, row)
+        x = ctx.action_input(role, inbox, row)
         targets_bt = ctx.targets_mbt[mb]
         chunk_leaves, chunk_def = jax.tree.flatten(w["chunk"])
         # Marked tp-varying too: TP-replicated leaves get partial gradients, which their
@@ -594,7 +594,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         else:
             y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
         ct = (_vary(jnp.ones(y.shape, y.dtype), (*data_axes(axis_sizes), PP)) if role == "last"
-              else pool[row[COL["g_slot"]]])
+              else inbox["g"])
         # The tp-marked weights make the output's *type* tp-varying while its values are
         # equal on every tp rank. vjp then reads the cotangent per rank and sums the ranks'
         # contributions, so each rank takes 1/tp of the (replicated) cotangent.
@@ -618,8 +618,8 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
 def idle_branch(ctx: StepContext) -> Callable:
     """Branch 0: nothing to compute, nothing to send."""
 
-    def branch(pool, res, grads, loss, row):
-        del pool, row
+    def branch(inbox, res, grads, loss, row):
+        del inbox, row
         return res, grads, loss, ctx.zeros_btd
 
     return branch
@@ -654,14 +654,26 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     zeros = ctx.zeros_btd
     writes = _pool_writes(program, res0)
 
-    def act(pool, res, grads, loss, row):
+    def read_inbox(pool, row):
+        # The two slots an action reads, tied to the pool that holds them: arrivals filed
+        # into the pool after this point then update it in place. Without the tie nothing
+        # orders these reads before those writes, and XLA copies the whole pool every tick.
+        inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
+        return jax.lax.optimization_barrier((pool, inbox))
+
+    def act(pool, res, grads, loss, row, inbox=None):
         # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
         # returns is written back to the slots its branch fills and to each pool's trash
         # slot otherwise. Handing the switch whole pools would copy them every tick.
+        # Likewise the activation pool: the switch gets only the two slots an action can read
+        # (its input and its output gradient). Handed the pool, it would hold it as an
+        # operand while the other lane's arrivals are filed into it, and XLA would copy it.
         branch = row[COL["branch"]]
         index = {name: row[COL[_POOL_SLOT[name]]] for name in res}
         mine = {name: [p[index[name]] for p in leaves] for name, leaves in res.items()}
-        mine, grads, loss, out = jax.lax.switch(branch, branches, pool, mine, grads, loss, row)
+        if inbox is None:
+            inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
+        mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads, loss, row)
         res = {name: [p.at[jnp.where(writes[name][branch], index[name], p.shape[0] - 1)].set(v)
                       for p, v in zip(res[name], mine[name])] for name in res}
         return res, grads, loss, out
@@ -694,7 +706,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         arrival_up = _ring(pending, program.up_pairs, zeros)
         if program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
-        res, grads, loss, out = act(pool, res, grads, loss, row)
+        pool, inbox = read_inbox(pool, row)
+        res, grads, loss, out = act(pool, res, grads, loss, row, inbox)
         if program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
         if program.up_pairs:
@@ -733,7 +746,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         lanes = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
         lanes_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
         arrival_b = send(pending_b, 1)
-        res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0])
+        pool, inbox = read_inbox(pool, lanes[0])
+        res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0], inbox)
         pool = file_all(pool, lanes[1], arrival_b, 1)
         if shared_rings:
             # Sent once the backward's transfers have landed: where both lanes use the same
@@ -741,7 +755,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             # the forward and hidden under nothing.
             out_f, _ = jax.lax.optimization_barrier((out_f, arrival_b))
         arrival_f = send(out_f, 0)
-        res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1])
+        pool, inbox = read_inbox(pool, lanes[1])
+        res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1], inbox)
         pool = file_all(pool, lanes_next[0], arrival_f, 0)
         return (pool, res, out_b, grads, loss), None
 
