@@ -116,6 +116,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-gpu", action="store_true", help="skip the deviceless GPT-1.3B rows")
+    ap.add_argument("--gpu-only", action="store_true",
+                    help="only the deviceless GPT-1.3B rows; the results file keeps its CPU rows")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", help="results JSON (default bench/results/remat.json; none with "
                                   "--quick)")
@@ -132,9 +134,13 @@ def main() -> int:
     from jax_overlap.parallel.mesh import force_host_devices
 
     force_host_devices(8)
-    rows = cpu_rows(QUICK_GROUPS if args.quick else CPU_GROUPS,
-                    QUICK_POLICIES if args.quick else POLICIES,
-                    QUICK_MODEL if args.quick else [], args.reps)
+    if args.gpu_only:  # the CPU rows of the last full run
+        kept = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
+        rows = [r for r in kept if r["where"] == "cpu8"]
+    else:
+        rows = cpu_rows(QUICK_GROUPS if args.quick else CPU_GROUPS,
+                        QUICK_POLICIES if args.quick else POLICIES,
+                        QUICK_MODEL if args.quick else [], args.reps)
     if not args.no_gpu:
         from jax_overlap.analysis import deviceless
 

@@ -15,7 +15,9 @@ Columns: `stage_layers` (per virtual stage, model order), `step_ms` (simulated s
 `bubble` (simulated idle fraction of the step, device mean); split `search` is auto's split
 improved by simulation (`tune.search_split`: one-layer moves while the step gets shorter,
 what `jax-overlap tune` does for its leading pipelined plans), `table` (the schedule table's
-idle fraction, what equal action costs would give), `speedup` (even step / this step).
+idle fraction, what equal action costs would give), `floor` (the least bubble any whole-layer
+split can have from stage imbalance alone: the embedding and head are extra work on their
+stages; see docs/pipeline_costs.md), `speedup` (even step / this step).
 """
 
 from __future__ import annotations
@@ -34,6 +36,39 @@ SCHEDULES = [("zb-v", 2), ("1f1b", 1)]
 MICROBATCHES = (8, 32)  # 32: 4 sequences per microbatch, auto microbatching's GPU choice
 BUCKET_MB = 64.0  # configs/gpt_1p3b.yaml's gradient buckets
 QUICK = {"meshes": MESHES[:1], "microbatches": (8,)}
+
+
+def imbalance_floor(cfg, hw) -> float:
+    """The least bubble any whole-layer split can have from stage imbalance alone.
+
+    Per virtual stage, `tune.flop_costs` of `cfg` (F + B + W) gives one layer's cost and the
+    embedding's / head's extra; a stage's load is its chunks' layers plus those extras.
+    Every split of the layers into per-stage counts (each stage at least one layer per
+    chunk) is tried: the floor is 1 - mean load / the smallest busiest-stage load.
+    """
+    import itertools
+
+    from jax_overlap.analysis import tune
+
+    plan = tune.plan_of(cfg)
+    costs = tune.flop_costs(cfg, hw)
+    total = [f + b + w for f, b, w in zip(costs.forward_s, costs.backward_s, costs.weight_s)]
+    layers = list(plan.stage_layers)
+    layer = min(t / n for t, n in zip(total, layers))  # a chunk without embedding or head
+    extra = [0.0] * plan.pp
+    chunks = [0] * plan.pp
+    for vs, (stage, _) in enumerate(plan.schedule.placement):
+        extra[stage] += total[vs] - layers[vs] * layer
+        chunks[stage] += 1
+    n_layers = sum(layers)
+    best = None
+    for counts in itertools.product(*(range(c, n_layers + 1) for c in chunks)):
+        if sum(counts) != n_layers:
+            continue
+        busiest = max(n * layer + e for n, e in zip(counts, extra))
+        best = busiest if best is None else min(best, busiest)
+    mean = (n_layers * layer + sum(extra)) / plan.pp
+    return 1.0 - mean / best
 
 
 def rows(meshes, microbatches) -> list[dict]:
@@ -61,25 +96,28 @@ def rows(meshes, microbatches) -> list[dict]:
                     plan = tune.plan_of(cfg)
                     step_ms = p.step_time_s * 1e3
                     even_ms = step_ms if split == "even" else even_ms
+                    if split == "even":
+                        floor = imbalance_floor(cfg, hw)
                     out.append({"mesh": f"pp{pp}xdp{dp}" + (f"xtp{tp}" if tp > 1 else ""),
                                 "schedule": schedule, "microbatches": m, "split": split,
                                 "stage_layers": list(plan.stage_layers),
                                 "step_ms": round(step_ms, 1),
                                 "bubble": round(p.bubble_rate, 4),
                                 "table": round(bubble_fraction(plan.schedule), 4),
+                                "floor": round(floor, 4),
                                 "speedup": round(even_ms / step_ms, 3)})
     return out
 
 
 def table(result: list[dict]) -> str:
     head = (f"{'mesh':<12} {'schedule':<8} {'m':>3} {'split':<6} {'stage_layers':<26} "
-            f"{'step_ms':>8} {'bubble':>7} {'table':>6} {'speedup':>7}")
+            f"{'step_ms':>8} {'bubble':>7} {'table':>6} {'floor':>6} {'speedup':>7}")
     lines = [head, "-" * len(head)]
     for r in result:
         layers = ",".join(str(n) for n in r["stage_layers"])
         lines.append(f"{r['mesh']:<12} {r['schedule']:<8} {r['microbatches']:>3} "
                      f"{r['split']:<6} {layers:<26} {r['step_ms']:>8.1f} {r['bubble']:>7.3f} "
-                     f"{r['table']:>6.3f} {r['speedup']:>7.3f}")
+                     f"{r['table']:>6.3f} {r['floor']:>6.3f} {r['speedup']:>7.3f}")
     return "\n".join(lines)
 
 

@@ -274,15 +274,18 @@ def test_stage_balance_quick():
     out = run_bench("stage_balance.py", "--json")
     header, rows = table_rows(out, "mesh ", 6)
     assert header == ["mesh", "schedule", "m", "split", "stage_layers", "step_ms", "bubble",
-                      "table", "speedup"]
+                      "table", "floor", "speedup"]
     assert [(r[1], r[3]) for r in rows] == [
         ("zb-v", "even"), ("zb-v", "auto"), ("zb-v", "search"),
         ("1f1b", "even"), ("1f1b", "auto"), ("1f1b", "search")]
     for r in rows:
         assert sum(int(n) for n in r[4].split(",")) == 24  # GPT-1.3B's layers
-        positive(r[5]), fraction(r[6]), fraction(r[7]), positive(r[8])
+        positive(r[5]), fraction(r[6]), fraction(r[7]), fraction(r[8]), positive(r[9])
     doc = json.loads(out.strip().splitlines()[-1])
     by = {(r["schedule"], r["split"]): r for r in doc["rows"]}
+    # No split beats the whole-layer imbalance floor: the head is 1.75 blocks on one stage.
+    for r in doc["rows"]:
+        assert 0.0 < r["floor"] <= r["bubble"]
     # Balancing the head's stage shortens the simulated step of both schedules.
     for name in ("zb-v", "1f1b"):
         assert by[(name, "auto")]["step_ms"] < by[(name, "even")]["step_ms"]
