@@ -50,7 +50,9 @@ class BlockLayout:
       units: per leaf, a `buckets.Unit` with the per-device (tp-local) shape of one layer
         and `split_dim` (None: stored replicated over dp).
       groups: (leaf indices, split) per collective: leaves of one gradient group that are
-        split (all-gather / reduce-scatter) or replicated (psum of the gradient).
+        split (all-gather / reduce-scatter) or replicated (psum of the gradient). Matrices
+        (ndim >= 2) and vectors are never in one group, so the matrices can travel in the
+        compute dtype (`gather_rows`).
     """
 
     treedef: Any
@@ -91,16 +93,25 @@ def block_layout(abstract_blocks: Any, block_specs: Any, axis_sizes: dict[str, i
                                          len(arr.shape)))
     groups: dict[tuple, list[int]] = {}
     for u in units:
-        groups.setdefault((u.group, u.split_dim is not None), []).append(u.leaf)
+        groups.setdefault((u.group, u.split_dim is not None, _is_matrix(u)), []).append(u.leaf)
     layout = BlockLayout(treedef, tuple(units),
                          tuple((tuple(v), k[1]) for k, v in groups.items()))
     return layout, jax.tree.unflatten(treedef, storage)
 
 
-def gather_rows(shards: Sequence[jax.Array], layout: BlockLayout, axis: str
-                ) -> tuple[jax.Array, ...]:
+def _is_matrix(unit: buckets.Unit) -> bool:
+    return len(unit.shape) >= 2
+
+
+def gather_rows(shards: Sequence[jax.Array], layout: BlockLayout, axis: str,
+                dtype: Any = None) -> tuple[jax.Array, ...]:
     """One layer's shards -> per split group, the gathered (dp, N/dp) buffer; one
-    all-gather per group. Row r is rank r's shards of the group, concatenated."""
+    all-gather per group. Row r is rank r's shards of the group, concatenated.
+
+    `dtype` (e.g. bf16): the matrix groups are cast to it before they travel. The models
+    cast every weight matrix to the compute dtype where they use it, so gathering in that
+    dtype moves half the bytes of fp32 and computes exactly the same; vectors (norm scales,
+    biases: the models use some in fp32) always travel in fp32."""
     out = []
     for members, split in layout.groups:
         if not split:
@@ -108,6 +119,8 @@ def gather_rows(shards: Sequence[jax.Array], layout: BlockLayout, axis: str
         units = [layout.units[i] for i in members]
         flat = jnp.concatenate([jnp.moveaxis(shards[u.leaf], u.split_dim, 0).reshape(-1)
                                 for u in units])
+        if dtype is not None and _is_matrix(units[0]):
+            flat = flat.astype(dtype)
         out.append(jax.lax.all_gather(flat, axis, axis=0, tiled=False))  # (dp, N/dp), over dp
     return tuple(out)
 
@@ -151,7 +164,8 @@ def reduce_scatter_layer(grads: Sequence[jax.Array], layout: BlockLayout, axis: 
 
 
 def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: BlockLayout,
-                    window: int, axis: str, dp: int, comm_dtype: str = "fp32") -> Callable:
+                    window: int, axis: str, dp: int, comm_dtype: str = "fp32",
+                    gather_dtype: Any = None) -> Callable:
     """The layer stack over dp-split parameters, with a k-block gather window.
 
     The gathered blocks live in a ring of k slots (per split group, one (k, dp, N/dp)
@@ -166,6 +180,9 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
       window: k, how many blocks ahead the all-gather runs (1..3).
       axis: the dp axis name; dp: its size.
       comm_dtype: 'fp32' | 'bf16' for the gradient reduce-scatter.
+      gather_dtype: the dtype the weight matrices are gathered in (the compute dtype; None
+        or fp32: as stored). Their gradients come back in it and are reduced in fp32 (or
+        `comm_dtype`).
 
     Returns:
       `f(shards, x) -> x`: `shards` is the stacked (L, ...) 'blocks' subtree as stored
@@ -177,7 +194,7 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
         return [jax.lax.dynamic_index_in_dim(s, layer, 0, keepdims=False) for s in stacked]
 
     def gather(stacked, layer) -> tuple[jax.Array, ...]:
-        return gather_rows(layer_shards(stacked, layer), layout, axis)
+        return gather_rows(layer_shards(stacked, layer), layout, axis, gather_dtype)
 
     def read(stacked, ring, layer):
         """(block `layer`'s full leaves, ring): the leaves are unpacked out of the slot
