@@ -543,10 +543,6 @@ def validate(cfg: Config) -> None:
     if pl.transfer_latency not in (1, 2):
         p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
                  f"to overlap stage-to-stage transfers with compute")
-    if cfg.overlap.tp_comm == "collective_matmul" and m.pp > 1 and m.tp > 1:
-        p.append("overlap.tp_comm: collective_matmul is not supported with mesh.pp > 1 (its ring "
-                 "permutes would run inside the pipeline's per-stage action branches); use "
-                 "sequence_parallel or auto")
     if pl.paired and pl.transfer_latency != 1:
         p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
                  f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "

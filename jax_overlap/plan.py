@@ -84,6 +84,9 @@ class OverlapPlan:
       window: FSDP prefetch depth.
       tp_comm: "plain", "sequence_parallel" or "collective_matmul".
       cm_direction: collective matmul ring, "uni" or "bi".
+      cm_grouped: collective matmul steps are tp-grouped all-gathers / reduce-scatters, not
+        ring ppermutes (pp > 1: a permute inside the executor's per-stage branches is
+        matched with another stage's permute; `parallel.collective_matmul`).
       xla_preset: XLA flag preset name, or "none".
       dcn_delay: 1 applies the cross-dcn reduction of each step's gradient one step late.
       dcn_delay_compensation: DC-ASGD lambda for the late gradient (0: none).
@@ -99,6 +102,7 @@ class OverlapPlan:
     window: int = 2
     tp_comm: str = "plain"
     cm_direction: str = "uni"
+    cm_grouped: bool = False
     xla_preset: str = "none"
     dcn_delay: int = 0
     dcn_delay_compensation: float = 0.0
@@ -269,6 +273,7 @@ class ParallelPlan:
         dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}.get(self.compute_dtype, jnp.float32)
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
+                        cm_grouped=self.overlap.cm_grouped,
                         explicit_wgrad=not self.pipelined)
 
     def with_program(self, program: TickProgram) -> "ParallelPlan":
@@ -330,6 +335,7 @@ class ParallelPlan:
             window=ov.window,
             tp_comm=tp_comm,
             cm_direction=direction,
+            cm_grouped=tp_comm == "collective_matmul" and m.pp > 1,
             xla_preset=ov.xla_preset,
             dcn_delay=0 if ov.dcn_delay == "auto" else ov.dcn_delay,
             dcn_delay_compensation=ov.dcn_delay_compensation,
@@ -426,9 +432,9 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
                                      "collective matmul would only add work")
         elif m.pp > 1:
             tp_comm, why = "sequence_parallel", (
-                "pp > 1: collective matmul's ring permutes would run inside the pipeline's "
-                "per-stage action branches (not supported there); sequence parallelism's "
-                "all-gather / reduce-scatter are async and overlap instead")
+                "pp > 1: inside the pipeline's per-stage branches collective matmul runs as "
+                "grouped all-gather / reduce-scatter steps, not measured to beat sequence "
+                "parallelism, whose async all-gather / reduce-scatter overlap as well")
         elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")

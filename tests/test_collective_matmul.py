@@ -20,7 +20,9 @@ def _tp_mesh(tp):
 
 
 def _plain_and_ring(tp, direction):
-    """Per-device (plain, ring) versions of both ops, each with its gradient, on a tp mesh."""
+    """Per-device (plain, ring) versions of both ops, each with its gradient, on a tp mesh.
+    `direction` "grouped": the grouped steps (all-gathers / reduce-scatters of pieces)."""
+    grouped = direction == "grouped"
     mesh = _tp_mesh(tp)
     spec_seq, spec_col, spec_row = P(None, "tp", None), P(None, "tp"), P("tp", None)
 
@@ -29,7 +31,7 @@ def _plain_and_ring(tp, direction):
         return jnp.einsum("btd,dn->btn", x_full, w)
 
     def ag_ring(x, w):
-        return cm.all_gather_matmul(x, w, "tp", tp, direction)
+        return cm.all_gather_matmul(x, w, "tp", tp, direction, grouped)
 
     def rs_plain(h, w):
         partial_btd = jnp.einsum("btn,nd->btd", h, w)
@@ -37,7 +39,7 @@ def _plain_and_ring(tp, direction):
                                     tiled=True)  # (B, T/tp, D), over tp
 
     def rs_ring(h, w):
-        return cm.matmul_reduce_scatter(h, w, "tp", tp, direction)
+        return cm.matmul_reduce_scatter(h, w, "tp", tp, direction, grouped)
 
     def with_grads(f, in_specs, out_spec):
         g = compat.shard_map(f, mesh, in_specs=in_specs, out_specs=out_spec)
@@ -53,10 +55,12 @@ def _plain_and_ring(tp, direction):
     return ag, rs
 
 
-@pytest.mark.parametrize("tp,direction", [(4, "uni"), (4, "bi"), (2, "bi")])
-def test_functions_match_plain_collectives(tp, direction):
+@pytest.mark.parametrize("tp,direction,t_local", [
+    (4, "uni", 8), (4, "bi", 8), (2, "bi", 8), (4, "grouped", 8), (2, "grouped", 8),
+    (4, "grouped", 6)])  # 6 positions per rank: 3 pieces of 2
+def test_functions_match_plain_collectives(tp, direction, t_local):
     rng = np.random.default_rng(tp)
-    b, t, d, n = 2, 8 * tp, 16, 12 * tp
+    b, t, d, n = 2, t_local * tp, 16, 12 * tp
     x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
     w_in = jnp.asarray(rng.standard_normal((d, n)), jnp.float32)
     w_out = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
@@ -87,6 +91,61 @@ def test_ring_is_ppermutes_not_gathers():
     # Forward: tp-1 permutes; backward (autodiff of the ring) is a reduce-scatter ring: tp-1.
     assert kinds["collective-permute"].count == 2 * (tp - 1)
     assert "all-gather" not in kinds and "reduce-scatter" not in kinds
+
+
+def test_grouped_steps_are_gathers_and_scatters_not_permutes():
+    """Grouped steps: one all-gather per piece forward and one reduce-scatter per piece
+    backward (autodiff of the gather), every one in a loop body but the first; no permute."""
+    from jax_overlap.analysis.hlo_report import analyze_hlo
+
+    tp = 4
+    (_, ag), _ = _plain_and_ring(tp, "grouped")
+    text = ag.lower(jnp.zeros((2, 8 * tp, 16)), jnp.zeros((16, 12 * tp)),
+                    jnp.zeros((2, 8 * tp, 12 * tp))).compile().as_text()
+    kinds = analyze_hlo(text).collectives
+    assert "collective-permute" not in kinds
+    assert kinds["all-gather"].count >= 2 and kinds["reduce-scatter"].count >= 2
+
+
+def test_grouped_steps_are_right_under_stage_divergent_branches():
+    """The executor's situation in miniature: a two-stage pipeline over 'pp' whose stages
+    take different `lax.switch` branches at each tick, the busy branch running a collective
+    matmul over 'tp', and a 'pp' ppermute after every tick. The grouped steps give the
+    one-device result. (Ring ppermutes there are matched with the other stage's 'pp'
+    permute by XLA:CPU and give wrong numbers: `docs/xla_notes.md`.)"""
+    tp, b, t, d = 2, 1, 8, 4
+    mesh = meshlib.make_mesh(2, 2, tp, jax.devices()[:8])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2 * b, t, d)), jnp.float32)
+    w_in = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
+
+    def layer(h, wi, wo):  # SP block: gathered column matmul, then row matmul scattered
+        y = cm.all_gather_matmul(h, wi, "tp", tp, grouped=True)
+        return h + cm.matmul_reduce_scatter(jnp.tanh(y), wo, "tp", tp, grouped=True)
+
+    def per_device(h, wi, wo):
+        stage = jax.lax.axis_index("pp")
+        h = compat.to_varying(h, ("pp",))
+
+        def tick(h, t_):  # stage s works at tick s, then hands its activation to s + 1
+            busy = jax.lax.switch((t_ == stage).astype(jnp.int32),
+                                  [lambda a: compat.vary_like(a * 0.0, a, wi, wo),
+                                   lambda a: layer(a, wi, wo)], h)
+            got = jax.lax.ppermute(busy, "pp", [(0, 1)])
+            return jnp.where(stage == 0, jnp.where(t_ == 0, busy, h),
+                             jnp.where(t_ == 0, got, busy)), None
+
+        return jax.lax.scan(tick, h, jnp.arange(2))[0]
+
+    f = jax.jit(compat.shard_map(per_device, mesh, in_specs=(
+        P("dp", "tp", None), P(None, "tp"), P("tp", None)), out_specs=P(("pp", "dp"), "tp")))
+    got = np.asarray(f(x, w_in, w_out)).reshape(2, 2 * b, t, d)[1]  # stage 1's output
+
+    def ref_layer(h):
+        return h + jnp.tanh(h @ w_in) @ w_out
+
+    np.testing.assert_allclose(got, np.asarray(ref_layer(ref_layer(x))), rtol=1e-5, atol=1e-5)
 
 
 def test_odd_local_chunk_is_rejected_for_bi():

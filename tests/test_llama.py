@@ -1,9 +1,10 @@
 """The Llama decoder computes the single-device loss and gradients on every mesh (fp32).
 
 Default run: a few meshes covering both kv-head layouts (split over tp when kv_heads >= tp,
-replicated below), a pipeline, FSDP and collective matmul. `make test-slow` sweeps
-(dp, tp) in {(2, 4), (8, 1)} x kv_heads in {1, 2, heads} x tp_comm x FSDP, and pp2 x dp2 x tp2
-with 1F1B and ZB-V for every kv_heads.
+replicated below), a pipeline, FSDP and collective matmul (also under a pipeline). `make
+test-slow` sweeps (dp, tp) in {(2, 4), (8, 1)} x kv_heads in {1, 2, heads} x tp_comm x FSDP,
+and pp2 x dp2 x tp2 with 1F1B and ZB-V (plain, FSDP, sequence parallel, collective matmul)
+for every kv_heads.
 """
 
 import jax
@@ -83,6 +84,7 @@ DEFAULT = [
     (4, 2, 4, 1, ["overlap.param_sharding=fsdp"]),  # kv split over tp
     (2, 2, 4, 1, ["overlap.tp_comm=collective_matmul"]),  # 2 < 4: replicated, under CM
     (2, 2, 2, 2, pipeline_extra("zb-v")),
+    (4, 2, 2, 2, pipeline_extra("1f1b") + ["overlap.tp_comm=collective_matmul"]),
 ]
 
 
@@ -99,9 +101,8 @@ SWEEP = [(kv, dp, tp, 1, extra) for kv in (1, 2, HEADS) for dp, tp in [(2, 4), (
          if not (tp == 1 and extra[:1] != [] and "tp_comm" in extra[0])]
 SWEEP += [(kv, 2, 2, 2, pipeline_extra(name) + more) for kv in (1, 2, HEADS)
           for name in ("1f1b", "zb-v")
-          for more in ([], ["overlap.param_sharding=fsdp"], ["overlap.tp_comm=sequence_parallel"])]
-# (pp > 1 with collective matmul is left out: it misses the reference for the GPT as well,
-# a pipeline-executor issue, not the model's.)
+          for more in ([], ["overlap.param_sharding=fsdp"], ["overlap.tp_comm=sequence_parallel"],
+                       ["overlap.tp_comm=collective_matmul"])]
 
 
 @pytest.mark.slow

@@ -174,7 +174,18 @@ OPTION_CASES = [
     # TP-replicated leaves) inside the tick loop.
     ("1f1b", 2, 2, 2, 4, True, ["overlap.grad_bucket_mb=0.01"]),
     ("zb-v", 2, 2, 2, 2, False, ["overlap.grad_bucket_mb=0.01", "pipeline.transfer_latency=2"]),
+    # Collective matmul inside the per-stage branches: grouped steps (the plan's cm_grouped).
+    ("zb-v", 2, 2, 2, 2, False, ["overlap.tp_comm=collective_matmul"]),
 ]
+# The rest of collective matmul under a pipeline: both schedules the issue names, each ring
+# direction (the grouped steps ignore it), the skewed loop, paired ticks, full remat.
+CM = ["overlap.tp_comm=collective_matmul"]
+CM_SWEEP = [(name, 2, 2, 2, m, tied, CM + more)
+            for name, m, tied in [("1f1b", 2, True), ("zb-v", 4, False)]
+            for more in (["overlap.collective_matmul_direction=uni"],
+                         ["overlap.collective_matmul_direction=bi"],
+                         ["pipeline.transfer_latency=2"], ["pipeline.paired=true"],
+                         ["model.remat=full"])]
 
 
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", OPTION_CASES)
@@ -187,6 +198,14 @@ def test_pipeline_with_overlap_options_matches_single_device(references, name, p
         mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
         spec = steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)["blocks"]["w_in"].spec
         assert meshlib.DP in jax.tree.leaves(tuple(spec)), spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", CM_SWEEP)
+def test_pipeline_with_collective_matmul_matches_single_device_sweep(references, name, pp, dp,
+                                                                     tp, m, tied, extra):
+    assert ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).overlap.cm_grouped
+    check_equivalence(references, name, pp, dp, tp, m, tied, extra)
 
 
 @pytest.mark.slow

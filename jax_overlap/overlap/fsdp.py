@@ -9,9 +9,15 @@ as one custom-VJP function:
   forward   gather blocks 0..k-1 into a ring of k slots; for block l: start the all-gather
             of block l+k, compute block l from slot l mod k, then write block l+k into that
             slot (the gathered copy of block l is dropped as it is overwritten).
-  backward  the mirror image from the last block down: gather block l-k while block l's
-            backward runs (the block's forward is recomputed from its saved input), and
-            reduce-scatter block l's parameter gradients over dp straight into its shard.
+  backward  the mirror image from the last block down, starting from the ring the forward
+            left (the last k blocks: nothing to re-gather before the first backward
+            block): gather block l-k while block l's backward runs (the block's forward is
+            recomputed from its saved input), and reduce-scatter block l's parameter
+            gradients over dp straight into its shard.
+
+Under bf16 / fp16 compute the weight matrices are gathered in that dtype (`gather_rows`):
+half the bytes and the ring's memory of fp32, and the same numbers, since the models cast
+every matrix to the compute dtype where they use it.
 
 So k + 1 gathered blocks exist (the ring and the one arriving; plus the unpacked copy of
 the block computing), never all L, and one block's gradient exists unsharded at a time.
@@ -97,25 +103,45 @@ def block_layout(abstract_blocks: Any, block_specs: Any, axis_sizes: dict[str, i
     return layout, jax.tree.unflatten(treedef, storage)
 
 
-def gather_rows(shards: Sequence[jax.Array], layout: BlockLayout, axis: str
-                ) -> tuple[jax.Array, ...]:
+def _bitcast(unit: buckets.Unit, dtype: Any) -> bool:
+    """Whether `gather_rows` moves this leaf's fp32 bits as pairs of `dtype` values (a
+    vector -- norm scale, bias -- under a 16-bit gather dtype) rather than cast to it."""
+    return dtype is not None and len(unit.shape) < 2
+
+
+def gather_rows(shards: Sequence[jax.Array], layout: BlockLayout, axis: str,
+                dtype: Any = None) -> tuple[jax.Array, ...]:
     """One layer's shards -> per split group, the gathered (dp, N/dp) buffer; one
-    all-gather per group. Row r is rank r's shards of the group, concatenated."""
+    all-gather per group. Row r is rank r's shards of the group, concatenated.
+
+    `dtype` (bf16 / fp16, the compute dtype): the group travels in it. Weight matrices are
+    cast to it: the models cast every matrix to the compute dtype where they use it, so the
+    numbers are the same and the bytes half of fp32. Vectors (norm scales, biases, which
+    the models may use in fp32) travel bit for bit, each fp32 as two 16-bit words, so the
+    group is still one all-gather."""
     out = []
     for members, split in layout.groups:
         if not split:
             continue
         units = [layout.units[i] for i in members]
-        flat = jnp.concatenate([jnp.moveaxis(shards[u.leaf], u.split_dim, 0).reshape(-1)
-                                for u in units])
+        pieces = []
+        for u in units:
+            piece = jnp.moveaxis(shards[u.leaf], u.split_dim, 0).reshape(-1)
+            if _bitcast(u, dtype):
+                piece = jax.lax.bitcast_convert_type(piece.astype(jnp.float32),
+                                                     dtype).reshape(-1)
+            elif dtype is not None:
+                piece = piece.astype(dtype)
+            pieces.append(piece)
+        flat = jnp.concatenate(pieces)
         out.append(jax.lax.all_gather(flat, axis, axis=0, tiled=False))  # (dp, N/dp), over dp
     return tuple(out)
 
 
 def unpack_rows(rows: Sequence[jax.Array], shards: Sequence[jax.Array], layout: BlockLayout,
-                dp: int) -> list[jax.Array]:
-    """`gather_rows` output -> the layer's full (tp-local) leaves; replicated leaves are
-    taken from `shards` as they are."""
+                dp: int, dtype: Any = None) -> list[jax.Array]:
+    """`gather_rows` output (with the same `dtype`) -> the layer's full (tp-local) leaves;
+    replicated leaves are taken from `shards` as they are."""
     full: list[Any] = list(shards)
     split_groups = [members for members, split in layout.groups if split]
     for members, group_rows in zip(split_groups, rows):
@@ -124,9 +150,14 @@ def unpack_rows(rows: Sequence[jax.Array], shards: Sequence[jax.Array], layout: 
             n = u.size // dp
             moved = (u.shape[u.split_dim],) + tuple(
                 s for d, s in enumerate(u.shape) if d != u.split_dim)
-            piece = group_rows[:, start:start + n].reshape(moved)
+            if _bitcast(u, dtype):
+                words = group_rows[:, start:start + 2 * n].reshape(-1, n, 2)
+                piece = jax.lax.bitcast_convert_type(words, jnp.float32).reshape(moved)
+                start += 2 * n
+            else:
+                piece = group_rows[:, start:start + n].reshape(moved)
+                start += n
             full[u.leaf] = jnp.moveaxis(piece, 0, u.split_dim)
-            start += n
     return full
 
 
@@ -151,7 +182,8 @@ def reduce_scatter_layer(grads: Sequence[jax.Array], layout: BlockLayout, axis: 
 
 
 def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: BlockLayout,
-                    window: int, axis: str, dp: int, comm_dtype: str = "fp32") -> Callable:
+                    window: int, axis: str, dp: int, comm_dtype: str = "fp32",
+                    gather_dtype: Any = None) -> Callable:
     """The layer stack over dp-split parameters, with a k-block gather window.
 
     The gathered blocks live in a ring of k slots (per split group, one (k, dp, N/dp)
@@ -166,6 +198,9 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
       window: k, how many blocks ahead the all-gather runs (1..3).
       axis: the dp axis name; dp: its size.
       comm_dtype: 'fp32' | 'bf16' for the gradient reduce-scatter.
+      gather_dtype: the dtype the weight matrices are gathered in (the compute dtype; None
+        or fp32: as stored). Their gradients come back in it and are reduced in fp32 (or
+        `comm_dtype`).
 
     Returns:
       `f(shards, x) -> x`: `shards` is the stacked (L, ...) 'blocks' subtree as stored
@@ -177,7 +212,7 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
         return [jax.lax.dynamic_index_in_dim(s, layer, 0, keepdims=False) for s in stacked]
 
     def gather(stacked, layer) -> tuple[jax.Array, ...]:
-        return gather_rows(layer_shards(stacked, layer), layout, axis)
+        return gather_rows(layer_shards(stacked, layer), layout, axis, gather_dtype)
 
     def read(stacked, ring, layer):
         """(block `layer`'s full leaves, ring): the leaves are unpacked out of the slot
@@ -186,7 +221,7 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
         the whole ring every layer)."""
         slot = layer % len_ring(ring)
         rows = [jax.lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring]
-        full = unpack_rows(rows, layer_shards(stacked, layer), layout, dp)
+        full = unpack_rows(rows, layer_shards(stacked, layer), layout, dp, gather_dtype)
         return jax.lax.optimization_barrier((full, ring))
 
     def write(ring, rows, slot):
@@ -239,7 +274,7 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
                 (x, ring), xs = jax.lax.scan(partial(body, prefetch=prefetch), (x, ring),
                                              jnp.arange(lo, hi))
                 saved.append(xs)
-        return x, (jnp.concatenate(saved) if save else None)
+        return x, (jnp.concatenate(saved) if save else None), ring
 
     def layer_backward(full, x, dy):
         _, vjp = jax.vjp(apply, full, x)
@@ -251,17 +286,19 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
         return run(stacked, x, save=False)[0]
 
     def fwd(stacked, x):
-        y, xs = run(stacked, x, save=True)
-        return y, (stacked, xs)
+        y, xs, ring = run(stacked, x, save=True)
+        # The forward ends with the last k blocks in the ring, at the slots the backward
+        # reads them from: kept, the backward starts computing at once instead of
+        # re-gathering them with nothing to hide under.
+        return y, (stacked, xs, ring)
 
     def bwd(res, dy):
-        stacked, xs = res
+        stacked, xs, ring = res
         num_layers = stacked[0].shape[0]
         k = min(window, num_layers)
         # The backward's gathers wait for its cotangent: otherwise they may be hoisted into
         # the forward and hold a second ring during it.
-        dy, stacked = jax.lax.optimization_barrier((dy, stacked))
-        ring = new_ring(stacked, range(num_layers - k, num_layers))
+        dy, stacked, ring = jax.lax.optimization_barrier((dy, stacked, ring))
 
         def body(carry, inputs, prefetch: bool):
             dx, ring, grads = carry

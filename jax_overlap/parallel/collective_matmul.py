@@ -32,6 +32,19 @@ Numbers equal the plain collectives up to floating-point summation order (the ri
 partial sums in a fixed order; XLA's reduce-scatter may use another). Autodiff of the ring
 is again a ring: the backward of the all-gather ring is a reduce-scatter ring and vice versa.
 
+Grouped steps (`grouped=True`, what the plan uses at pp > 1): the same software-pipelined
+loop, but each step moves its piece with an `all_gather` / `psum_scatter` over `axis` instead
+of a `ppermute`. The pipeline executor runs every block inside a `lax.switch` whose branch
+differs from stage to stage; a collective-permute there is matched with whatever
+collective-permute the other stages run at that moment (XLA:CPU keys a permute's rendezvous by
+channel id and the whole device set of its pairs, and JAX gives every permute channel 1), so
+the ring read another stage's buffers (`docs/xla_notes.md`). An all-gather or reduce-scatter
+has replica groups -- the tp peers, who all run the same branch -- so it is correct under
+divergent branches. Each rank's local chunk is cut into `pieces` (tp, or the largest divisor
+of T/tp below it) along the sequence; step j gathers (scatters) piece j of every chunk while
+the matmul of piece j - 1 (j + 1) runs. The bytes are one all-gather's (reduce-scatter's),
+the same as the ring's; the first gather (the last scatter) has no matmul to hide under.
+
 Both functions are written per device (inside `shard_map`); `tp` must equal the size of
 `axis`. With tp == 1 they are a plain matmul.
 """
@@ -65,8 +78,13 @@ def _steps(body, carry, first: int, last: int):
     return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jnp.arange(first, last))[0]
 
 
+def _pieces(t_local: int, tp: int) -> int:
+    """How many sequence pieces the grouped steps cut a local chunk into."""
+    return max(k for k in range(1, tp + 1) if t_local % k == 0)
+
+
 def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
-                      direction: str = "uni") -> jax.Array:
+                      direction: str = "uni", grouped: bool = False) -> jax.Array:
     """`all_gather(x, axis, seq) @ w`, with the gather done as ring steps under the matmuls.
 
     Args:
@@ -75,12 +93,16 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
       axis: the TP mesh axis name.
       tp: size of `axis`.
       direction: 'uni' (one ring) or 'bi' (half-chunks on both rings).
+      grouped: steps are all-gathers of sequence pieces (see the module docstring);
+        `direction` is then unused.
 
     Returns:
       (B, T, N): every position of the sequence times this rank's columns.
     """
     if tp == 1:
         return jnp.einsum("btd,dn->btn", x_btd, w_dn)
+    if grouped:
+        return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp)
     b, t_local, _ = x_btd.shape
     rank = jax.lax.axis_index(axis)
     out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
@@ -122,8 +144,34 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
     return matmuls(out_btn, fwd_btd, bwd_btd, tp - 1)
 
 
+def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
+    """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
+    b, t_local, _ = x_btd.shape
+    k = _pieces(t_local, tp)
+    size = t_local // k
+    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
+    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), out_dtype), x_btd, w_dn)
+
+    def gather(j):  # piece j of every rank's chunk: (B, tp * size, D), rank-major
+        piece = jax.lax.dynamic_slice_in_dim(x_btd, j * size, size, axis=1)
+        return jax.lax.all_gather(piece, axis, axis=1, tiled=True)  # over tp
+
+    def place(out, got_btd, j):
+        part = jnp.einsum("btd,dn->btn", got_btd, w_dn).reshape(b, tp, size, -1)
+        return jax.lax.dynamic_update_slice_in_dim(out, part, j * size, axis=2)
+
+    def step(carry, j):
+        # The next piece's gather does not depend on this piece's matmul: it runs under it.
+        out, got_btd = carry
+        return place(out, got_btd, j), gather(j + 1)
+
+    out, got_btd = _steps(step, (out, gather(0)), 0, k - 1)
+    out = place(out, got_btd, k - 1)
+    return out.reshape(b, tp * t_local, -1)
+
+
 def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
-                          direction: str = "uni") -> jax.Array:
+                          direction: str = "uni", grouped: bool = False) -> jax.Array:
     """`psum_scatter(h @ w, axis, seq)`, with the reduce-scatter done as ring steps.
 
     A partial-sum accumulator for one output chunk travels the ring; every rank adds its own
@@ -136,12 +184,16 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
       axis: the TP mesh axis name.
       tp: size of `axis`.
       direction: 'uni' or 'bi'.
+      grouped: steps are reduce-scatters of sequence pieces (see the module docstring);
+        `direction` is then unused.
 
     Returns:
       (B, T/tp, D): rows [r*T/tp, (r+1)*T/tp) of the sum over ranks of h @ w.
     """
     if tp == 1:
         return jnp.einsum("btn,nd->btd", h_btn, w_nd)
+    if grouped:
+        return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
     t_local = h_btn.shape[1] // tp
     rank = jax.lax.axis_index(axis)
 
@@ -176,3 +228,33 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
              part(((rank + 1) % tp) * t_local + half, half))
     acc_fwd, acc_bwd = _steps(step_bi, first, 1, tp)
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1)
+
+
+def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
+    """`matmul_reduce_scatter` with each step a reduce-scatter of one sequence piece."""
+    b, t, n = h_btn.shape
+    t_local = t // tp
+    k = _pieces(t_local, tp)
+    size = t_local // k
+    h4 = h_btn.reshape(b, tp, t_local, n)
+
+    def partial(j):  # piece j of every rank's chunk times this rank's rows: (B, tp*size, D)
+        rows = jax.lax.dynamic_slice_in_dim(h4, j * size, size, axis=2).reshape(b, tp * size, n)
+        return jnp.einsum("btn,nd->btd", rows, w_nd)
+
+    def scatter(part_btd):  # (B, tp * size, D) -> this rank's piece, summed over tp
+        return jax.lax.psum_scatter(part_btd, axis, scatter_dimension=1, tiled=True)
+
+    out_dtype = jnp.result_type(h_btn.dtype, w_nd.dtype)
+    out = vary_like(jnp.zeros((b, t_local, w_nd.shape[1]), out_dtype), h_btn, w_nd)
+
+    def step(carry, j):
+        # The reduce-scatter of piece j - 1 depends only on the carry; the matmul of piece j
+        # runs while it is in flight.
+        out, part_btd = carry
+        out = jax.lax.dynamic_update_slice_in_dim(out, scatter(part_btd), (j - 1) * size,
+                                                  axis=1)
+        return out, partial(j)
+
+    out, part_btd = _steps(step, (out, partial(0)), 1, k)
+    return jax.lax.dynamic_update_slice_in_dim(out, scatter(part_btd), (k - 1) * size, axis=1)

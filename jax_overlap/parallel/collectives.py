@@ -30,6 +30,9 @@ class Parallel:
     compute_dtype: Any = jnp.float32
     tp_comm: str = "plain"  # plain | sequence_parallel | collective_matmul
     cm_direction: str = "uni"  # collective matmul ring: uni | bi
+    # Collective matmul steps as tp-grouped all-gathers / reduce-scatters instead of ring
+    # ppermutes: correct inside the pipeline's per-stage branches (`collective_matmul`).
+    cm_grouped: bool = False
     # Weight matmuls with their backward written out (`local_matmul`). The pipeline turns it
     # off: its B/W split (`pipeline.weight_grads`) must see the weight matmuls in the jaxpr,
     # which a custom derivative would hide.
@@ -128,7 +131,8 @@ def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Arr
     """
     if par.sequence_sharded:
         if par.tp_comm == "collective_matmul":
-            return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction)
+            return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction,
+                                        par.cm_grouped)
         # (B, T/tp, D) -> (B, T, D) over tp
         x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
     return local_matmul(x_btd, w_dn, par)
@@ -142,7 +146,8 @@ def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
     """
     if par.sequence_sharded:
         if par.tp_comm == "collective_matmul":
-            return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction)
+            return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction,
+                                            par.cm_grouped)
         partial_btd = local_matmul(h_btn, w_nd, par)
         return jax.lax.psum_scatter(partial_btd, par.tp_axis, scatter_dimension=1, tiled=True)
     partial_btd = local_matmul(h_btn, w_nd, par)

@@ -114,8 +114,10 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
     if layout.fsdp is not None:
+        # Weight matrices travel in the compute dtype (the model casts them to it anyway).
+        low = None if par.compute_dtype == jnp.float32 else par.compute_dtype
         layers = fsdp.windowed_blocks(block, layout.fsdp,
-                                      ov.window, DP, dp, ov.grad_comm_dtype)
+                                      ov.window, DP, dp, ov.grad_comm_dtype, low)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
     # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
     marked = (*data, TP) if layout.plan is not None and axis_sizes[TP] > 1 else data
