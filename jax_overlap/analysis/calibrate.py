@@ -42,10 +42,11 @@ on the last; F, B and W are made of these as the step runs them:
 
 * ``pp = 1`` (microbatches accumulated by a ``scan`` of ``value_and_grad``): F =
   ``f``, B = ``fb - f``;
-* ``pp > 1`` (the pipeline executor stashes only each chunk's input and recomputes its
-  forward under ``jax.vjp``): B = ``fb`` (non-split), or B = ``fbx`` and W = ``fbw``
-  (split; B of virtual stage 0 has no input gradient to compute and is free, and its
-  W does the whole backward).
+* ``pp > 1`` (an F stashes its ``jax.vjp`` residuals, so a backward re-runs no forward
+  but what ``model.remat: full`` recomputes, ``block_f`` a layer): B = ``fb - f``
+  (non-split), or B = ``fbx - f`` (the input gradients) and W = ``fb - fbx`` (the
+  weight-gradient GEMMs), the head's backward half in each (split; B of virtual stage 0
+  has no input gradient to compute and is free, and its W does the whole backward).
 
 Shared cores
 ------------
@@ -1097,6 +1098,7 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
     s = {q: cal.seconds(q, b, k) for q in quantities_for(cfg, plan, split_backward)}
     scale = busy_scale(cfg, plan, cal.parallel_capacity, cal.devices, bubble)
     blk = block_variant(cfg, plan)
+    redo = s[f"{blk}_f"] if plan.remat == "full" else 0.0  # per layer, recomputed in B
     fwd, bwd, wgt = [], [], []
     for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
         first, last = vs == 0, vs == n_vs - 1
@@ -1107,23 +1109,28 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             bwd.append(max(fb - f, 0.0))
             wgt.append(0.0)
         elif not split_backward:
+            # An F stashes its residuals: the backward re-runs no forward but what the remat
+            # policy recomputes (`full`: the blocks' forward).
             fwd.append(f)
-            bwd.append(fb)  # the executor recomputes the forward under jax.vjp
+            bwd.append(max(fb - f, 0.0) + n * redo)
             wgt.append(0.0)
         else:
-            # B = vjp w.r.t. the chunk input; W = vjp w.r.t. the weights, which still
-            # backpropagates through the later layers to reach the earlier ones' weights
-            # (measured that way: per layer of a scan over every layer). On virtual stage
-            # 0 the split B has no input gradient to compute and is free, and W, reaching
-            # the embedding, needs every input gradient.
-            head = last * s["head_fb"]
+            # B = the input gradients (fbx less its forward) plus the remat recompute; W = the
+            # weight-gradient GEMMs on what B kept (fb less fbx). The head's backward runs
+            # half in each (its pullback gives the input gradient in B, the weights' in W). On
+            # virtual stage 0 the split B has no input gradient to compute and is free, and W
+            # does the whole backward, the embedding's included.
+            block_b = max(s[f"{blk}_fbx"] - s[f"{blk}_f"], 0.0)
+            block_w = max(s[f"{blk}_fb"] - s[f"{blk}_fbx"], 0.0)
+            head = last * max(s["head_fb"] - s["head_f"], 0.0) / 2
             fwd.append(f)
             if first:
                 bwd.append(0.0)
-                wgt.append(n * s[f"{blk}_fb"] + s["embed_fb"] + head)
+                wgt.append(n * (block_b + block_w + redo)
+                           + max(s["embed_fb"] - s["embed_f"], 0.0) + 2 * head)
             else:
-                bwd.append(n * s[f"{blk}_fbx"] + head)
-                wgt.append(n * s[f"{blk}_fbw"] + head)
+                bwd.append(n * (block_b + redo) + head)
+                wgt.append(n * block_w + head)
     return [x * scale for x in fwd], [x * scale for x in bwd], [x * scale for x in wgt]
 
 
