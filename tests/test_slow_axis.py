@@ -2,6 +2,7 @@
 bytes, restores across a dcn change; the one-step-late reduction (overlap.dcn_delay) and its
 two-phase commit."""
 
+import dataclasses
 import json
 import os
 
@@ -246,3 +247,74 @@ def test_gpt_1p3b_on_two_hosts_at_100_gbps_simulated():
     assert late["exposed_dcn_s"] == 0 and late["step_time_s"] < hier["step_time_s"]
     assert dl["dcn_bytes_per_step"] <= hier["dcn_bytes_per_step"] / 8
     assert tune.best_slow_mode(list(rows.values()))["mode"] == "hierarchical"
+
+
+def test_tuner_search_on_two_hosts_at_100_gbps_picks_a_hierarchical_dcn_plan():
+    """On h100_2x8_100g the tuner's main search lays dp across the two hosts both ways: flat
+    (the dp all-reduce on the 100 Gb/s link) and mesh.dcn = 2 (hierarchical, one step late,
+    DiLoCo). The best plan (exact: one device's training) is hierarchical over dcn; the same
+    layout flat is ranked and much slower; the stale modes are ranked but not picked."""
+    from jax_overlap.analysis import tune
+
+    cfg = config.load(os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml"), [])
+    result = tune.tune(cfg, 16, "h100_2x8_100g", bucket_sizes_mb=(64.0,), max_microbatches=1)
+    best = result.best
+    assert best.candidate.dcn == 2 and best.candidate.slow == "hierarchical"
+    assert best.config.mesh.dcn == 2 and best.config.mesh.dp * best.config.mesh.tp * \
+        best.config.mesh.pp == 8 and best.config.overlap.dcn_delay == 0
+    flat = next(p for p in result.plans if p.candidate == dataclasses.replace(
+        best.candidate, dcn=1, dp=2 * best.candidate.dp, slow="flat"))
+    assert flat.step_time_s > 1.5 * best.step_time_s
+    modes = {p.candidate.slow.split(":")[0] for p in result.plans}
+    assert {"flat", "hierarchical", "delay1", "diloco"} <= modes
+    assert all(p.config.mesh.dcn == (1 if p.candidate.slow == "flat" else 2)
+               for p in result.plans)
+    stale = tune.TuneResult(**{**result.__dict__, "allow_stale": True}).best
+    assert stale.step_time_s <= best.step_time_s
+    table = tune.format_table(result)
+    assert best.candidate.label() in table and "dcn2 dp" in table
+
+
+def test_local_delay_mode_is_each_group_stepping_on_its_own_gradient_then_the_mean(tmp_path):
+    """overlap.dcn_delay_mode=local on dcn=2 x dp=2 x tp=2 reproduces, step by step, a
+    single-device loop over two groups (each on its half of the batch, its own AdamW state):
+    group k steps from theta + u^k_{t-1}; theta moves by the groups' mean update one step
+    late. fp32, <= 1e-5; the groups' parameters differ by their last own update only."""
+    import optax
+    from helpers import np_batch
+
+    from jax_overlap.training import grads as gradslib
+    from models.gpt import GPT
+
+    steps = 5
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=local",
+                                    f"train.steps={steps}", "guard.enabled=false"])
+    run = train.run(cfg, str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
+    model = GPT.from_config(cfg.model)
+    theta = model.init(jax.random.key(cfg.train.seed))
+    opt = steplib.make_optimizer(cfg.train)
+    states = [opt.init(theta), opt.init(theta)]
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, b: gradslib.reference_loss(model, p, b)))
+    last = [jax.tree.map(jnp.zeros_like, theta)] * 2
+    losses = []
+    for t in range(steps):
+        batch = np_batch(cfg, t)
+        half = len(batch["inputs"]) // 2
+        ups, loss = [], 0.0
+        for k in range(2):
+            part = {key: v[k * half:(k + 1) * half] for key, v in batch.items()}
+            local = jax.tree.map(jnp.add, theta, last[k])
+            lk, g = value_and_grad(local, part)
+            loss += float(lk) / 2
+            u, states[k] = opt.update(g, states[k], local)
+            ups.append(u)
+        theta = jax.tree.map(lambda p, a, b: p + (a + b) / 2, theta, *last)
+        last = ups
+        losses.append(loss)
+    assert max(rel(a, b) for a, b in zip(run.losses, losses)) <= 1e-5, (run.losses, losses)
+    assert losses[1] != losses[2]
+    # One own update apart at most: AdamW moves an element by about lr (x the bias
+    # correction's first-step factor) per step.
+    apart = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, last)))
+    assert 0 < apart <= 4 * cfg.train.lr
