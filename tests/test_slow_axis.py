@@ -220,6 +220,10 @@ def test_checkpoint_restores_across_a_dcn_change(tmp_path):
     (["diloco.inner_steps=8", "mesh.dcn=2", "diloco.fragments=2", "diloco.delay=4"],
      "diloco.delay"),
     (["diloco.inner_steps=8", "mesh.dcn=2", "overlap.dcn_delay=1"], "overlap.dcn_delay"),
+    (["mesh.dcn=2", "overlap.dcn_delay=1", "overlap.dcn_delay_mode=late"],
+     "overlap.dcn_delay_mode"),
+    (["mesh.dcn=2", "overlap.dcn_delay=1", "overlap.dcn_delay_mode=local",
+      "overlap.dcn_delay_compensation=0.1"], "overlap.dcn_delay_compensation"),
 ])
 def test_slow_axis_config_errors_name_the_field(overrides, field):
     with pytest.raises(config.ConfigError) as e:
