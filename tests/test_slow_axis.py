@@ -322,3 +322,25 @@ def test_local_delay_mode_is_each_group_stepping_on_its_own_gradient_then_the_me
     # correction's first-step factor) per step.
     apart = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, last)))
     assert 0 < apart <= 4 * cfg.train.lr
+
+
+@pytest.mark.slow
+def test_deviceless_two_host_gpu_compile_reports_the_dcn_bytes_and_their_overlap():
+    """`analyze --target h100` with mesh.dcn=2 compiles for 2 hosts x 8 GPUs (topology 1x2x8)
+    and reads the collectives that cross the hosts from that program: the hierarchical
+    reduction's dcn all-reduces move 1/dp of what a flat dp16 reduction moves."""
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "no CUDA plugin")
+    base = ["mesh.tp=1", "train.global_batch=32", "overlap.grad_bucket_mb=0.01"]
+    cfg = config.load(TINY, base + ["mesh.dcn=2", "mesh.dp=8"])
+    doc = json.loads(an.analyze_command(cfg, "h100", as_json=True))
+    dcn = doc["dcn"]
+    assert dcn["hosts"] == 2 and dcn["count_per_step"] > 0 and dcn["unknown"] == 0
+    assert 0.0 <= dcn["under_gemm_fraction"] <= 1.0 and dcn["async_fraction"] > 0
+    from models.gpt import GPT
+
+    shapes = jax.eval_shape(GPT.from_config(cfg.model).init, jax.random.key(0))
+    grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(shapes))
+    assert 0 < dcn["bytes_per_step"] <= grad_bytes / 8 + 64  # 1/dp of an fp32 gradient
