@@ -284,7 +284,6 @@ def test_local_delay_mode_is_each_group_stepping_on_its_own_gradient_then_the_me
     single-device loop over two groups (each on its half of the batch, its own AdamW state):
     group k steps from theta + u^k_{t-1}; theta moves by the groups' mean update one step
     late. fp32, <= 1e-5; the groups' parameters differ by their last own update only."""
-    import optax
     from helpers import np_batch
 
     from jax_overlap.training import grads as gradslib
