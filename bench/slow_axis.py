@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             r["rel_final"] = r["final"] / base["final"] - 1
             r["rel_tail"] = r["tail_mean"] / base["tail_mean"] - 1
         target = TARGETS.get(name)
-        verdict = "" if target is None or not base else (
+        verdict = "" if target is None or not base or args.quick else (
             f"{'met' if r['rel_final'] <= target else 'MISSED'} ({100 * target:.0f}%)")
         print(f"{name:13s} {r['final']:8.4f} {r['tail_mean']:8.4f} "
               f"{100 * r.get('rel_final', 0.0):+7.2f}% {100 * r.get('rel_tail', 0.0):+7.2f}% "

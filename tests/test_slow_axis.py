@@ -167,12 +167,14 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path):
+@pytest.mark.parametrize("mode", ["gradient", pytest.param("local", marks=pytest.mark.slow)])
+def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path, mode):
     """A NaN at step 3 is rejected (never in flight); the rollback restores the checkpoint of
-    step 2, whose in-flight gradient belongs to the undone timeline: the first step after
-    the rollback applies nothing, the next one applies its successor's."""
+    step 2, whose in-flight gradient (mode local: the groups' updates) belongs to the undone
+    timeline: the first step after the rollback applies nothing, the next one applies its
+    successor's."""
     cfg = config.load(TINY, MESH + [
-        "overlap.dcn_delay=1", "train.steps=6", "fault.nan_at_step=3", "guard.max_skips=0",
+        "overlap.dcn_delay=1", f"overlap.dcn_delay_mode={mode}", "train.steps=6", "fault.nan_at_step=3", "guard.max_skips=0",
         "checkpoint.every_steps=2", "checkpoint.async_save=false"])
     run_dir = str(tmp_path / "run")
     result = train.run(cfg, run_dir, progress=False, devices=jax.devices()[:8])
