@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", type=int, default=0)
     p.add_argument("--out", default="")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="the best plan may train with stale gradients (overlap.dcn_delay=1 "
+                        "or Streaming DiLoCo across hosts)")
 
     p = sub.add_parser("convert", help="Hugging Face directory <-> run directory")
     src = p.add_mutually_exclusive_group(required=True)
@@ -227,7 +230,8 @@ def cmd_tune(args) -> int:
     from jax_overlap.analysis import tune
 
     print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
-                            out=args.out, as_json=args.json))
+                            out=args.out, as_json=args.json,
+                            allow_stale=args.allow_stale))
     return 0
 
 

@@ -159,6 +159,12 @@ class OverlapConfig:
     # DC-ASGD delay compensation of the one-step-late gradient: g + lambda * g * g * (the
     # update applied since it was computed); 0 applies it as it is.
     dcn_delay_compensation: float = 0.0
+    # With dcn_delay 1, what arrives one step late (docs/slow_axis.md). gradient: the whole
+    # reduced gradient, applied to the shared parameters (one device's training with each
+    # gradient a step late). local: each dcn group applies its own update (from its fresh
+    # fast-axis-reduced gradient) at once; the mean of the groups' updates replaces it one
+    # step later, so the groups' parameters differ by at most their last own update.
+    dcn_delay_mode: Literal["gradient", "local"] = "gradient"
 
 
 @dataclass
@@ -699,6 +705,11 @@ def _slow_axis_problems(cfg: Config) -> list[str]:
     elif ov.dcn_delay == 1 and m.dcn < 2:
         p.append("overlap.dcn_delay: 1 delays the reduction over mesh.dcn, which is 1; set "
                  "mesh.dcn >= 2 or overlap.dcn_delay=0")
+    if ov.dcn_delay_mode not in ("gradient", "local"):
+        p.append(f"overlap.dcn_delay_mode: must be gradient or local, got {ov.dcn_delay_mode}")
+    elif ov.dcn_delay_mode == "local" and ov.dcn_delay_compensation:
+        p.append("overlap.dcn_delay_compensation: applies to dcn_delay_mode=gradient (the "
+                 "local mode's own update is fresh); set it to 0")
     if m.dcn_gbps <= 0:
         p.append(f"mesh.dcn_gbps: must be > 0, got {m.dcn_gbps}")
     if ov.dcn_delay_compensation < 0:

@@ -91,6 +91,8 @@ class OverlapPlan:
       dcn_delay: 1 applies the cross-dcn reduction of each step's gradient one step late.
       dcn_delay_compensation: DC-ASGD lambda for the late gradient (0: none).
       dcn_comm_dtype: "fp32" or "bf16", what the gradient bytes crossing dcn travel in.
+      dcn_delay_mode: "gradient" (the reduced gradient one step late) or "local" (each
+        group's own update at once, the mean of the groups' updates one step late).
     """
 
     grad_bucket_bytes: int = 0
@@ -107,6 +109,7 @@ class OverlapPlan:
     dcn_delay: int = 0
     dcn_delay_compensation: float = 0.0
     dcn_comm_dtype: str = "fp32"
+    dcn_delay_mode: str = "gradient"
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -236,12 +239,15 @@ class ParallelPlan:
     @property
     def slow_mode(self) -> str:
         """How gradients cross dcn: "none" (no dcn axis), "sync" (hierarchical, every step),
-        "delay" (one step late) or "local" (DiLoCo: never; the parameters are synced)."""
+        "delay" (one step late) or "local" (each dcn group steps its own parameters:
+        DiLoCo, or dcn_delay_mode local; updates / parameters cross dcn, never gradients)."""
         if self.dcn == 1:
             return "none"
         if self.diloco is not None:
             return "local"
-        return "delay" if self.overlap.dcn_delay else "sync"
+        if self.overlap.dcn_delay:
+            return "local" if self.overlap.dcn_delay_mode == "local" else "delay"
+        return "sync"
 
     @property
     def pipelined(self) -> bool:
@@ -340,6 +346,7 @@ class ParallelPlan:
             dcn_delay=0 if ov.dcn_delay == "auto" else ov.dcn_delay,
             dcn_delay_compensation=ov.dcn_delay_compensation,
             dcn_comm_dtype="fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype,
+            dcn_delay_mode=ov.dcn_delay_mode,
         )
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
         try:

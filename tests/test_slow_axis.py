@@ -2,6 +2,7 @@
 bytes, restores across a dcn change; the one-step-late reduction (overlap.dcn_delay) and its
 two-phase commit."""
 
+import dataclasses
 import json
 import os
 
@@ -166,12 +167,14 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path):
+@pytest.mark.parametrize("mode", ["gradient", pytest.param("local", marks=pytest.mark.slow)])
+def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path, mode):
     """A NaN at step 3 is rejected (never in flight); the rollback restores the checkpoint of
-    step 2, whose in-flight gradient belongs to the undone timeline: the first step after
-    the rollback applies nothing, the next one applies its successor's."""
+    step 2, whose in-flight gradient (mode local: the groups' updates) belongs to the undone
+    timeline: the first step after the rollback applies nothing, the next one applies its
+    successor's."""
     cfg = config.load(TINY, MESH + [
-        "overlap.dcn_delay=1", "train.steps=6", "fault.nan_at_step=3", "guard.max_skips=0",
+        "overlap.dcn_delay=1", f"overlap.dcn_delay_mode={mode}", "train.steps=6", "fault.nan_at_step=3", "guard.max_skips=0",
         "checkpoint.every_steps=2", "checkpoint.async_save=false"])
     run_dir = str(tmp_path / "run")
     result = train.run(cfg, run_dir, progress=False, devices=jax.devices()[:8])
@@ -219,6 +222,10 @@ def test_checkpoint_restores_across_a_dcn_change(tmp_path):
     (["diloco.inner_steps=8", "mesh.dcn=2", "diloco.fragments=2", "diloco.delay=4"],
      "diloco.delay"),
     (["diloco.inner_steps=8", "mesh.dcn=2", "overlap.dcn_delay=1"], "overlap.dcn_delay"),
+    (["mesh.dcn=2", "overlap.dcn_delay=1", "overlap.dcn_delay_mode=late"],
+     "overlap.dcn_delay_mode"),
+    (["mesh.dcn=2", "overlap.dcn_delay=1", "overlap.dcn_delay_mode=local",
+      "overlap.dcn_delay_compensation=0.1"], "overlap.dcn_delay_compensation"),
 ])
 def test_slow_axis_config_errors_name_the_field(overrides, field):
     with pytest.raises(config.ConfigError) as e:
@@ -246,3 +253,95 @@ def test_gpt_1p3b_on_two_hosts_at_100_gbps_simulated():
     assert late["exposed_dcn_s"] == 0 and late["step_time_s"] < hier["step_time_s"]
     assert dl["dcn_bytes_per_step"] <= hier["dcn_bytes_per_step"] / 8
     assert tune.best_slow_mode(list(rows.values()))["mode"] == "hierarchical"
+
+
+def test_tuner_search_on_two_hosts_at_100_gbps_picks_a_hierarchical_dcn_plan():
+    """On h100_2x8_100g the tuner's main search lays dp across the two hosts both ways: flat
+    (the dp all-reduce on the 100 Gb/s link) and mesh.dcn = 2 (hierarchical, one step late,
+    DiLoCo). The best plan (exact: one device's training) is hierarchical over dcn; the same
+    layout flat is ranked and much slower; the stale modes are ranked but not picked."""
+    from jax_overlap.analysis import tune
+
+    cfg = config.load(os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml"), [])
+    result = tune.tune(cfg, 16, "h100_2x8_100g", bucket_sizes_mb=(64.0,), max_microbatches=1)
+    best = result.best
+    assert best.candidate.dcn == 2 and best.candidate.slow == "hierarchical"
+    assert best.config.mesh.dcn == 2 and best.config.mesh.dp * best.config.mesh.tp * \
+        best.config.mesh.pp == 8 and best.config.overlap.dcn_delay == 0
+    flat = next(p for p in result.plans if p.candidate == dataclasses.replace(
+        best.candidate, dcn=1, dp=2 * best.candidate.dp, slow="flat"))
+    assert flat.step_time_s > 1.5 * best.step_time_s
+    modes = {p.candidate.slow.split(":")[0] for p in result.plans}
+    assert {"flat", "hierarchical", "delay1", "diloco"} <= modes
+    assert all(p.config.mesh.dcn == (1 if p.candidate.slow == "flat" else 2)
+               for p in result.plans)
+    stale = tune.TuneResult(**{**result.__dict__, "allow_stale": True}).best
+    assert stale.step_time_s <= best.step_time_s
+    table = tune.format_table(result)
+    assert best.candidate.label() in table and "dcn2 dp" in table
+
+
+def test_local_delay_mode_is_each_group_stepping_on_its_own_gradient_then_the_mean(tmp_path):
+    """overlap.dcn_delay_mode=local on dcn=2 x dp=2 x tp=2 reproduces, step by step, a
+    single-device loop over two groups (each on its half of the batch, its own AdamW state):
+    group k steps from theta + u^k_{t-1}; theta moves by the groups' mean update one step
+    late. fp32, <= 1e-5; the groups' parameters differ by their last own update only."""
+    from helpers import np_batch
+
+    from jax_overlap.training import grads as gradslib
+    from models.gpt import GPT
+
+    steps = 5
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=local",
+                                    f"train.steps={steps}", "guard.enabled=false"])
+    run = train.run(cfg, str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
+    model = GPT.from_config(cfg.model)
+    theta = model.init(jax.random.key(cfg.train.seed))
+    opt = steplib.make_optimizer(cfg.train)
+    states = [opt.init(theta), opt.init(theta)]
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, b: gradslib.reference_loss(model, p, b)))
+    last = [jax.tree.map(jnp.zeros_like, theta)] * 2
+    losses = []
+    for t in range(steps):
+        batch = np_batch(cfg, t)
+        half = len(batch["inputs"]) // 2
+        ups, loss = [], 0.0
+        for k in range(2):
+            part = {key: v[k * half:(k + 1) * half] for key, v in batch.items()}
+            local = jax.tree.map(jnp.add, theta, last[k])
+            lk, g = value_and_grad(local, part)
+            loss += float(lk) / 2
+            u, states[k] = opt.update(g, states[k], local)
+            ups.append(u)
+        theta = jax.tree.map(lambda p, a, b: p + (a + b) / 2, theta, *last)
+        last = ups
+        losses.append(loss)
+    assert max(rel(a, b) for a, b in zip(run.losses, losses)) <= 1e-5, (run.losses, losses)
+    assert losses[1] != losses[2]
+    # One own update apart at most: AdamW moves an element by about lr (x the bias
+    # correction's first-step factor) per step.
+    apart = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, last)))
+    assert 0 < apart <= 4 * cfg.train.lr
+
+
+@pytest.mark.slow
+def test_deviceless_two_host_gpu_compile_reports_the_dcn_bytes_and_their_overlap():
+    """`analyze --target h100` with mesh.dcn=2 compiles for 2 hosts x 8 GPUs (topology 1x2x8)
+    and reads the collectives that cross the hosts from that program: the hierarchical
+    reduction's dcn all-reduces move 1/dp of what a flat dp16 reduction moves."""
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "no CUDA plugin")
+    base = ["mesh.tp=1", "train.global_batch=32", "overlap.grad_bucket_mb=0.01"]
+    cfg = config.load(TINY, base + ["mesh.dcn=2", "mesh.dp=8"])
+    doc = json.loads(an.analyze_command(cfg, "h100", as_json=True))
+    dcn = doc["dcn"]
+    assert dcn["hosts"] == 2 and dcn["count_per_step"] > 0 and dcn["unknown"] == 0
+    assert 0.0 <= dcn["under_gemm_fraction"] <= 1.0 and dcn["async_fraction"] > 0
+    from models.gpt import GPT
+
+    shapes = jax.eval_shape(GPT.from_config(cfg.model).init, jax.random.key(0))
+    grad_bytes = 4 * sum(x.size for x in jax.tree.leaves(shapes))
+    assert 0 < dcn["bytes_per_step"] <= grad_bytes / 8 + 64  # 1/dp of an fp32 gradient

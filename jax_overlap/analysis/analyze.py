@@ -99,9 +99,11 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
         from jax_overlap.config import ConfigError
 
         raise ConfigError([f"--target {target}: {reason}"])
+    # With a slow axis, one host per dcn group (topology 1 x dcn x devices per group), so the
+    # compiled program is the multi-host one and its dcn collectives can be told apart.
     return deviceless.analyze_for(target, plan.num_devices,
                                   lambda devices: lower_train_step(cfg, devices, target, built),
-                                  branch_frequencies=frequencies)
+                                  num_hosts=plan.dcn, branch_frequencies=frequencies)
 
 
 # Below this share of collective bytes under GEMMs, `analyze` names the knobs that would help.
@@ -160,6 +162,10 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> st
         lines.append(f"bytes crossing dcn per step (per device): "
                      f"{dcn['bytes_per_step'] / 2**20:.3f} MiB in "
                      f"{dcn['count_per_step']:.0f} collectives ({dcn['mode']})")
+        if "under_gemm_fraction" in dcn:
+            lines.append(f"  of those, under GEMMs ({dcn['hosts']}-host GPU compile): "
+                         f"{dcn['under_gemm_fraction'] * 100:.1f}% (async "
+                         f"{dcn['async_fraction'] * 100:.1f}%)")
         for d in dcn.get("decisions", []):
             lines.append(f"slow axis: {d}")
     est = data.get("exposed_comm_s_estimate")
@@ -172,17 +178,28 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> st
     return "\n".join(lines)
 
 
-def dcn_summary(plan, texts: list, frequencies=None) -> dict | None:
-    """Bytes per step crossing dcn (from the compiled CPU HLO) and the plan's slow-axis
-    decisions; None without a slow axis."""
+def dcn_summary(plan, texts: list, frequencies=None, report=None) -> dict | None:
+    """Bytes per step crossing dcn and the plan's slow-axis decisions; None without a slow
+    axis. From the compiled CPU HLO (`texts`), or from the collectives of a deviceless GPU
+    compile for dcn hosts (`report`): there also the share of those bytes whose async
+    collective has a GEMM scheduled between its start and done (`under_gemm_fraction`)."""
     if plan.dcn == 1:
         return None
-    from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
+    from jax_overlap.analysis.dcn_traffic import crosses, dcn_bytes, dcn_bytes_of_hlo
 
     out = {"mode": plan.slow_mode, "decisions": list(plan.slow_decisions)}
+    group = plan.num_devices // plan.dcn
     if texts:
-        out.update(dcn_bytes_of_hlo(texts[0], plan.num_devices // plan.dcn, frequencies))
-    else:  # deviceless GPU: the plan's estimate
+        out.update(dcn_bytes_of_hlo(texts[0], group, frequencies))
+    elif report is not None and report.ops:  # deviceless GPU, one host per dcn group
+        out.update(dcn_bytes(report.ops, group))
+        slow = [op for op in report.ops if crosses(op, group)]
+        total = sum(op.bytes_per_step for op in slow)
+        under = sum(op.bytes_per_step for op in slow if op.under_gemm)
+        out.update({"hosts": plan.dcn, "under_gemm_fraction": under / total if total else 0.0,
+                    "async_fraction": (sum(op.bytes_per_step for op in slow if op.is_async)
+                                       / total if total else 0.0)})
+    else:  # no compiled program: the plan's estimate
         out.update({"bytes_per_step": float(plan.slow_bytes_per_step), "count_per_step": 0,
                     "by_kind": {}, "unknown": 0, "estimated": True})
     return out
@@ -194,7 +211,7 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False) -> str:
     report = analyze(cfg, target, built, texts)
     plan = built[1]
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
-    dcn = dcn_summary(plan, texts, frequencies)
+    dcn = dcn_summary(plan, texts, frequencies, report)
     if as_json:
         out = report.to_json()
         if dcn is not None:

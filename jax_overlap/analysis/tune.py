@@ -87,6 +87,10 @@ class Candidate:
       paired: paired F+B ticks (`pipeline.paired`, latency 1); False when pp = 1.
       remat: the `model.remat` policy: what every layer keeps for its backward (memory)
         against what it recomputes (time).
+      dcn: `mesh.dcn`, the slow axis between hosts (1: none; ``dp`` is then the dp inside
+        one host).
+      slow: how the gradient crosses dcn (``flat`` with dcn = 1): ``hierarchical``,
+        ``delay1`` (one step late) or ``diloco:H,F,tau,dtype`` (Streaming DiLoCo).
     """
 
     dp: int
@@ -102,6 +106,8 @@ class Candidate:
     stage_layers: str = "even"
     paired: bool = False
     remat: str = "none"
+    dcn: int = 1
+    slow: str = "flat"
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -119,10 +125,17 @@ class Candidate:
         if self.remat != "none":
             sched += f" remat-{self.remat}"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
+        hosts = f"dcn{self.dcn} " if self.dcn > 1 else ""
+        slow = f" {self.slow}" if self.dcn > 1 else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
-            f"b{self.grad_bucket_mb:g} {shard}"
+            f"{hosts}dp{self.dp} tp{self.tp} pp{self.pp} m{self.microbatches} {sched} "
+            f"b{self.grad_bucket_mb:g} {shard}{slow}"
         )
+
+    @property
+    def stale(self) -> bool:
+        """Trains with stale gradients (one step late, or DiLoCo): not one device's training."""
+        return self.slow == "delay1" or self.slow.startswith("diloco")
 
 
 def apply_candidate(cfg: Config, cand: Candidate) -> Config:
@@ -153,8 +166,23 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
                                     param_sharding="fsdp" if c.fsdp else "replicated",
                                     window=c.window),
     )
+    if c.dcn > 1 or cfg.mesh.dcn > 1:
+        h, f, tau, dtype = _diloco_setting(c.slow)
+        out = dataclasses.replace(
+            out, mesh=dataclasses.replace(out.mesh, dcn=c.dcn),
+            overlap=dataclasses.replace(out.overlap, dcn_delay=int(c.slow == "delay1")),
+            diloco=dataclasses.replace(cfg.diloco, inner_steps=h, fragments=f, delay=tau,
+                                       outer_dtype=dtype))
     configlib.validate(out)
     return out
+
+
+def _diloco_setting(slow: str) -> tuple[int, int, int, str]:
+    """``diloco:H,F,tau,dtype`` -> (H, F, tau, dtype); (0, 1, 0, bf16) for other modes."""
+    if not slow.startswith("diloco:"):
+        return 0, 1, 0, "bf16"
+    h, f, tau, dtype = slow.split(":", 1)[1].split(",")
+    return int(h), int(f), int(tau), dtype
 
 
 def _divisors(n: int) -> list[int]:
@@ -562,11 +590,15 @@ class TuneResult:
     costs: str
     plans: tuple[Prediction, ...]
     calibration: cal_lib.Calibration | None = field(default=None, repr=False)
+    pruned: int = 0
+    allow_stale: bool = False
 
     @property
     def best(self) -> Prediction:
-        """The top plan that fits (the top plan when none fits)."""
-        return next((p for p in self.plans if p.fits), self.plans[0])
+        """The top plan that fits (the top plan when none fits); one that trains like one
+        device (not one step late, not DiLoCo) unless `allow_stale`."""
+        pool = [p for p in self.plans if self.allow_stale or not p.candidate.stale]
+        return next((p for p in pool if p.fits), pool[0])
 
 
 def tune(
@@ -580,6 +612,7 @@ def tune(
     bucket_sizes_mb: Sequence[float] = DEFAULT_BUCKETS_MB,
     windows: Sequence[int] = DEFAULT_WINDOWS,
     max_microbatches: int = MAX_MICROBATCHES,
+    allow_stale: bool = False,
 ) -> TuneResult:
     """Enumerate, predict and rank every valid plan of ``cfg`` for ``devices`` devices.
 
@@ -596,10 +629,15 @@ def tune(
       bucket_sizes_mb: gradient bucket sizes to sweep.
       windows: FSDP windows to sweep.
       max_microbatches: most microbatches swept.
+      allow_stale: the best plan may train with stale gradients (overlap.dcn_delay = 1 or
+        Streaming DiLoCo); they are ranked either way.
 
     Returns:
       The :class:`TuneResult`. Plans whose TP group would span more devices than one
-      host has are left out when the profile keeps TP inside a host.
+      host has are left out when the profile keeps TP inside a host. When the devices fill
+      the hosts of a profile with a slow 'dcn' link (`slow_link_profile`), dp is what
+      crosses the hosts: every layout is tried flat (its dp reduction on the slow link)
+      and with mesh.dcn = hosts in each way of crossing them (`slow_link_search`).
 
     Raises:
       ValueError: if no plan is valid.
@@ -615,6 +653,13 @@ def tune(
         raise ValueError(
             f"--devices: no valid plan of this model and batch uses exactly {devices} devices"
         )
+    if calibration is None and slow_link_profile(hw, devices):
+        preds, pruned = slow_link_search(candidates, hw, efficiency)
+        if not preds:
+            raise ValueError(f"--devices: no plan of this model and batch splits its dp "
+                             f"over the {hw.hosts} hosts of {hw.name}")
+        return TuneResult(hardware=hw.name, devices=devices, costs="flops",
+                          plans=tuple(preds), pruned=pruned, allow_stale=allow_stale)
     refine_with = None
     if calibration is None and hw.name == CALIBRATED_PROFILE:
         import jax
@@ -635,6 +680,7 @@ def tune(
         costs="calibrated" if calibration is not None else "flops",
         plans=tuple(preds),
         calibration=calibration,
+        allow_stale=allow_stale,
     )
 
 
@@ -832,6 +878,9 @@ def format_table(result: TuneResult, rows: int = TABLE_ROWS) -> str:
         )
     if len(result.plans) > rows:
         lines.append(f"    ... {len(result.plans) - rows} more (--json lists all)")
+    if result.pruned:
+        lines.append(f"    ({result.pruned} more layouts not simulated in full: one host's share "
+                     f"of the step alone is slower than plan {rows})")
     return "\n".join(lines)
 
 
@@ -853,6 +902,7 @@ def tune_command(
     measure: int = 0,
     out: str = "",
     as_json: bool = False,
+    allow_stale: bool = False,
 ) -> str:
     """What ``jax-overlap tune`` prints; writes the best plan's config to ``out``.
 
@@ -863,13 +913,14 @@ def tune_command(
       measure: run the top this many plans for real and compare.
       out: where to write the best config (empty: ``runs/tuned.yaml``).
       as_json: print one JSON document (with a ``plans`` list) instead of tables.
+      allow_stale: the best plan may be one that trains with stale gradients.
 
     Returns:
       The text to print.
     """
     if measure < 0:
         raise ValueError(f"--measure: must be >= 0, got {measure}")
-    result = tune(cfg, devices, hardware)
+    result = tune(cfg, devices, hardware, allow_stale=allow_stale)
     best = result.best
     slow_rows, slow_best, best_cfg = slow_axis_search(best.config, hardware)
     path = write_config(
@@ -891,6 +942,7 @@ def tune_command(
             "best": best.to_dict(),
             "out": path,
             "plans": [p.to_dict() for p in result.plans],
+            "pruned": result.pruned,
             "measured": [m.to_dict() for m in measured],
         }
         if result.calibration is not None:
@@ -900,6 +952,11 @@ def tune_command(
         return json.dumps(doc, sort_keys=True)
     text = format_table(result)
     text += f"\nbest: {best.candidate.label()} -> {path}"
+    stale = next((p for p in result.plans if p.fits and p.candidate.stale), None)
+    if not allow_stale and stale is not None and stale.step_time_s < best.step_time_s:
+        text += (f"\nfaster with stale gradients: {stale.candidate.label()} "
+                 f"({stale.step_time_s * 1e3:.3f} ms; --allow-stale to pick it: it changes "
+                 f"the optimisation, docs/slow_axis.md)")
     if slow_rows:
         text += ("\n\nacross hosts (mesh.dcn = hosts; dp inside a host):\n"
                  + format_slow_table(slow_rows)
@@ -932,7 +989,8 @@ def _without_dcn(cfg: Config, dp: int, batch_share: int = 1) -> Config:
 
 
 def slow_axis_modes(cfg: Config, hw: HardwareProfile,
-                    efficiency: float = FLOP_EFFICIENCY) -> list[dict[str, Any]]:
+                    efficiency: float = FLOP_EFFICIENCY, fast: Any = None,
+                    dilocos: Sequence[Any] | None = None) -> list[dict[str, Any]]:
     """Simulated step time and exposed slow-axis communication of `cfg`'s mesh (dcn > 1) in
     each way of crossing dcn (`SLOW_MODES`), on a profile with a 'dcn' axis link.
 
@@ -944,8 +1002,19 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
       longer. diloco: the fast step; one fragment's outer gradient (1/F of the parameters,
       1/dp per device, in diloco.outer_dtype) crosses every H/F steps under tau + 1 steps.
 
+    Every mode's step is at least the fast step (the same compute, more communication):
+    the tuner's search (`slow_link_search`) relies on it to prune.
+
+    Args:
+      fast: the simulator's result for one host's share (`_without_dcn(cfg, dp, dcn)`),
+        when the caller has it already.
+      dilocos: the `DilocoPlan`s to give a diloco row each (default: the config's, else
+        H = 8, 2 fragments, tau = 1, bf16).
+
     Returns:
-      One row per mode: {"mode", "step_time_s", "exposed_dcn_s", "dcn_bytes_per_step"}.
+      One row per mode: {"mode", "step_time_s", "exposed_dcn_s", "dcn_bytes_per_step",
+      "fast_step_time_s"}; the flat row also has its simulated "memory_bytes", "ccor",
+      "bubble_rate" and "exposed_comm_s", the diloco rows their "diloco" settings.
     """
     from jax_overlap.analysis.simulate import all_reduce_time
 
@@ -957,7 +1026,8 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
     slow = hw.link("dcn")
     fast_cfg = _without_dcn(cfg, dp, dcn)  # one host's share of the step
     fast_plan = plan_of(fast_cfg)
-    fast = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
+    if fast is None:
+        fast = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
     t_fast = fast.step_time_s
     buckets, issue = cal_lib.grad_buckets(fast_cfg, fast_plan)
     grad = float(sum(buckets))
@@ -970,7 +1040,11 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
                  flat_hw)
     rows.append({"mode": "flat", "step_time_s": r.step_time_s,
                  "exposed_dcn_s": max(0.0, r.step_time_s - t_fast),
-                 "dcn_bytes_per_step": 2 * (dcn * dp - 1) / (dcn * dp) * grad})
+                 "dcn_bytes_per_step": 2 * (dcn * dp - 1) / (dcn * dp) * grad,
+                 "memory_bytes": r.peak_memory_bytes + cal_lib.transient_bytes(flat_cfg,
+                                                                                flat_plan),
+                 "ccor": r.ccor, "bubble_rate": r.bubble_rate,
+                 "exposed_comm_s": r.exposed_comm_s, "hidden_comm": _hidden(r)})
     # hierarchical: a second bucket stream of 1/dp of each bucket over dcn
     slow_plan = dataclasses.replace(sim_plan(fast_cfg, fast_plan), dp=dcn,
                                     grad_buckets=tuple(b / dp for b in buckets))
@@ -985,19 +1059,131 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
     t_all = all_reduce_time(grad / dp, dcn, slow)
     rows.append({"mode": "delay1", "step_time_s": max(t_fast, t_all),
                  "exposed_dcn_s": max(0.0, t_all - t_fast), "dcn_bytes_per_step": per_step})
-    d = plan.diloco or dataclasses.replace(_default_diloco(), outer_dtype="bf16")
-    # outer-gradient bytes per gradient byte (the buckets are in overlap.grad_comm_dtype)
-    size = ({"fp32": 4, "bf16": 2, "int8": 1}[d.outer_dtype]
-            / (2 if fast_plan.overlap.grad_comm_dtype == "bf16" else 4))
-    frag = grad * size / d.fragments / dp
-    t_frag = all_reduce_time(frag, dcn, slow)
-    exposed = max(0.0, t_frag - (d.delay + 1) * t_fast) / d.period
-    rows.append({"mode": "diloco", "step_time_s": t_fast + exposed, "exposed_dcn_s": exposed,
-                 "dcn_bytes_per_step": 2 * (dcn - 1) / dcn * frag / d.period,
-                 "diloco": dataclasses.asdict(d)})
+    if dilocos is None:
+        dilocos = [plan.diloco or dataclasses.replace(_default_diloco(), outer_dtype="bf16")]
+    for d in dilocos:
+        # outer-gradient bytes per gradient byte (the buckets are in overlap.grad_comm_dtype)
+        size = ({"fp32": 4, "bf16": 2, "int8": 1}[d.outer_dtype]
+                / (2 if fast_plan.overlap.grad_comm_dtype == "bf16" else 4))
+        frag = grad * size / d.fragments / dp
+        t_frag = all_reduce_time(frag, dcn, slow)
+        exposed = max(0.0, t_frag - (d.delay + 1) * t_fast) / d.period
+        rows.append({"mode": "diloco", "step_time_s": t_fast + exposed,
+                     "exposed_dcn_s": exposed,
+                     "dcn_bytes_per_step": 2 * (dcn - 1) / dcn * frag / d.period,
+                     "diloco": dataclasses.asdict(d)})
     for row in rows:
         row["fast_step_time_s"] = t_fast
     return rows
+
+
+# DiLoCo settings the tuner's search tries (H, fragments, tau, outer dtype): the one the
+# convergence bench measures, and a sparser one with int8 outer gradients.
+DILOCO_SETTINGS: tuple[tuple[int, int, int, str], ...] = ((8, 2, 1, "bf16"), (32, 4, 1, "int8"))
+
+
+def _hidden(r) -> float:
+    """overlap / comm of a simulator result."""
+    m = r.metrics
+    return m.overlap_s / m.comm_s if m.comm_s > 0 else 0.0
+
+
+def slow_link_profile(hw: HardwareProfile, devices: int) -> bool:
+    """Whether `devices` fill the profile's hosts joined by a slow 'dcn' link: then the
+    tuner's search lays dp across the hosts (flat, or mesh.dcn = hosts)."""
+    return ("dcn" in hw.axes and hw.hosts > 1
+            and devices == hw.hosts * hw.devices_per_host)
+
+
+def _slow_candidates(cand: Candidate, hosts: int) -> list[Candidate]:
+    """The dcn = hosts versions of a flat candidate: hierarchical, one step late, DiLoCo."""
+    base = dataclasses.replace(cand, dcn=hosts, dp=cand.dp // hosts)
+    modes = ["hierarchical", "delay1"] + [
+        "diloco:" + ",".join(str(x) for x in d) for d in DILOCO_SETTINGS]
+    return [dataclasses.replace(base, slow=m) for m in modes]
+
+
+def _slow_state_bytes(cfg: Config, cand: Candidate) -> float:
+    """Per-device bytes the slow axis adds to the train state: the in-flight gradient
+    (delay 1), or the local copy and outer momentum (DiLoCo), fp32."""
+    plan = plan_of(cfg)
+    elems = cal_lib.stage_param_elements(cfg, plan)
+    if cand.slow == "delay1":
+        split = plan.dp if (plan.overlap.zero1 or plan.overlap.fsdp) else 1
+        return 4.0 * elems / split
+    if cand.stale:
+        return 8.0 * elems / (plan.dp if plan.overlap.fsdp else 1)
+    return 0.0
+
+
+def slow_link_search(candidates: Sequence[tuple[Candidate, Config]], hw: HardwareProfile,
+                     efficiency: float = FLOP_EFFICIENCY, keep: int = TABLE_ROWS
+                     ) -> tuple[list[Prediction], int]:
+    """The search on a profile of hosts joined by a slow link: every flat layout (dp over
+    all hosts, its reduction on the slow link) and its dcn = hosts versions (hierarchical,
+    one step late, DiLoCo settings of `DILOCO_SETTINGS`).
+
+    Each layout's host share (dp / hosts, 1 / hosts of the batch) is simulated first: every
+    way of crossing hosts is at least that fast step. Layouts are then simulated in full in
+    the order of their fast step, until the next fast step is slower than the `keep`-th
+    fitting plan found: no layout left can rank above it, so the leading `keep` plans are
+    exact.
+
+    Returns:
+      (the predictions of the layouts simulated in full, how many layouts were pruned).
+    """
+    hosts = hw.hosts
+    shares = []
+    for c, conf in candidates:
+        if c.dp % hosts:
+            continue  # tp / pp would span the hosts, which the profile does not describe
+        fast_cfg = _without_dcn(conf, c.dp // hosts, hosts)
+        try:
+            configlib.validate(fast_cfg)
+        except ConfigError:
+            continue
+        fast_plan = plan_of(fast_cfg)
+        r = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
+        shares.append((r.step_time_s, c.key(), c, conf, fast_cfg, fast_plan, r))
+    shares.sort(key=lambda x: (x[0], x[1]))
+    out: list[Prediction] = []
+    fitting: list[float] = []
+    done = 0
+    for t_fast, _, c, conf, fast_cfg, fast_plan, r in shares:
+        if len(fitting) >= keep and _sig(t_fast) > _sig(sorted(fitting)[keep - 1]):
+            break
+        done += 1
+        split_cfgs = []
+        for sc in _slow_candidates(c, hosts):
+            try:
+                split_cfgs.append((sc, apply_candidate(conf, sc)))
+            except ConfigError:
+                continue
+        if not split_cfgs:
+            continue
+        dilocos = [plan_of(k).diloco for sc, k in split_cfgs if sc.slow.startswith("diloco")]
+        rows = slow_axis_modes(split_cfgs[0][1], hw, efficiency, fast=r, dilocos=dilocos)
+        flat = rows[0]
+        by_mode = {"hierarchical": rows[1], "delay1": rows[2]}
+        by_mode.update({sc.slow: row for (sc, _), row in zip(
+            [x for x in split_cfgs if x[0].slow.startswith("diloco")], rows[3:])})
+        fast_memory = r.peak_memory_bytes + cal_lib.transient_bytes(fast_cfg, fast_plan)
+        entries = [(c, conf, flat["step_time_s"], flat["memory_bytes"], flat["ccor"],
+                    flat["hidden_comm"], flat["bubble_rate"], flat["exposed_comm_s"])]
+        for sc, k in split_cfgs:
+            row = by_mode[sc.slow]
+            entries.append((sc, k, row["step_time_s"], fast_memory + _slow_state_bytes(k, sc),
+                            r.ccor, _hidden(r), r.bubble_rate,
+                            r.exposed_comm_s + row["exposed_dcn_s"]))
+        for cand, k, step, memory, ccor, hidden, bubble, exposed in entries:
+            fits = memory <= memory_budget(hw)
+            out.append(Prediction(candidate=cand, config=k, step_time_s=step, simulated_s=step,
+                                  optimizer_s=0.0, ccor=ccor, hidden_comm=hidden,
+                                  bubble_rate=bubble, exposed_comm_s=exposed,
+                                  memory_bytes=memory, fits=fits))
+            if fits:
+                fitting.append(step)
+    return rank(out), len(shares) - done
 
 
 def slow_axis_search(cfg: Config, hardware: str):

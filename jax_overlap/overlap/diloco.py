@@ -257,10 +257,13 @@ def make_train_step(model, plan, mesh, optimizer, loss_and_grads, shardings, lr,
             params, momentum, local_in = jax.lax.optimization_barrier(
                 (params, momentum, local_in))
         loss, grads = loss_and_grads(local_in, batch)  # grads: (dcn, ...) per group
+        # Scaled to the global batch; the inner optimizer steps on the group's own mean
+        # gradient (clipping sees one group's gradient, as on one device on its data).
+        grads = jax.tree.map(lambda g: g * plan.dcn, grads)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
-                                 for g in jax.tree.leaves(grads)))
+                                 for g in jax.tree.leaves(grads)) / plan.dcn)
         updates, opt_state = jax.vmap(optimizer.update)(grads, state.opt_state, outer.local)
         local = optax.apply_updates(outer.local, updates)
         local = land(state.step, params, local)

@@ -96,6 +96,11 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
     # the constraint below all-gathers the updated parameters that are stored replicated.
     abstract_params = jax.eval_shape(model.init, jax.random.key(0))
     shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan)
+    if plan.slow_mode == "local" and plan.diloco is None:  # dcn_delay_mode local
+        from jax_overlap.overlap import local_delay
+
+        return local_delay.make_train_step(plan, mesh, optimizer, loss_and_grads, shardings,
+                                           lr, fault_hook, jit)
     if plan.slow_mode == "local":
         from jax_overlap.overlap import diloco
 
@@ -185,7 +190,7 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None, plan=N
     opt_abstract = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, grad_sh,
                                    transform_non_params=lambda _: replicated)
-    if plan is not None and plan.slow_mode == "local":  # DiLoCo: one inner state per group
+    if plan is not None and plan.slow_mode == "local":  # one (inner) state per group
         from jax_overlap.overlap import diloco
 
         opt_sh = diloco.opt_shardings(mesh, optimizer, abstract_params, grad_sh)
@@ -201,6 +206,10 @@ def _slow_shardings(plan, mesh, optimizer, abstract_params, param_sh) -> Any:
     if mode == "delay":
         return delay.shardings(mesh, grad_out_specs(plan), param_sh,
                                plan.overlap.dcn_delay_compensation > 0)
+    if mode == "local" and plan.diloco is None:
+        from jax_overlap.overlap import local_delay
+
+        return local_delay.shardings(mesh, param_sh)
     if mode == "local":
         from jax_overlap.overlap import diloco
 
@@ -214,6 +223,10 @@ def _slow_init(plan, params, optimizer) -> Any:
         # Gradients have the parameters' global shapes (ZeRO-1 only shards them otherwise).
         return delay.init(params, plan.dcn,
                           params if plan.overlap.dcn_delay_compensation > 0 else None)
+    if plan.slow_mode == "local" and plan.diloco is None:
+        from jax_overlap.overlap import local_delay
+
+        return local_delay.init(plan, params)
     if plan.slow_mode == "local":
         from jax_overlap.overlap import diloco
 
