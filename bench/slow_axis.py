@@ -40,7 +40,7 @@ sys.path.insert(0, REPO)
 
 VARIANTS = {
     "sync": [],
-    "delay1": ["overlap.dcn_delay=1"],
+    "delay1": ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=gradient"],
     "delay1_local": ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=local"],
     "diloco": ["diloco.inner_steps=8", "diloco.fragments=2", "diloco.delay=1",
                "diloco.outer_dtype=bf16"],

@@ -109,7 +109,7 @@ class OverlapPlan:
     dcn_delay: int = 0
     dcn_delay_compensation: float = 0.0
     dcn_comm_dtype: str = "fp32"
-    dcn_delay_mode: str = "gradient"
+    dcn_delay_mode: str = "local"
 
     @property
     def buckets_in_loop(self) -> bool:

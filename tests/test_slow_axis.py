@@ -67,7 +67,8 @@ def test_delayed_gradient_summed_over_dcn_matches_single_device(reference, extra
     """overlap.dcn_delay=1: the step's per-dcn-group gradients (reduced over dp only), summed
     over dcn as the next step does, are the single-device gradients."""
     model, params, batch, ref_loss, ref_grads = reference
-    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", *extra])
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=gradient",
+                                    *extra])
     plan = ParallelPlan.build(cfg, model)
     assert plan.slow_mode == "delay"
     mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
@@ -141,8 +142,8 @@ def test_delayed_training_is_one_device_training_with_the_gradient_one_step_late
     from jax_overlap.training import grads as gradslib
     from models.gpt import GPT
 
-    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "train.steps=5",
-                                    "guard.enabled=false"])
+    cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=gradient",
+                                    "train.steps=5", "guard.enabled=false"])
     run = train.run(cfg, str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
     model = GPT.from_config(cfg.model)
     params = model.init(jax.random.key(cfg.train.seed))
@@ -167,7 +168,7 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("mode", ["gradient", pytest.param("local", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["local", pytest.param("gradient", marks=pytest.mark.slow)])
 def test_nan_with_delay_rolls_back_and_drops_the_undone_in_flight_gradient(tmp_path, mode):
     """A NaN at step 3 is rejected (never in flight); the rollback restores the checkpoint of
     step 2, whose in-flight gradient (mode local: the groups' updates) belongs to the undone
