@@ -36,6 +36,7 @@ TESTED = {
     "remat.py": "test_remat_quick",
     "simulator_validation.py": "test_simulator_validation_quick",
     "slow_axis.py": "test_slow_axis_quick",
+    "slow_axis_methods.py": "test_slow_axis_methods_quick",
     "stage_balance.py": "test_stage_balance_quick",
     "step_time.py": "test_step_time_quick",
 }
@@ -225,6 +226,16 @@ def test_slow_axis_quick():
     for r in rows:
         assert positive(r[1]) and positive(r[2])
     assert float(rows[0][3]) == 0.0
+
+
+def test_slow_axis_methods_quick():
+    out = run_bench("slow_axis_methods.py")
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["method"] for r in runs] == ["sync", "delay", "local"]
+    for r in runs:
+        assert 0 < r["final"] < 20 and 0 < r["tail_mean"] < 20
+    # The late gradient's first step applies nothing, so it ends elsewhere than sync.
+    assert runs[1]["final"] != runs[0]["final"]
 
 
 def test_fault_drill_quick():
