@@ -86,23 +86,37 @@ def gpt_reference(overrides=()):
     return model, params, batch, float(loss), grads
 
 
-def cached_references(cfg_for_tied):
-    """`get(tied) -> (model, params, batch, loss, grads)`: the tiny GPT's single-device loss
-    and gradients for the config `cfg_for_tied(tied)` returns, computed once per `tied`."""
+def cached_references(cfg_for_key, model_cls=None):
+    """`get(key) -> (model, params, batch, loss, grads)`: the single-device loss and gradients
+    of `model_cls` (default the GPT) for the config `cfg_for_key(key)` returns, computed once
+    per key (e.g. `tied`, or Llama's `kv_heads`)."""
     from jax_overlap.training import grads as gradslib
     from models.gpt import GPT
 
+    model_cls = model_cls or GPT
     cache = {}
 
-    def get(tied):
-        if tied not in cache:
-            cfg = cfg_for_tied(tied)
-            model = GPT.from_config(cfg.model)
+    def get(key):
+        if key not in cache:
+            cfg = cfg_for_key(key)
+            model = model_cls.from_config(cfg.model)
             params = model.init(jax.random.key(cfg.train.seed))
             batch = np_batch(cfg)
             loss, grads = jax.jit(jax.value_and_grad(
                 lambda p: gradslib.reference_loss(model, p, batch)))(params)
-            cache[tied] = (model, params, batch, float(loss), grads)
-        return cache[tied]
+            cache[key] = (model, params, batch, float(loss), grads)
+        return cache[key]
 
     return get
+
+
+def schedule_sweep(meshes, policies=("none", "full", "save_dots")) -> list[tuple]:
+    """Every schedule x (pp, dp, tp) mesh x remat policy, as the equivalence sweeps
+    parametrize them: `(schedule, pp, dp, tp, microbatches = 2 pp, tied, remat)`, tied on
+    every other case."""
+    from jax_overlap.pipeline import schedules
+
+    cases = [(name, mesh, policy) for name in schedules.SCHEDULES for mesh in meshes
+             for policy in policies]
+    return [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
+            for i, (name, (pp, dp, tp), policy) in enumerate(cases)]

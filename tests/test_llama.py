@@ -10,13 +10,12 @@ for every kv_heads.
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, max_rel_err, np_batch, rel
+from helpers import TINY, cached_references, max_rel_err, rel
 
 from jax_overlap import config
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
 from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 from models.llama import Llama, Rope
 
@@ -34,25 +33,12 @@ def llama_cfg(kv, dp=1, tp=1, pp=1, extra=()):
 @pytest.fixture(scope="module")
 def references():
     """Single-device loss and gradients per kv_heads (computed once each)."""
-    cache = {}
-
-    def get(kv):
-        if kv not in cache:
-            cfg = llama_cfg(kv)
-            model = Llama.from_config(cfg.model)
-            params = model.init(jax.random.key(cfg.train.seed))
-            batch = np_batch(cfg)
-            loss, grads = jax.jit(jax.value_and_grad(
-                lambda p: gradslib.reference_loss(model, p, batch)))(params)
-            cache[kv] = (params, batch, float(loss), grads)
-        return cache[kv]
-
-    return get
+    return cached_references(llama_cfg, Llama)
 
 
 def check(references, kv, dp, tp, pp=1, extra=()):
     cfg = llama_cfg(kv, dp, tp, pp, extra)
-    params, batch, ref_loss, ref_grads = references(kv)
+    _, params, batch, ref_loss, ref_grads = references(kv)
     model = Llama.from_config(cfg.model, tp=tp)
     plan = ParallelPlan.build(cfg, model)
     mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])

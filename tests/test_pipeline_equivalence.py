@@ -9,7 +9,7 @@ schedule x mesh x microbatch count, sequence-parallel TP, and curves for every s
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, cached_references, max_rel_err, np_batch, rel
+from helpers import TINY, cached_references, max_rel_err, np_batch, rel, schedule_sweep
 
 from jax_overlap import config
 from jax_overlap import plan as plan_lib
@@ -93,11 +93,7 @@ REMAT_CASES = [
     ("1f1b", 4, 2, 1, 4, False, "save_dots"),
     ("zb-v", 2, 4, 1, 2, True, "minimal"),
 ]
-REMAT_SWEEP = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
-               for i, (name, (pp, dp, tp), policy) in enumerate(
-                   (name, mesh, policy) for name in schedules.SCHEDULES
-                   for mesh in [(4, 2, 1), (2, 2, 2), (2, 4, 1)]
-                   for policy in ("none", "full", "save_dots"))]
+REMAT_SWEEP = schedule_sweep([(4, 2, 1), (2, 2, 2), (2, 4, 1)])
 
 
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", REMAT_CASES)
@@ -120,11 +116,7 @@ PAIRED_CASES = [
     ("1f1b", 2, 2, 2, 4, False, "full"),
     ("interleaved", 2, 4, 1, 4, True, "save_dots"),
 ]
-PAIRED_SWEEP = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, policy)
-                for i, (name, (pp, dp, tp), policy) in enumerate(
-                    (name, mesh, policy) for name in schedules.SCHEDULES
-                    for mesh in [(4, 2, 1), (2, 2, 2), (2, 4, 1)]
-                    for policy in ("none", "full", "save_dots"))]
+PAIRED_SWEEP = REMAT_SWEEP  # the same grid, each case with paired ticks
 
 
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_CASES)

@@ -10,7 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, cached_references, max_rel_err, rel, run_cli
+from helpers import TINY, cached_references, max_rel_err, rel, run_cli, schedule_sweep
 
 from jax_overlap import config
 from jax_overlap.config import ConfigError
@@ -32,11 +32,7 @@ DEFAULT_CASES = [
     ("interleaved", 2, 2, 2, 4, True, "full"),
     ("zb-v", 4, 2, 1, 4, False, "none"),
 ]
-SLOW_CASES = [(name, pp, dp, tp, 2 * pp, i % 2 == 0, remat)
-              for i, (name, (pp, dp, tp), remat) in enumerate(
-                  (name, mesh, remat) for name in schedules.SCHEDULES
-                  for mesh in [(4, 2, 1), (2, 2, 2)]
-                  for remat in ("none", "full", "save_dots"))]
+SLOW_CASES = schedule_sweep([(4, 2, 1), (2, 2, 2)])
 # Uneven stages with the rest of the overlap machinery: in-loop buckets (the chunk's last
 # backward unrolled with bucket hooks), fsdp, ZeRO-1, latency-2 transfers.
 COMPOSE_CASES = [
