@@ -44,8 +44,8 @@ on the last; F, B and W are made of these as the step runs them:
   ``f``, B = ``fb - f``;
 * ``pp > 1`` (an F stashes its ``jax.vjp`` residuals, so a backward re-runs no forward
   but what ``model.remat: full`` recomputes, ``block_f`` a layer): B = ``fb - f``
-  (non-split), or B = ``fbx - f`` (the input gradients) and W = ``fb - fbx`` (the
-  weight-gradient GEMMs), the head's backward half in each (split; B of virtual stage 0
+  (non-split), or ``fb - f`` split in the ratio ``fbx : fbw`` between B (the input
+  gradients) and W (the weight-gradient GEMMs), the head's backward half in each (split; B of virtual stage 0
   has no input gradient to compute and is free, and its W does the whole backward).
 
 Shared cores
@@ -1115,13 +1115,16 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             bwd.append(max(fb - f, 0.0) + n * redo)
             wgt.append(0.0)
         else:
-            # B = the input gradients (fbx less its forward) plus the remat recompute; W = the
-            # weight-gradient GEMMs on what B kept (fb less fbx). The head's backward runs
-            # half in each (its pullback gives the input gradient in B, the weights' in W). On
-            # virtual stage 0 the split B has no input gradient to compute and is free, and W
-            # does the whole backward, the embedding's included.
-            block_b = max(s[f"{blk}_fbx"] - s[f"{blk}_f"], 0.0)
-            block_w = max(s[f"{blk}_fb"] - s[f"{blk}_fbx"], 0.0)
+            # The measured backward (fb less its forward) split between B (the input
+            # gradients, plus the remat recompute) and W (the weight-gradient GEMMs on what B
+            # kept) in the ratio of the measured split pieces fbx : fbw. Differences such as
+            # fbx - f are noise at small shapes; the ratio keeps both parts positive. The
+            # head's backward runs half in each (its pullback gives the input gradient in B,
+            # the weights' in W). On virtual stage 0 the split B has no input gradient to
+            # compute and is free, and W does the whole backward, the embedding's included.
+            back = max(s[f"{blk}_fb"] - s[f"{blk}_f"], 0.0)
+            share = s[f"{blk}_fbx"] / (s[f"{blk}_fbx"] + s[f"{blk}_fbw"])
+            block_b, block_w = back * share, back * (1.0 - share)
             head = last * max(s["head_fb"] - s["head_f"], 0.0) / 2
             fwd.append(f)
             if first:
