@@ -661,7 +661,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
         return jax.lax.optimization_barrier((pool, inbox))
 
-    def act(pool, res, grads, loss, row, inbox=None):
+    def act(pool, res, grads, loss, row, inbox=None, tie=None):
         # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
         # returns is written back to the slots its branch fills and to each pool's trash
         # slot otherwise. Handing the switch whole pools would copy them every tick.
@@ -674,9 +674,15 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         if inbox is None:
             inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
         mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads, loss, row)
+        if tie is not None:
+            # Transfers that must be under this action: nothing that reads them may run
+            # before the action's results exist, so their only cover is the action itself
+            # (not the slot writes after it, which XLA's cost model would count as enough).
+            (mine, grads, loss, out), tie = jax.lax.optimization_barrier(
+                ((mine, grads, loss, out), tie))
         res = {name: [p.at[jnp.where(writes[name][branch], index[name], p.shape[0] - 1)].set(v)
                       for p, v in zip(res[name], mine[name])] for name in res}
-        return res, grads, loss, out
+        return (res, grads, loss, out) if tie is None else (res, grads, loss, out, tie)
 
     def tick(carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
@@ -747,16 +753,13 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         lanes_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
         arrival_b = send(pending_b, 1)
         pool, inbox = read_inbox(pool, lanes[0])
-        res, grads, loss, out_f = act(pool, res, grads, loss, lanes[0], inbox)
+        res, grads, loss, out_f, arrival_b = act(pool, res, grads, loss, lanes[0], inbox,
+                                                 tie=arrival_b)
         pool = file_all(pool, lanes[1], arrival_b, 1)
-        if shared_rings:
-            # Sent once the backward's transfers have landed: where both lanes use the same
-            # ring (ZB-V) XLA would otherwise combine the two permutes into one, issued after
-            # the forward and hidden under nothing.
-            out_f, _ = jax.lax.optimization_barrier((out_f, arrival_b))
         arrival_f = send(out_f, 0)
         pool, inbox = read_inbox(pool, lanes[1])
-        res, grads, loss, out_b = act(pool, res, grads, loss, lanes[1], inbox)
+        res, grads, loss, out_b, arrival_f = act(pool, res, grads, loss, lanes[1], inbox,
+                                                 tie=arrival_f)
         pool = file_all(pool, lanes_next[0], arrival_f, 0)
         return (pool, res, out_b, grads, loss), None
 
