@@ -147,3 +147,28 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     hidden = sum(op["bytes"] * op["executions_per_step"] for op in in_loop
                  if op["async"] and op["gemms_between"])
     assert hidden / moved >= 0.5  # the chunk's first layer's buckets have nothing left
+
+
+@pytest.mark.slow
+def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
+    """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: both lanes send on both rings,
+    four permutes a tick, and each runs beside the other lane's `conditional` (its GEMMs), not
+    beside the slot writes after it (the executor ties each lane's arrivals to its results)."""
+    from helpers import last_json_line, run_cli
+
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
+    overrides = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=8", "model.d_model=32",
+                 "model.heads=4", "model.d_ff=64", "model.seq_len=16", "data.source=synthetic",
+                 "pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.paired=true",
+                 "pipeline.microbatches=8", "train.global_batch=16",
+                 "overlap.xla_preset=gpu_overlap"]
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
+                   *[a for o in overrides for a in ("--set", o)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    permutes = [op for op in last_json_line(proc.stdout)["ops"]
+                if op["kind"] == "collective-permute"]
+    assert len(permutes) == 4
+    assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
