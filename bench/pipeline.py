@@ -46,6 +46,10 @@ QUICK_SCHEDULES = (("1f1b", 1), ("zb-v", 2))
 PAIRINGS = (False, True)  # every schedule also with paired F+B ticks (`pipeline.paired`)
 QUICK_MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.d_ff=64",
                "model.seq_len=16", "train.global_batch=16", "data.source=synthetic"]
+# Paired rows: `pipeline.pair_search` steps, balancing the lockstep ticks at the F/B/W tick
+# costs this run measured (`pipeline.tick_costs`); --quick: a few steps.
+PAIR_SEARCH = 600
+QUICK_PAIR_SEARCH = 5
 TICKS = 8  # ticks of the single-action programs
 TICK_M = 8  # microbatches (so microbatch size) of the single-action programs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,9 +148,13 @@ def main() -> None:
     ap.add_argument("--schedules", default="",
                     help="comma-separated subset of the schedules, e.g. 1f1b,zb-v")
     ap.add_argument("--microbatches", default="", help="comma-separated, e.g. 8")
+    ap.add_argument("--pair-search", type=int, default=PAIR_SEARCH,
+                    help="paired rows: steps of the pairing search at the measured tick costs "
+                         "(pipeline.pair_search; 0: one pairing quorum per table)")
     args = ap.parse_args()
     if args.quick:
         args.reps = 1
+        args.pair_search = min(args.pair_search, QUICK_PAIR_SEARCH)
     elif args.out is None:
         args.out = os.path.join(REPO, "bench", "results", "pipeline.json")
     microbatches = QUICK_MICROBATCHES if args.quick else MICROBATCHES
@@ -230,9 +238,14 @@ def main() -> None:
     rows = []
     for m in microbatches:
         for (name, chunks), paired in ((sc, pr) for sc in schedules for pr in PAIRINGS):
+            search = ([f"pipeline.pair_search={args.pair_search}",
+                       # (a noisy tick that measured below the idle one still counts)
+                       "pipeline.tick_costs=[{}]".format(",".join(
+                           f"{max(cost[k], 1e-3):.4f}" for k in "FBW"))] if paired else [])
             cfg, model, mesh, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
-                f"pipeline.virtual_stages={chunks}", f"pipeline.paired={str(paired).lower()}"])
+                f"pipeline.virtual_stages={chunks}", f"pipeline.paired={str(paired).lower()}",
+                *search])
             fn = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
             compile_s, step_s, compiled = timed(fn, (params, batch), args.reps)
             program = fn.program
@@ -241,7 +254,9 @@ def main() -> None:
             act = micro * cfg.model.seq_len * cfg.model.d_model * 4  # one fp32 activation
             stash = (program.slots + 1) * act + sum(
                 v for k, v in executor.residual_bytes(model, plan, mesh).items() if k != "slot")
-            rows.append({"schedule": name, "paired": paired, "stages": STAGES, "microbatches": m,
+            rows.append({"schedule": name, "paired": paired,
+                         "pair_search": args.pair_search if paired else 0,
+                         "stages": STAGES, "microbatches": m,
                          "bubble": program.idle_fraction(),
                          "weighted_bubble": weighted_bubble(program, cost),
                          "step_ms": step_s * 1e3, "stash_bytes": int(stash),

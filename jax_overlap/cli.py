@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ticks between stages: 2 overlaps transfers with the next tick")
     p.add_argument("--paired", action="store_true",
                    help="paired F+B ticks: a stage runs a forward and a backward per tick")
+    p.add_argument("--pair-search", type=int, default=0,
+                   help="with --paired: steps of the search over which ticks run pairs")
+    p.add_argument("--tick-costs", default=None,
+                   help="with --paired: F,B,W tick times the pairing balances, e.g. 15.2,18.8,18.6")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
@@ -182,7 +186,8 @@ def cmd_schedule(args) -> int:
 
     print(schedule_command(args.schedule, args.stages, args.microbatches, args.virtual,
                            as_json=args.json, transfer_latency=args.transfer_latency,
-                           paired=args.paired))
+                           paired=args.paired, tick_costs=args.tick_costs,
+                           pair_search=args.pair_search))
     return 0
 
 

@@ -126,6 +126,13 @@ class PipelineConfig:
     # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
     # twice the unpaired schedule's activations per stage.
     paired: bool = False
+    # Paired tables only. pair_search: steps of a search over which ticks run pairs, so the
+    # actions sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the
+    # whole step; ~35 ms a step at p = 4, m = 16, done once when the plan is built).
+    # tick_costs: [F, B, W], measured per-action tick times (`bench/pipeline.py` prints
+    # them) or ratios; null: equal.
+    pair_search: int = 0
+    tick_costs: list[float] | None = None
     # Layers per virtual stage, in model order (pp x virtual_stages counts summing to
     # model.layers): even (equal chunks), auto (balanced by cost, counting the embedding on
     # the first virtual stage and the LM head + loss on the last), or an explicit list.
@@ -555,6 +562,17 @@ def validate(cfg: Config) -> None:
         p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
                  f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "
                  f"pipeline.transfer_latency=1 or pipeline.paired=false")
+    if not isinstance(pl.pair_search, int) or pl.pair_search < 0:
+        p.append(f"pipeline.pair_search: must be an integer >= 0 (search steps), got "
+                 f"{pl.pair_search!r}; try 300")
+    elif pl.pair_search and not pl.paired:
+        p.append("pipeline.pair_search: searches where paired ticks run; set pipeline.paired="
+                 "true or pipeline.pair_search=0")
+    costs = pl.tick_costs
+    if costs is not None and (not isinstance(costs, (list, tuple)) or len(costs) != 3 or not all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in costs)):
+        p.append(f"pipeline.tick_costs: must be three positive numbers [F, B, W] (per-action "
+                 f"tick times, e.g. [15.2, 18.8, 18.6]), got {costs!r}; or null for equal")
     if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v"):
         p.append(f"pipeline.virtual_stages: {pl.virtual_stages} needs pipeline.schedule "
                  f"interleaved or zb-v (got {pl.schedule}); set it to 1")

@@ -351,8 +351,10 @@ class ParallelPlan:
         microbatches = _resolve_microbatches(cfg, target, overlap, choices)
         try:
             # One stage runs the plain microbatch loop whatever schedule is named.
+            costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
             schedule = (cached_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
-                                        pl.transfer_latency, pl.paired) if m.pp > 1
+                                        pl.transfer_latency, pl.paired, costs,
+                                        pl.pair_search) if m.pp > 1
                         else cached_schedule("1f1b", 1, microbatches))
         except ValueError as e:
             raise ConfigError([str(e)]) from None
@@ -384,10 +386,14 @@ class ParallelPlan:
 
 @functools.lru_cache(maxsize=1024)
 def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1,
-                    transfer_latency: int = 1, paired: bool = False) -> Schedule:
+                    transfer_latency: int = 1, paired: bool = False,
+                    tick_costs: tuple[float, float, float] | None = None,
+                    pair_search: int = 0) -> Schedule:
     """`make_schedule`, memoised: the tuner plans hundreds of configs and a large table takes a
     while to build. Schedules are immutable, so sharing one is safe."""
-    return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency, paired)
+    cost = dict(zip(("F", "B", "W"), tick_costs)) if tick_costs is not None else None
+    return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency, paired,
+                         cost, pair_search)
 
 
 def _layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None

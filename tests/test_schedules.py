@@ -649,6 +649,58 @@ def test_paired_generator_balances_lockstep_cost():
     assert not make_schedule("zb-v", 4, 4, 2, paired=True).paired  # nothing to gain at m=4
 
 
+def test_per_tick_quorums_and_the_pairing_search():
+    """A per-tick quorum sequence that repeats one share builds that share's table; the search
+    (deterministic for its seed) keeps every task once and the generator's activation caps,
+    and balances lockstep ticks at unequal costs better than any single quorum."""
+    from jax_overlap.pipeline.schedules import (
+        PAIR_QUORUMS,
+        _build,
+        peak_activations,
+        search_pairings,
+        weighted_bubble_fraction,
+    )
+
+    cost = {"F": 15.2, "B": 18.8, "W": 18.6}  # bench/pipeline.py's CPU tick costs
+    base = make_schedule("zb-v", 4, 8, 2)
+    caps = [2 * p for p in peak_activations(base)]
+    for q in PAIR_QUORUMS:
+        assert (_build("zb-v", 4, 8, 2, 1, True, caps, (q,) * 5).grid
+                == _build("zb-v", 4, 8, 2, 1, True, caps, q).grid)
+    fixed = make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost)
+    searched = make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost, search=40)
+    validate(searched)
+    assert searched.grid == make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost,
+                                          search=40).grid
+    assert sorted(searched.task(d, a) for d, _, a in searched.actions()) == sorted(
+        base.task(d, a) for d, _, a in base.actions())
+    assert all(got <= cap for got, cap in zip(peak_activations(searched), caps))
+    assert (weighted_bubble_fraction(searched, cost)
+            < weighted_bubble_fraction(fixed, cost) - 0.005)
+    # No step improves a 1F1B table that pairs every steady tick: the start table comes back.
+    assert search_pairings("1f1b", 4, 8, 1, [8, 6, 4, 2], cost, 0.0, 10).grid == make_schedule(
+        "1f1b", 4, 8, paired=True, cost=cost).grid
+
+
+def test_pairing_search_options_are_checked():
+    from helpers import TINY
+
+    from jax_overlap import config
+    from jax_overlap.pipeline.schedules import schedule_command
+
+    with pytest.raises(ValueError, match="--pair-search: .*add --paired"):
+        schedule_command("zb-v", 4, 8, 2, pair_search=5)
+    with pytest.raises(ValueError, match="--tick-costs: three positive numbers"):
+        schedule_command("zb-v", 4, 8, 2, paired=True, tick_costs="1,x,2")
+    for bad, field in ((["pipeline.pair_search=5"], "pipeline.pair_search"),
+                       (["pipeline.pair_search=-1", "pipeline.paired=true"],
+                        "pipeline.pair_search"),
+                       (["pipeline.tick_costs=[1,2]"], "pipeline.tick_costs"),
+                       (["pipeline.tick_costs=[1,0,2]"], "pipeline.tick_costs")):
+        with pytest.raises(config.ConfigError, match=field):
+            config.load(TINY, bad)
+
+
 def test_paired_refuses_latency_2():
     with pytest.raises(ValueError, match="pipeline.transfer_latency"):
         make_schedule("1f1b", 4, 8, transfer_latency=2, paired=True)
