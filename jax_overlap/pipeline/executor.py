@@ -713,7 +713,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         if program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
         pool, inbox = read_inbox(pool, row)
-        res, grads, loss, out = act(pool, res, grads, loss, row, inbox)
+        res, grads, loss, out, (arrival_down, arrival_up) = act(
+            pool, res, grads, loss, row, inbox, tie=(arrival_down, arrival_up))
         if program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
         if program.up_pairs:
