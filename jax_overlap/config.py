@@ -312,7 +312,10 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         problems.append(f"{where}: {value!r} is not one of {_type_name(tp)}{hint}")
         return None
-    if tp is bool:
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:

@@ -699,6 +699,12 @@ def test_pairing_search_options_are_checked():
                        (["pipeline.tick_costs=[1,0,2]"], "pipeline.tick_costs")):
         with pytest.raises(config.ConfigError, match=field):
             config.load(TINY, bad)
+    # null (equal costs) is a value, as a config written out by `tune` holds it.
+    assert config.load(TINY, ["pipeline.tick_costs=null"]).pipeline.tick_costs is None
+    import dataclasses
+    cfg = config.load(TINY, ["pipeline.tick_costs=[1,2,3]"])
+    assert config.from_dict(dataclasses.asdict(cfg)).pipeline.tick_costs == [1.0, 2.0, 3.0]
+    assert config.from_dict(dataclasses.asdict(config.load(TINY))).pipeline.tick_costs is None
 
 
 def test_paired_refuses_latency_2():

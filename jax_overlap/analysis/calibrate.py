@@ -513,8 +513,11 @@ class Calibrator:
             self._compiled[key] = _on_all(fn, self.devices, args, batch_args)
         # In a train step every piece runs inside one program: its own call's launch
         # overhead is not part of its cost. Block pieces run every layer: per layer.
+        # A piece that times at or under a trivial launch (the embedding at tiny shapes, on a
+        # loaded host) still does work: it keeps a twentieth of its call, never zero.
         per = self.cfg.model.layers if quantity.startswith("block_") else 1
-        seconds = max(self._time(key) - self.dispatch_s(), 0.0) / per
+        call = self._time(key)
+        seconds = max(call - self.dispatch_s(), call / 20) / per
         return Sample(quantity, micro_batch, tp, seconds)
 
     def dispatch_s(self) -> float:
