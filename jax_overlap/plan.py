@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.pipeline.program import TickProgram, compile_program
-from jax_overlap.pipeline.schedules import Schedule, make_schedule
+from jax_overlap.pipeline.schedules import KINDS, Schedule, make_schedule
 
 MIB = 2**20
 
@@ -391,7 +391,7 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
                     pair_search: int = 0) -> Schedule:
     """`make_schedule`, memoised: the tuner plans hundreds of configs and a large table takes a
     while to build. Schedules are immutable, so sharing one is safe."""
-    cost = dict(zip(("F", "B", "W"), tick_costs)) if tick_costs is not None else None
+    cost = dict(zip(KINDS, tick_costs)) if tick_costs is not None else None
     return make_schedule(name, stages, microbatches, virtual_stages, transfer_latency, paired,
                          cost, pair_search)
 

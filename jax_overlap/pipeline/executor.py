@@ -654,12 +654,15 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     zeros = ctx.zeros_btd
     writes = _pool_writes(program, res0)
 
+    def slots(pool, row):
+        # The two slots an action can read: its input and its output gradient.
+        return {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
+
     def read_inbox(pool, row):
-        # The two slots an action reads, tied to the pool that holds them: arrivals filed
-        # into the pool after this point then update it in place. Without the tie nothing
-        # orders these reads before those writes, and XLA copies the whole pool every tick.
-        inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
-        return jax.lax.optimization_barrier((pool, inbox))
+        # The action's slots, tied to the pool that holds them: arrivals filed into the pool
+        # after this point then update it in place. Without the tie nothing orders these
+        # reads before those writes, and XLA copies the whole pool every tick.
+        return jax.lax.optimization_barrier((pool, slots(pool, row)))
 
     def act(pool, res, grads, loss, row, inbox=None, tie=None):
         # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
@@ -672,7 +675,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         index = {name: row[COL[_POOL_SLOT[name]]] for name in res}
         mine = {name: [p[index[name]] for p in leaves] for name, leaves in res.items()}
         if inbox is None:
-            inbox = {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
+            inbox = slots(pool, row)
         mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads, loss, row)
         if tie is not None:
             # Transfers that must be under this action: nothing that reads them may run
@@ -737,9 +740,6 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         # same-stage hand-off is the value itself.
         down_pairs, up_pairs, _ = program.lane_rings[lane]
         return _ring(out, down_pairs, zeros), _ring(out, up_pairs, zeros), out
-
-    shared_rings = program.lanes == 2 and any(
-        set(program.lane_rings[0][i]) & set(program.lane_rings[1][i]) for i in (0, 1))
 
     def paired_tick(carry, rows_now_next):
         # Lane 0 runs the forward, lane 1 the backward, each as a skewed half-tick: what

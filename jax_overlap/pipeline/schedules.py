@@ -1059,16 +1059,20 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
     import random
 
     rng = random.Random(seed)
+    def draw_weights(table):
+        # Re-draw where the table wastes time (every tick a little, so each can be drawn).
+        waste = tick_waste(table, cost)
+        floor = sum(waste) / len(waste) / 10 + 1e-9
+        return [w + floor for w in waste]
+
     best, key = first, _pairing_key(first, cost)
-    shares = [start] * best.ticks
+    shares, weights = [start] * best.ticks, draw_weights(first)
     for _ in range(steps):
         trial = list(shares)
-        # Re-draw where the table wastes time, or up to three ticks before (the choice that
-        # lets a tick pair, or not, is made a little earlier).
-        waste = tick_waste(best, cost)
-        floor = sum(waste) / len(waste) / 10 + 1e-9
+        # A wasteful tick, or up to three ticks before it (the choice that lets a tick pair,
+        # or not, is made a little earlier).
         for _ in range(rng.randint(1, 3)):
-            k = rng.choices(range(len(waste)), weights=[w + floor for w in waste])[0]
+            k = rng.choices(range(len(weights)), weights=weights)[0]
             trial[min(max(k - rng.randint(0, 3), 0), len(trial) - 1)] = rng.choice(PAIR_QUORUMS)
         try:
             table = _build(name, stages, microbatches, virtual_stages, 1, True, caps,
@@ -1079,6 +1083,7 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
         if trial_key <= key:
             best, key = table, trial_key
             shares = (trial + [trial[-1]] * table.ticks)[:max(table.ticks, 1)]
+            weights = draw_weights(table)
     return best
 
 
