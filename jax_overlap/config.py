@@ -137,6 +137,13 @@ class PipelineConfig:
     # model.layers): even (equal chunks), auto (balanced by cost, counting the embedding on
     # the first virtual stage and the LM head + loss on the last), or an explicit list.
     stage_layers: Literal["even", "auto"] | list[int] = "even"
+    # Vocabulary-parallel LM head: instead of the last virtual stage's stage running the
+    # whole head and loss, every stage computes the logits of 1/pp of the vocabulary for
+    # each microbatch (its last hidden state broadcast over pp, the softmax statistics and
+    # the hidden state's gradient summed over pp), so no stage carries the head's ~2 layers
+    # of extra work. Needs pp > 1, a model whose head supports it (the built-in decoders)
+    # and vocab / tp divisible by pp.
+    vocab_parallel: bool = False
 
 
 @dataclass
@@ -418,14 +425,16 @@ def _data_vocab(cfg: Config) -> tuple[int, str]:
 
 
 def resolve_vocab(cfg: Config) -> Config:
-    """`model.vocab: auto` -> the data's tokenizer size rounded up to a multiple of mesh.tp."""
+    """`model.vocab: auto` -> the data's tokenizer size rounded up to a multiple of mesh.tp
+    (of mesh.tp x mesh.pp under `pipeline.vocab_parallel`)."""
     if cfg.model.vocab != "auto":
         return cfg
     from jax_overlap.data.tokenizer import padded_vocab
 
     size, _ = _data_vocab(cfg)
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, vocab=padded_vocab(size, max(1, cfg.mesh.tp))))
+        cfg.model, vocab=padded_vocab(size, max(1, cfg.mesh.tp) * (
+            cfg.mesh.pp if cfg.pipeline.vocab_parallel else 1))))
 
 
 def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
@@ -515,6 +524,17 @@ def validate(cfg: Config) -> None:
         if ov.tp_comm not in ("plain", "auto") and mo.seq_len % m.tp:
             p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
+    if pl.vocab_parallel:
+        if m.pp == 1:
+            p.append("pipeline.vocab_parallel: needs mesh.pp > 1 (it splits the head over the "
+                     "pipeline stages); set it to false")
+        elif mo.kind == "resnet":
+            p.append("pipeline.vocab_parallel: resnet's head is a small classifier with no "
+                     "vocabulary to split; set it to false")
+        elif mo.kind in ("gpt", "bert", "llama") and mo.vocab % (m.tp * m.pp):
+            p.append(f"pipeline.vocab_parallel: model.vocab {mo.vocab} is not divisible by "
+                     f"mesh.tp x mesh.pp = {m.tp * m.pp}; pad it to a multiple of "
+                     f"{m.tp * m.pp} (e.g. {-(-mo.vocab // (m.tp * m.pp)) * m.tp * m.pp})")
     chunks = m.pp * pl.virtual_stages
     # ResNet groups its residual blocks into pp x v balanced units itself (models/resnet.py).
     split = pl.stage_layers

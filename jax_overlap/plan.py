@@ -206,6 +206,7 @@ class ParallelPlan:
     slow_decisions: tuple[str, ...] = ()
     grad_bytes: int = 0
     dcn_bytes_per_s: float = 12.5e9
+    vocab_parallel: bool = False
 
     # ------------------------------------------------------------------ derived values
 
@@ -213,7 +214,8 @@ class ParallelPlan:
     def program(self) -> TickProgram | None:
         if self.pp == 1:
             return None
-        return compile_program(self.schedule, self.overlap.buckets_in_loop)
+        return compile_program(self.schedule, self.overlap.buckets_in_loop,
+                               self.vocab_parallel)
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -306,6 +308,7 @@ class ParallelPlan:
             "transfer_latency": self.transfer_latency,
             "paired": self.schedule.paired,
             "stage_layers": list(self.stage_layers),
+            "vocab_parallel": self.vocab_parallel,
             "overlap": dataclasses.asdict(self.overlap),
             "target": self.target.name,
             "choices": {k: {"value": c.value, "why": c.why} for k, c in self.choices.items()},
@@ -360,6 +363,14 @@ class ParallelPlan:
             raise ConfigError([str(e)]) from None
         perm = None
         num_layers = model.num_layers if model is not None else cfg.model.layers
+        vocab_parallel = pl.vocab_parallel and m.pp > 1
+        if vocab_parallel and model is not None and not getattr(model, "vocab_parallel_head",
+                                                                False):
+            raise ConfigError([
+                f"pipeline.vocab_parallel: model {type(model).__name__} does not declare "
+                f"vocab_parallel_head (its head must slice its output layer with "
+                f"collectives.vocab_columns and use vocab_cross_entropy, docs/custom_models.md); "
+                f"set it to false"])
         split = _resolve_stage_layers(cfg, num_layers, schedule, choices)
         if m.pp > 1:
             perm = _layer_permutation(num_layers, schedule, split)
@@ -368,7 +379,7 @@ class ParallelPlan:
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
                    choices=choices, stage_layers=split, dcn=m.dcn, diloco=_diloco_plan(cfg),
-                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8)
+                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -423,6 +434,8 @@ def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
             raise ConfigError([str(e)]) from None
     mo = cfg.model
     block, embed, head = stage_split.transformer_costs(mo.d_model, mo.d_ff, mo.vocab, mo.seq_len)
+    if cfg.pipeline.vocab_parallel:  # every stage runs 1/pp of the head: no stage is heavier
+        head = 0.0
     try:
         split = stage_split.auto_split(num_layers, schedule.placement, schedule.stages,
                                        embed / block, head / block)

@@ -30,6 +30,7 @@ import numpy as np
 from jax_overlap.parallel.collectives import (
     Parallel,
     sequence_shard,
+    vocab_columns,
     vocab_cross_entropy,
     vocab_embed,
 )
@@ -91,6 +92,7 @@ class MLMHead(nn.Module):
             w_dv = wte_vd.T
         else:
             w_dv = self.param("w_out", _normal(0.02), (self.d_model, self.vocab // self.tp))
+        w_dv, b_v = vocab_columns(w_dv, par), vocab_columns(b_v, par)
         return jnp.einsum("btd,dv->btv", h_btd.astype(dt), w_dv.astype(dt)) + b_v.astype(dt)
 
 

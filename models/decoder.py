@@ -20,6 +20,10 @@ from jax_overlap.parallel.collectives import Parallel, vocab_cross_entropy
 class DecoderStagedModel:
     """Mixin: the shared StagedModel methods of a decoder-only LM."""
 
+    # The head slices its output layer with `vocab_columns` and its loss is
+    # `vocab_cross_entropy`: it can run vocabulary-parallel over the pipeline stages.
+    vocab_parallel_head = True
+
     def init(self, rng: jax.Array) -> Any:
         k_embed, k_blocks, k_head = jax.random.split(rng, 3)
         par = Parallel()

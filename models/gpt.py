@@ -24,6 +24,7 @@ from jax_overlap.parallel.collectives import (
     column_parallel,
     row_parallel,
     sequence_shard,
+    vocab_columns,
     vocab_embed,
 )
 from models.decoder import DecoderStagedModel
@@ -135,6 +136,7 @@ class Head(nn.Module):
             w_dv = wte_vd.T
         else:
             w_dv = self.param("w_out", _normal(0.02), (self.d_model, self.vocab // self.tp))
+        w_dv = vocab_columns(w_dv, par)
         return jnp.einsum("btd,dv->btv", y_btd.astype(par.compute_dtype),
                           w_dv.astype(par.compute_dtype))
 

@@ -34,6 +34,9 @@ def test_tiny_loads_with_types():
     (["mesh.pp=2", "mesh.dp=1", "model.layers=4", "pipeline.schedule=interleaved",
       "pipeline.virtual_stages=2", "pipeline.microbatches=2", "pipeline.transfer_latency=2"],
      "pipeline.microbatches", "use 4"),
+    (["pipeline.vocab_parallel=true"], "pipeline.vocab_parallel", "needs mesh.pp > 1"),
+    (["mesh.pp=4", "mesh.dp=1", "model.layers=4", "model.vocab=260",
+      "pipeline.vocab_parallel=true"], "pipeline.vocab_parallel", "multiple of 16 (e.g. 272)"),
 ])
 def test_each_rule_names_field_and_fix(overrides, field, fix):
     problems = _problems(overrides)

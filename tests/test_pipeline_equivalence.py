@@ -364,9 +364,10 @@ def test_a_tick_runs_one_action_through_a_switch():
     branches = _switch_branches(tick)
     assert len(branches) == 1 + len(program.branches)
     assert "dot_general" not in _primitives(branches[tick_program.IDLE].jaxpr)
+    # Every action computes, a split B of virtual stage 0 too (it pulls back into the
+    # embedding, so its W is only the weight GEMMs, as on the other chunks).
     for (kind, role, _), branch in zip(program.branches, branches[1:]):
-        if (kind, role) != ("B", "first"):  # split B of virtual stage 0: nothing to do
-            assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
+        assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
 
 
 def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
@@ -448,3 +449,47 @@ def test_training_curve_matches_pp1_sweep(flat_curve, tmp_path, name, remat, pai
         f"model.remat={remat}", f"pipeline.paired={str(paired).lower()}"])
     losses = _curve(cfg, tmp_path, name)
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
+
+
+# Vocabulary-parallel head (`pipeline.vocab_parallel`): every stage computes 1/pp of the
+# logits at the last virtual stage's F tick. Default run: the V placement (head on stage 0),
+# a linear one with TP and a paired, split table with a remat policy; the sweep: every
+# schedule x mesh, plain, paired and latency 2, and the overlap options.
+VOCAB_CASES = [
+    ("zb-v", 4, 2, 1, 4, True, ()),
+    ("1f1b", 2, 2, 2, 4, False, ()),
+    ("zb-h1", 4, 2, 1, 8, True, ("pipeline.paired=true", "model.remat=save_dots")),
+]
+VOCAB_SWEEP = [(name, pp, dp, tp, m, tied, extra)
+               for (name, pp, dp, tp, m, tied, _) in schedule_sweep(
+                   [(4, 2, 1), (2, 2, 2), (2, 4, 1)], policies=("none",))
+               for extra in ((), ("pipeline.paired=true",), ("pipeline.transfer_latency=2",))]
+VOCAB_OPTIONS = [(*case[:6], ("pipeline.vocab_parallel=true", *case[6])) for case in OPTION_CASES]
+VOCAB_OPTIONS += [
+    ("zb-v", 2, 2, 2, 4, True, ("overlap.tp_comm=sequence_parallel",)),
+    ("zb-h1", 4, 2, 1, 4, True, ("pipeline.stage_layers=[3,2,2,1]",)),
+]
+
+
+def check_vocab_parallel(references, name, pp, dp, tp, m, tied, extra):
+    extra = ["pipeline.vocab_parallel=true", *extra]
+    program = ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).program
+    assert program.vocab_parallel
+    assert all(b.role != "last" for b in program.branches)  # no stage runs the whole head
+    # One head phase per microbatch, each at the tick of the last virtual stage's F.
+    flags = program.column("head_mb")[:, 0, 0]
+    assert sorted(flags[flags > 0].tolist()) == list(range(1, m + 1))
+    check_equivalence(references, name, pp, dp, tp, m, tied, extra)
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", VOCAB_CASES)
+def test_vocab_parallel_head_matches_single_device(references, name, pp, dp, tp, m, tied,
+                                                   extra):
+    check_vocab_parallel(references, name, pp, dp, tp, m, tied, extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", VOCAB_SWEEP + VOCAB_OPTIONS)
+def test_vocab_parallel_head_matches_single_device_sweep(references, name, pp, dp, tp, m, tied,
+                                                         extra):
+    check_vocab_parallel(references, name, pp, dp, tp, m, tied, extra)

@@ -162,3 +162,21 @@ def test_collective_matmul_under_a_pipeline_runs_grouped_steps():
     flat = ParallelPlan.build(config.load(TINY, ["mesh.dp=4", "mesh.tp=2",
                                                  "overlap.tp_comm=collective_matmul"]))
     assert not flat.parallel().cm_grouped
+
+
+def test_vocab_parallel_needs_a_model_that_declares_it():
+    """`pipeline.vocab_parallel` with a model whose head does not slice its vocabulary over pp
+    is refused in one line naming the field; the built-in decoders declare it."""
+    from models.gpt import GPT
+
+    cfg = config.load(TINY, ["mesh.pp=2", "mesh.dp=1", "pipeline.vocab_parallel=true",
+                             "pipeline.microbatches=2"])
+    model = GPT.from_config(cfg.model)
+    assert ParallelPlan.build(cfg, model).program.vocab_parallel
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain(GPT):
+        vocab_parallel_head = False
+
+    with pytest.raises(ConfigError, match="^pipeline.vocab_parallel: model Plain does not"):
+        ParallelPlan.build(cfg, Plain(**dataclasses.asdict(model)))

@@ -316,3 +316,79 @@ def test_measure_local_runs_on_forced_devices():
     m = measure_local(matmul_n=64, psum_bytes=1 << 14, loop=2, repeats=2)
     assert m.devices == 8
     assert m.matmul_flops > 0 and m.psum_bus_bandwidth > 0 and m.psum_latency_s > 0
+
+
+# ------------------------------------------------------------- tick timing, vocab-parallel
+
+
+@pytest.mark.parametrize("name,paired", [("zb-v", False), ("zb-v", True), ("1f1b", False),
+                                         ("zb-h1", True)])
+def test_tick_timing_lies_between_event_driven_and_global_lockstep(name, paired):
+    """The executor's ticks: each stage waits for its ring neighbours at every permute. At
+    equal costs that is the table's bubble; with unequal ones it is at least the event-driven
+    bubble (which never waits for a neighbour it takes nothing from) and at most the global
+    lockstep one (every tick as long as the slowest stage's, `weighted_bubble_fraction`)."""
+    from jax_overlap.pipeline.schedules import bubble_fraction, weighted_bubble_fraction
+
+    v = 2 if name == "zb-v" else 1
+    s = make_schedule(name, 4, 8, v, 1, paired)
+    n = 4 * v
+    equal = simulate(Plan(s), Costs.uniform(n, 1.0, 1.0, 1.0), _hw(), timing="ticks")
+    if not paired and s.split_backward:
+        assert equal.bubble_rate == pytest.approx(bubble_fraction(s), abs=1e-9)
+    cost = {"F": 1.0, "B": 1.4, "W": 0.6}  # a non-split B costs B + W
+    costs = Costs.uniform(n, cost["F"], cost["B"], cost["W"])
+    events = simulate(Plan(s), costs, _hw()).bubble_rate
+    ticks = simulate(Plan(s), costs, _hw(), timing="ticks").bubble_rate
+    lockstep = weighted_bubble_fraction(s, cost)
+    assert events - 1e-9 <= ticks <= lockstep + 1e-9, (events, ticks, lockstep)
+    with pytest.raises(ValueError, match="timing"):
+        simulate(Plan(s), costs, _hw(), timing="lockstep")
+
+
+def test_tick_timing_waits_for_a_slow_neighbour_only():
+    """One slow action delays the stage's ring neighbours at that tick's permute; a stage two
+    hops away feels it only a tick later, through its neighbour."""
+    s = make_schedule("1f1b", 3, 3)
+    fast = simulate(Plan(s), Costs.uniform(3, 1.0, 1.0, 0.0), _hw(), timing="ticks",
+                    record_events=True)
+    slow_f = Costs(forward_s=(3.0, 1.0, 1.0), backward_s=(1.0,) * 3, weight_s=(0.0,) * 3)
+    slow = simulate(Plan(s), slow_f, _hw(), timing="ticks", record_events=True)
+    # Tick 0: only stage 0 runs (its F costs 3); stage 1 is its neighbour and waits, stage 2
+    # is not on a permute with stage 0 (1f1b sends +1 and -1 only between neighbours).
+    def first_start(r, stage):
+        return min(e.start_s for e in r.events if e.stage == stage and e.kind == "compute")
+    assert first_start(fast, 1) == pytest.approx(1.0)
+    assert first_start(slow, 1) == pytest.approx(3.0)
+    assert slow.step_time_s > fast.step_time_s
+
+
+@pytest.mark.parametrize("timing", ["events", "ticks"])
+def test_vocab_parallel_head_phase_runs_on_every_stage_at_once(timing):
+    """Under a vocabulary-parallel head each last-stage F is followed by one head phase on
+    every stage, all starting together, and that microbatch's last B starts after it."""
+    s = make_schedule("zb-v", 4, 4, 2)
+    costs = dataclasses.replace(Costs.uniform(8, 1.0, 1.0, 1.0, act_bytes=1e6), head_s=0.5)
+    r = simulate(Plan(s, vocab_parallel=True), costs, _hw(), record_events=True, timing=timing)
+    heads = [e for e in r.events if e.name.startswith("H ")]
+    assert len(heads) == 4 * s.microbatches  # one per microbatch, on each of the 4 stages
+    for mb in range(s.microbatches):
+        mine = [e for e in heads if e.name == f"H mb{mb}"]
+        assert {e.stage for e in mine} == {0, 1, 2, 3}
+        assert len({round(e.start_s, 12) for e in mine}) == 1
+        last_b = next(e for e in r.events if e.name == f"B mb{mb} vs7")
+        assert last_b.start_s >= max(e.end_s for e in mine) - 1e-12
+    without = simulate(Plan(s), costs, _hw(), timing=timing)
+    assert r.step_time_s > without.step_time_s  # the phases' compute is extra here
+
+
+def test_costs_from_model_spreads_a_vocab_parallel_head():
+    """vocab_shards: the last virtual stage costs what a middle one does and every stage's
+    head phase is the head's three passes over the shards."""
+    args = (8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5)
+    whole = costs_from_model(*args, num_virtual_stages=4)
+    spread = costs_from_model(*args, num_virtual_stages=4, vocab_shards=4)
+    assert whole.head_s == 0.0
+    assert spread.forward_s[3] == pytest.approx(spread.forward_s[2])
+    head = whole.forward_s[3] - whole.forward_s[2]  # one pass of the head
+    assert spread.head_s == pytest.approx(3 * head / 4)

@@ -45,8 +45,10 @@ on the last; F, B and W are made of these as the step runs them:
 * ``pp > 1`` (an F stashes its ``jax.vjp`` residuals, so a backward re-runs no forward
   but what ``model.remat: full`` recomputes, ``block_f`` a layer): B = ``fb - f``
   (non-split), or ``fb - f`` split in the ratio ``fbx : fbw`` between B (the input
-  gradients) and W (the weight-gradient GEMMs), the head's backward half in each (split; B of virtual stage 0
-  has no input gradient to compute and is free, and its W does the whole backward).
+  gradients) and W (the weight-gradient GEMMs), the head's backward half in each (split;
+  virtual stage 0's B also pulls back into the embedding). Under a vocabulary-parallel head
+  (`pipeline.vocab_parallel`) the head is no virtual stage's: each stage's head phase costs
+  ``head_fb / pp`` (:func:`head_phase_time`).
 
 Shared cores
 ------------
@@ -1020,6 +1022,7 @@ def assemble_costs(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
     weight_s: Sequence[float],
+    head_s: float = 0.0,
 ) -> Costs:
     """:class:`Costs` of ``cfg`` from per-virtual-stage compute times and its structure.
 
@@ -1030,6 +1033,7 @@ def assemble_costs(
       forward_s: F seconds per virtual stage.
       backward_s: B seconds per virtual stage (input gradients when split).
       weight_s: W seconds per virtual stage.
+      head_s: a vocabulary-parallel head's phase per device (:attr:`Costs.head_s`).
 
     Returns:
       The :class:`Costs` (bytes per device).
@@ -1062,6 +1066,7 @@ def assemble_costs(
         param_bytes=tuple(params),
         stash_bytes=tuple(stash_bytes(cfg, plan, vs) for vs in range(n_vs)),
         optimizer_factor=2.0,
+        head_s=float(head_s),
     )
 
 
@@ -1103,8 +1108,10 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
     blk = block_variant(cfg, plan)
     redo = s[f"{blk}_f"] if plan.remat == "full" else 0.0  # per layer, recomputed in B
     fwd, bwd, wgt = [], [], []
+    # A vocabulary-parallel head is no virtual stage's work (`head_phase_time`).
+    head_last = not getattr(plan, "vocab_parallel", False)
     for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
-        first, last = vs == 0, vs == n_vs - 1
+        first, last = vs == 0, vs == n_vs - 1 and head_last
         f = n * s[f"{blk}_f"] + first * s["embed_f"] + last * s["head_f"]
         fb = n * s[f"{blk}_fb"] + first * s["embed_fb"] + last * s["head_fb"]
         if plan.pp == 1:
@@ -1123,20 +1130,15 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             # kept) in the ratio of the measured split pieces fbx : fbw. Differences such as
             # fbx - f are noise at small shapes; the ratio keeps both parts positive. The
             # head's backward runs half in each (its pullback gives the input gradient in B,
-            # the weights' in W). On virtual stage 0 the split B has no input gradient to
-            # compute and is free, and W does the whole backward, the embedding's included.
+            # the weights' in W). Virtual stage 0's B also pulls back into the embedding.
             back = max(s[f"{blk}_fb"] - s[f"{blk}_f"], 0.0)
             share = s[f"{blk}_fbx"] / (s[f"{blk}_fbx"] + s[f"{blk}_fbw"])
             block_b, block_w = back * share, back * (1.0 - share)
             head = last * max(s["head_fb"] - s["head_f"], 0.0) / 2
             fwd.append(f)
-            if first:
-                bwd.append(0.0)
-                wgt.append(n * (block_b + block_w + redo)
-                           + max(s["embed_fb"] - s["embed_f"], 0.0) + 2 * head)
-            else:
-                bwd.append(n * (block_b + redo) + head)
-                wgt.append(n * block_w + head)
+            embed = first * max(s["embed_fb"] - s["embed_f"], 0.0)
+            bwd.append(n * (block_b + redo) + head + embed)
+            wgt.append(n * block_w + head)
     return [x * scale for x in fwd], [x * scale for x in bwd], [x * scale for x in wgt]
 
 
@@ -1155,6 +1157,17 @@ def costs_for_config(cal: Calibration, cfg: Config, plan, hw: HardwareProfile) -
     from jax_overlap.pipeline.schedules import bubble_fraction
 
     schedule = plan.schedule
-    fwd, bwd, wgt = compute_times(cal, cfg, plan, schedule.split_backward,
-                                  bubble_fraction(schedule))
-    return assemble_costs(cfg, plan, cal.profile(hw, plan), schedule.placement, fwd, bwd, wgt)
+    bubble = bubble_fraction(schedule)
+    fwd, bwd, wgt = compute_times(cal, cfg, plan, schedule.split_backward, bubble)
+    return assemble_costs(cfg, plan, cal.profile(hw, plan), schedule.placement, fwd, bwd, wgt,
+                          head_phase_time(cal, cfg, plan, bubble))
+
+
+def head_phase_time(cal: Calibration, cfg: Config, plan, bubble: float = 0.0) -> float:
+    """A vocabulary-parallel head's phase on one device: 1/pp of the measured head forward
+    and backward (0 unless `plan.vocab_parallel`)."""
+    if not getattr(plan, "vocab_parallel", False):
+        return 0.0
+    b, k = micro_batch_size(cfg, plan), plan.tp
+    scale = busy_scale(cfg, plan, cal.parallel_capacity, cal.devices, bubble)
+    return cal.seconds("head_fb", b, k) * scale / plan.pp

@@ -46,6 +46,7 @@ from jax_overlap.pipeline.schedules import Schedule, Task, cell_actions, depende
 
 TP_COMM_MODES: tuple[str, ...] = ("plain", "collective_matmul")
 BUCKET_ISSUE_MODES: tuple[str, ...] = ("during_backward", "after_backward")
+TIMINGS: tuple[str, ...] = ("events", "ticks")
 
 # --------------------------------------------------------------- collective cost model
 
@@ -113,6 +114,10 @@ class Costs:
         ``F`` until its last backward action; empty means ``act_bytes`` each.
       optimizer_factor: optimizer-state bytes per parameter byte (Adam's two moments
         in the parameter dtype: 2).
+      head_s: a vocabulary-parallel head's phase on one device (its 1/pp of the head's
+        forward, input- and weight-gradient work), run by every stage at once after the last
+        virtual stage's F; the last virtual stage's costs then leave the head out. 0 when the
+        head is part of the last virtual stage.
     """
 
     forward_s: tuple[float, ...]
@@ -123,6 +128,7 @@ class Costs:
     param_bytes: tuple[float, ...] = ()
     stash_bytes: tuple[float, ...] = ()
     optimizer_factor: float = 2.0
+    head_s: float = 0.0
 
     @property
     def num_virtual_stages(self) -> int:
@@ -210,6 +216,10 @@ class Plan:
       fsdp_window: prefetch distance, in actions, of the FSDP all-gathers; 0 gathers on
         demand (no prefetch).
       tp_comm: ``plain`` (blocking all-reduce) or ``collective_matmul``.
+      vocab_parallel: the head runs vocabulary-parallel (`pipeline.vocab_parallel`): after
+        each last-virtual-stage F, every stage joins a head phase (``costs.head_s`` of
+        compute between two blocking all-reduces over pp of one activation: the hidden state
+        out, its gradient back), and that microbatch's last B waits for it.
     """
 
     schedule: Schedule
@@ -220,6 +230,7 @@ class Plan:
     fsdp: bool = False
     fsdp_window: int = 0
     tp_comm: str = "plain"
+    vocab_parallel: bool = False
 
     @property
     def pp(self) -> int:
@@ -485,7 +496,8 @@ def _bucket_ready_times(
 
 
 def simulate(
-    plan: Plan, costs: Costs, hw: HardwareProfile, *, record_events: bool = False
+    plan: Plan, costs: Costs, hw: HardwareProfile, *, record_events: bool = False,
+    timing: str = "events",
 ) -> SimResult:
     """Simulate one training step.
 
@@ -494,6 +506,11 @@ def simulate(
       costs: per-virtual-stage compute times and message sizes.
       hw: hardware profile; links for the ``dp``, ``pp`` and ``tp`` axes are used.
       record_events: return the timeline (for plotting or :func:`events_to_chrome_trace`).
+      timing: ``events`` -- each stage runs its row's actions in order, each as soon as its
+        inputs are there (what an MPMD runtime does with the table's per-stage order);
+        ``ticks`` -- the executor's program: tick by tick, every stage's tick ending with
+        the stage-to-stage permutes, which complete only when both neighbours on the ring
+        have reached them (:func:`_play_ticks`).
 
     Returns:
       The :class:`SimResult`.
@@ -502,112 +519,165 @@ def simulate(
       ValueError: inconsistent inputs, or a schedule whose order deadlocks.
     """
     _check(plan, costs)
+    if timing not in TIMINGS:
+        raise ValueError(f"simulate: timing must be one of {TIMINGS}, got {timing!r}")
     s = plan.schedule
     p, n_vs, split = s.stages, s.stages * s.virtual_stages, s.split_backward
     stage_of = [pos[0] for pos in s.placement]
-    # A paired tick's two actions run back to back on their stage, forward first.
-    rows = [[s.task(d, a) for cell in row for a in cell_actions(cell)]
-            for d, row in enumerate(s.grid)]
+    # A paired tick's two actions run back to back on their stage, forward first. Under a
+    # vocabulary-parallel head every stage runs the head phase H after the forward lane of
+    # the tick where the last virtual stage's F runs, as the executor does.
+    heads = _head_ticks(s) if plan.vocab_parallel else {}
+    rows = []
+    for d, row in enumerate(s.grid):
+        tasks = []
+        for t, cell in enumerate(row):
+            acts = [s.task(d, a) for a in cell_actions(cell)]
+            if t in heads:
+                lane0 = acts[:1] if not acts or acts[0].kind == "F" or not s.paired else []
+                acts = [*lane0, Task("H", heads[t], -1), *acts[len(lane0):]]
+            tasks.extend(acts)
+        rows.append(tasks)
     link = {axis: hw.link(axis) for axis in ("dp", "pp", "tp")}
     release = "W" if split else "B"
     gather = plan.fsdp and plan.dp > 1
 
     tl = _Timeline(p, hw.synchronous_collectives)
-    finish: dict[Task, float] = {}
-    arrival: dict[Task, float] = {}
     starts: list[list[float]] = [[] for _ in range(p)]
     ends: list[list[float]] = [[] for _ in range(p)]
-    gathers: dict[tuple[int, int], float] = {}  # (stage, action index) -> gather end
     held: list[list[tuple[float, float]]] = [[] for _ in range(p)]  # (time, +/- bytes)
 
-    def ready_at(dep: Task, stage: int) -> float | None:
-        if dep not in finish:
-            return None
-        return finish[dep] if stage_of[dep.virtual_stage] == stage else arrival[dep]
+    if timing == "ticks":
+        _play_ticks(plan, costs, rows, heads, tl, link, starts, ends, held)
+    else:
+        finish: dict[Task, float] = {}
+        arrival: dict[Task, float] = {}
+        gathers: dict[tuple[int, int], float] = {}  # (stage, action index) -> gather end
 
-    def issue_gather(d: int, j: int, issue: float) -> None:
-        task = rows[d][j]
-        if task.kind == "W":  # weight gradients need activations and output grads only
-            return
-        vs = task.virtual_stage
-        gathers[(d, j)] = tl.enqueue(
-            d,
-            "fsdp",
-            f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
-            issue,
-            all_gather_time(costs.params(vs), plan.dp, link["dp"]),
-        )
+        def ready_at(dep: Task, stage: int) -> float | None:
+            if dep not in finish:
+                return None
+            if dep.kind == "H":
+                return finish[dep]
+            return finish[dep] if stage_of[dep.virtual_stage] == stage else arrival[dep]
 
-    if gather and plan.fsdp_window > 0:
-        for d in range(p):
-            for j in range(min(plan.fsdp_window, len(rows[d]))):
-                issue_gather(d, j, 0.0)
-
-    nxt = [0] * p
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        progressed = False
-        for d in range(p):
-            while nxt[d] < len(rows[d]):
-                j, task = nxt[d], rows[d][nxt[d]]
-                times = [ready_at(dep, d) for dep in dependencies(task, n_vs)]
-                if any(t is None for t in times):
-                    break
-                inputs = max(times, default=0.0)
-                if gather and plan.fsdp_window == 0:
-                    issue_gather(d, j, max(tl.compute_free[d], inputs))
-                start = max(tl.compute_free[d], inputs, gathers.get((d, j), 0.0))
-                vs, mb = task.virtual_stage, task.microbatch
-                label = f"{task.kind} mb{mb} vs{vs}"
-                tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
-                end = _run_action(
-                    tl,
-                    d,
-                    label,
-                    start,
-                    costs.compute_s(task.kind, vs, split),
-                    tp_bytes,
-                    plan,
-                    link["tp"],
-                )
-                tl.compute_free[d] = end
-                finish[task] = end
-                starts[d].append(start)
-                ends[d].append(end)
-                if gather and plan.fsdp_window > 0 and j + plan.fsdp_window < len(rows[d]):
-                    issue_gather(d, j + plan.fsdp_window, start)
-                if task.kind == "F":
-                    held[d].append((start, costs.stash(vs)))
-                if task.kind == release:
-                    held[d].append((end, -costs.stash(vs)))
-                # Hand the output to the next stage in model order (F) or back (B).
-                nxt_vs = vs + 1 if task.kind == "F" else vs - 1 if task.kind == "B" else None
-                if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
-                    what = "act" if task.kind == "F" else "grad"
-                    sent = tl.enqueue(
-                        d,
-                        "pp",
-                        f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
-                        end,
-                        p2p_time(costs.act_bytes, link["pp"]),
-                    )
-                    if s.transfer_latency >= 2:
-                        # Sent beside the stage's next tick, readable after it: the transfer
-                        # hides under a tick of compute (the action's own length stands in
-                        # for the tick's).
-                        arrival[task] = max(sent, end + (end - start))
-                    else:
-                        arrival[task] = sent
-                else:
-                    arrival[task] = end
-                nxt[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [f"stage {d}: {rows[d][nxt[d]]}" for d in range(p) if nxt[d] < len(rows[d])]
-            raise ValueError(
-                f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}"
+        def issue_gather(d: int, j: int, issue: float) -> None:
+            task = rows[d][j]
+            if task.kind == "W":  # weight gradients need activations and output grads only
+                return
+            vs = task.virtual_stage
+            gathers[(d, j)] = tl.enqueue(
+                d,
+                "fsdp",
+                f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
+                issue,
+                all_gather_time(costs.params(vs), plan.dp, link["dp"]),
             )
+
+        if gather and plan.fsdp_window > 0:
+            for d in range(p):
+                for j in range(min(plan.fsdp_window, len(rows[d]))):
+                    issue_gather(d, j, 0.0)
+
+        def run_head(mb: int) -> bool:
+            """The head phase of `mb` on every stage at once, if all have reached it."""
+            h = Task("H", mb, -1)
+            made = Task("F", mb, n_vs - 1)
+            if made not in finish or any(nxt[d] >= len(rows[d]) or rows[d][nxt[d]] != h
+                                         for d in range(p)):
+                return False
+            reduce_s = all_reduce_time(costs.act_bytes, p, link["pp"])
+            start = max([*tl.compute_free, finish[made]])
+            for d in range(p):
+                t = start
+                for what, dur in (("all-reduce head input", reduce_s), (None, costs.head_s),
+                                  ("all-reduce head gradient", reduce_s)):
+                    if what is None:
+                        tl.add(d, "compute", "compute", f"H mb{mb}", t, t + dur)
+                    else:  # blocking: the logits need the hidden state, the B its gradient
+                        tl.add(d, "pp", "comm", f"{what} mb{mb}", t, t + dur)
+                    t += dur
+                tl.compute_free[d] = t
+                starts[d].append(start)
+                ends[d].append(t)
+                nxt[d] += 1
+            finish[h] = arrival[h] = t
+            return True
+
+        nxt = [0] * p
+        remaining = sum(len(r) for r in rows)
+        while remaining:
+            progressed = False
+            for d in range(p):
+                while nxt[d] < len(rows[d]):
+                    j, task = nxt[d], rows[d][nxt[d]]
+                    if task.kind == "H":
+                        if not run_head(task.microbatch):
+                            break
+                        remaining -= p
+                        progressed = True
+                        continue
+                    deps = dependencies(task, n_vs)
+                    if heads and task.kind == "B" and task.virtual_stage == n_vs - 1:
+                        deps = (*deps, Task("H", task.microbatch, -1))
+                    times = [ready_at(dep, d) for dep in deps]
+                    if any(t is None for t in times):
+                        break
+                    inputs = max(times, default=0.0)
+                    if gather and plan.fsdp_window == 0:
+                        issue_gather(d, j, max(tl.compute_free[d], inputs))
+                    start = max(tl.compute_free[d], inputs, gathers.get((d, j), 0.0))
+                    vs, mb = task.virtual_stage, task.microbatch
+                    label = f"{task.kind} mb{mb} vs{vs}"
+                    tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
+                    end = _run_action(
+                        tl,
+                        d,
+                        label,
+                        start,
+                        costs.compute_s(task.kind, vs, split),
+                        tp_bytes,
+                        plan,
+                        link["tp"],
+                    )
+                    tl.compute_free[d] = end
+                    finish[task] = end
+                    starts[d].append(start)
+                    ends[d].append(end)
+                    if gather and plan.fsdp_window > 0 and j + plan.fsdp_window < len(rows[d]):
+                        issue_gather(d, j + plan.fsdp_window, start)
+                    if task.kind == "F":
+                        held[d].append((start, costs.stash(vs)))
+                    if task.kind == release:
+                        held[d].append((end, -costs.stash(vs)))
+                    # Hand the output to the next stage in model order (F) or back (B).
+                    nxt_vs = vs + 1 if task.kind == "F" else vs - 1 if task.kind == "B" else None
+                    if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
+                        what = "act" if task.kind == "F" else "grad"
+                        sent = tl.enqueue(
+                            d,
+                            "pp",
+                            f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
+                            end,
+                            p2p_time(costs.act_bytes, link["pp"]),
+                        )
+                        if s.transfer_latency >= 2:
+                            # Sent beside the stage's next tick, readable after it: the transfer
+                            # hides under a tick of compute (the action's own length stands in
+                            # for the tick's).
+                            arrival[task] = max(sent, end + (end - start))
+                        else:
+                            arrival[task] = sent
+                    else:
+                        arrival[task] = end
+                    nxt[d] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = [f"stage {d}: {rows[d][nxt[d]]}" for d in range(p) if nxt[d] < len(rows[d])]
+                raise ValueError(
+                    f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}"
+                )
 
     # Gradient buckets: reduced over dp once the last microbatch's weight gradients exist.
     if plan.dp > 1:
@@ -657,6 +727,125 @@ def simulate(
         metrics=metrics,
         events=tuple(tl.events) if record_events else None,
     )
+
+
+def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Timeline,
+                link: dict[str, Link], starts, ends, held) -> None:
+    """Plays the table the way the executor's SPMD program runs it on a GPU.
+
+    The program is a loop over ticks. In a tick each stage runs its entry (a pair: the
+    forward lane, then the backward lane), and the stages exchange activations and
+    gradients with `ppermute`s on the +1 / -1 rings. A permute completes on a stage only
+    once the stage it sends to and the stage it receives from have both reached it, so
+    no stage runs ahead of its ring neighbours by more than the permute's slack:
+
+    * latency 1, unpaired: a tick's permutes follow its action; a stage's tick ends at the
+      latest action end among itself and its ring partners, plus the transfer.
+    * latency 2 (skewed) and each lane of a paired tick: the permute carrying the previous
+      (half-)tick's output is issued before the action and finishes after it, so a stage's
+      tick ends at its own action's end or, if later, its partners' start plus the transfer.
+    * a vocabulary-parallel head phase (after the forward lane of the tick where the last
+      virtual stage's F runs) is a collective over every stage: it starts when the last of
+      them gets there, then two blocking all-reduces of one activation around ``head_s``.
+
+    The FSDP gather of a stage's blocks happens once per step under the pipeline (the
+    executor gathers them before the loop): one blocking all-gather at the start.
+    Fills `tl`, and per stage `starts` / `ends` (one entry per element of `rows[stage]`, in
+    order) and the activation `held` events.
+    """
+    from jax_overlap.pipeline.program import compile_program
+
+    s = plan.schedule
+    p, split = s.stages, s.split_backward
+    program = compile_program(s, vocab_parallel=plan.vocab_parallel)
+    release = "W" if split else "B"
+    xfer = p2p_time(costs.act_bytes, link["pp"])
+    reduce_s = all_reduce_time(costs.act_bytes, p, link["pp"])
+    lanes = 2 if s.paired else 1
+    rings = program.lane_rings if s.paired else (
+        (program.down_pairs, program.up_pairs, program.local_handoff),)
+
+    def partners(lane: int) -> list[set[int]]:
+        down, up, _ = rings[lane]
+        out = [set() for _ in range(p)]
+        for src, dst in (*down, *up):
+            out[src].add(dst)
+            out[dst].add(src)
+        return out
+
+    near = [partners(lane) for lane in range(lanes)]
+    clock = [0.0] * p
+    if plan.fsdp and plan.dp > 1:
+        for d in range(p):
+            mine = [vs for vs, (st, _) in enumerate(s.placement) if st == d]
+            clock[d] = tl.enqueue(d, "fsdp", "all-gather stage params", 0.0,
+                                  all_gather_time(sum(costs.params(vs) for vs in mine),
+                                                  plan.dp, link["dp"]))
+    pos = [0] * p  # next element of rows[d]
+
+    def run(d: int, start: float) -> float:
+        """Runs rows[d][pos[d]] (an action) from `start`; returns its end."""
+        task = rows[d][pos[d]]
+        vs = task.virtual_stage
+        tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
+        end = _run_action(tl, d, f"{task.kind} mb{task.microbatch} vs{vs}", start,
+                          costs.compute_s(task.kind, vs, split), tp_bytes, plan, link["tp"])
+        starts[d].append(start)
+        ends[d].append(end)
+        if task.kind == "F":
+            held[d].append((start, costs.stash(vs)))
+        if task.kind == release:
+            held[d].append((end, -costs.stash(vs)))
+        pos[d] += 1
+        return end
+
+    for t in range(s.ticks):
+        for lane in range(lanes):
+            begin = list(clock)
+            done = list(clock)
+            for d in range(p):
+                cell = s.grid[d][t]
+                acts = [a for a in cell_actions(cell)
+                        if not s.paired or (a.kind == "F") == (lane == 0)]
+                for _ in acts:
+                    done[d] = run(d, done[d])
+            skewed = s.paired or s.transfer_latency == 2
+            for d in range(p):
+                if not near[lane][d]:
+                    clock[d] = done[d]
+                    continue
+                ref = begin if skewed else done
+                meet = max([ref[d], *(ref[e] for e in near[lane][d])]) + xfer
+                # The wait for the partners is idle; the transfer is the last `xfer` of it.
+                tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet - xfer, meet)
+                clock[d] = max(done[d], meet)
+            if lane == 0 and t in heads:
+                mb = heads[t]
+                start = max(clock)
+                for d in range(p):
+                    u = start
+                    for what, dur in (("all-reduce head input", reduce_s),
+                                      (None, costs.head_s),
+                                      ("all-reduce head gradient", reduce_s)):
+                        if what is None:
+                            tl.add(d, "compute", "compute", f"H mb{mb}", u, u + dur)
+                        else:
+                            tl.add(d, "pp", "comm", f"{what} mb{mb}", u, u + dur)
+                        u += dur
+                    starts[d].append(start)
+                    ends[d].append(u)
+                    pos[d] += 1
+                    clock[d] = u
+    for d in range(p):
+        tl.compute_free[d] = clock[d]
+
+
+def _head_ticks(s: Schedule) -> dict[int, int]:
+    """Tick -> microbatch of every last-virtual-stage F (where a vocabulary-parallel head
+    phase runs)."""
+    last = s.stages * s.virtual_stages - 1
+    return {t: a.microbatch for d, t, a in s.actions()
+            if a.kind == "F" and s.virtual_stage(d, a.chunk) == last}
 
 
 def _memory(
@@ -753,6 +942,7 @@ def costs_from_model(
     num_virtual_stages: int = 1,
     optimizer_factor: float = 2.0,
     stage_layers: Sequence[int] | None = None,
+    vocab_shards: int = 1,
 ) -> Costs:
     """FLOP-based costs of a decoder-only transformer split into virtual stages.
 
@@ -780,6 +970,9 @@ def costs_from_model(
         ``stage_layers`` is given.
       optimizer_factor: optimizer-state bytes per parameter byte.
       stage_layers: layers per virtual stage in model order (the plan's uneven split).
+      vocab_shards: > 1: the head runs vocabulary-parallel over that many pipeline stages,
+        each doing its share of the head's three passes in :attr:`Costs.head_s`, and the
+        last virtual stage leaves the head out.
 
     Returns:
       The :class:`Costs` (bytes per device).
@@ -808,7 +1001,8 @@ def costs_from_model(
         f, b, w = n * f_layer, n * b_layer, n * w_layer
         params = n * per_layer_params + (vocab * d_model if first else 0)
         if last:
-            f, b, w = f + head, b + head, w + head
+            if vocab_shards == 1:
+                f, b, w = f + head, b + head, w + head
             params += vocab * d_model
         fwd.append(f / tp / rate)
         bwd.append(b / tp / rate)
@@ -826,6 +1020,7 @@ def costs_from_model(
         param_bytes=tuple(float(x) for x in prm),
         stash_bytes=tuple(float(x) for x in stash),
         optimizer_factor=optimizer_factor,
+        head_s=3 * head / tp / rate / vocab_shards if vocab_shards > 1 else 0.0,
     )
 
 

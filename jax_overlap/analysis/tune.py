@@ -335,7 +335,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     what the remat policy (`model.remat`) recomputes per layer -- ``full`` the block's
     forward, ``minimal`` its attention scores, ``none`` / ``save_dots`` nothing. Split: B
     is the input gradients (plus the recompute), W only the weight-gradient GEMMs (what B
-    kept); on virtual stage 0 B is empty and W does both. The structure -- TP collective
+    kept), virtual stage 0's alike (its B ends in the embedding's gradient). The structure -- TP collective
     count, parameter bytes per stage, stash -- is the same as for calibrated costs.
 
     Args:
@@ -354,6 +354,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
         m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
         plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
         num_virtual_stages=plan.num_virtual_stages, stage_layers=layers,
+        vocab_shards=plan.pp if plan.vocab_parallel else 1,
     )
     fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
     tokens = plan.micro_batch * m.seq_len
@@ -366,9 +367,8 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
         bwd = [b + w + r for b, w, r in zip(bwd, wgt, redo)]
         wgt = [0.0] * len(wgt)
     else:
-        bwd, wgt = ([0.0] + [b + r for b, r in zip(bwd[1:], redo[1:])],
-                    [bwd[0] + wgt[0] + redo[0]] + wgt[1:])
-    return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt)
+        bwd = [b + r for b, r in zip(bwd, redo)]
+    return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt, base.head_s)
 
 
 def memory_budget(hw: HardwareProfile) -> float:
@@ -459,6 +459,7 @@ def sim_plan(cfg: Config, plan: ParallelPlan) -> Plan:
         fsdp=fsdp,
         fsdp_window=plan.overlap.window if fsdp else 0,
         tp_comm="plain",
+        vocab_parallel=plan.vocab_parallel,
     )
 
 

@@ -37,6 +37,11 @@ class Parallel:
     # off: its B/W split (`pipeline.weight_grads`) must see the weight matmuls in the jaxpr,
     # which a custom derivative would hide.
     explicit_wgrad: bool = True
+    # A vocabulary-parallel head over the pipeline (`pipeline.vocab_parallel`): every stage
+    # computes the logits of its 1/vocab_shards of this TP rank's vocabulary columns
+    # (`vocab_columns`), and the loss's reductions run over this axis too.
+    vocab_axis: str | None = None
+    vocab_shards: int = 1
 
     @property
     def active(self) -> bool:
@@ -170,23 +175,51 @@ def vocab_embed(ids_bt: jax.Array, wte_vd: jax.Array, par: Parallel) -> jax.Arra
     return psum_tp(x_btd, par)  # (B, T, D) over tp
 
 
+def vocab_columns(w_xv: jax.Array, par: Parallel) -> jax.Array:
+    """This device's vocabulary columns of an output layer's `(..., V/tp)` weight or bias.
+
+    Under a vocabulary-parallel head (`par.vocab_axis`) the rank `k` of that axis keeps
+    columns `[k n, (k+1) n)`, `n = V / (tp vocab_shards)`; otherwise `w_xv` as it is. A model
+    whose head slices its output layer through this (and computes its loss with
+    `vocab_cross_entropy`) can run its head vocabulary-parallel over the pipeline.
+    """
+    if par.vocab_axis is None:
+        return w_xv
+    n = w_xv.shape[-1] // par.vocab_shards
+    k = jax.lax.axis_index(par.vocab_axis)
+    return jax.lax.dynamic_slice_in_dim(w_xv, k * n, n, axis=w_xv.ndim - 1)
+
+
+def _vocab_index(par: Parallel) -> jax.Array:
+    """Which block of `V / (tp vocab_shards)` columns this device's logits are."""
+    if par.vocab_axis is None:
+        return tp_index(par)
+    return tp_index(par) * par.vocab_shards + jax.lax.axis_index(par.vocab_axis)
+
+
 def vocab_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, par: Parallel
                         ) -> jax.Array:
-    """Per-token cross-entropy with logits split over the vocabulary on TP.
+    """Per-token cross-entropy with logits split over the vocabulary on TP (and, under a
+    vocabulary-parallel head, over `par.vocab_axis` as well).
 
-    Three small reductions over TP: the max (for stability), the sum of exponentials and the
-    target logit; the full (B, T, V) logits never exist on one device.
+    Three small reductions over those axes: the max (for stability), the sum of exponentials
+    and the target logit; the full (B, T, V) logits never exist on one device.
     """
     logits_btv = logits_btv.astype(jnp.float32)
     v_local = logits_btv.shape[-1]
     # The max only stabilises the exponentials; it needs no gradient.
     local_max_bt = jax.lax.stop_gradient(logits_btv.max(-1))
-    max_bt = (jax.lax.pmax(local_max_bt, par.tp_axis) if needs_tp(local_max_bt, par)
-              else local_max_bt)
-    sum_exp_bt = psum_tp(jnp.exp(logits_btv - max_bt[..., None]).sum(-1), par)
-    local_t = targets_bt - tp_index(par) * v_local
+    axes = ((par.tp_axis,) if needs_tp(local_max_bt, par) else ()) + (
+        (par.vocab_axis,) if par.vocab_axis is not None else ())
+
+    def total(x):
+        return jax.lax.psum(x, axes) if axes else x
+
+    max_bt = jax.lax.pmax(local_max_bt, axes) if axes else local_max_bt
+    sum_exp_bt = total(jnp.exp(logits_btv - max_bt[..., None]).sum(-1))
+    local_t = targets_bt - _vocab_index(par) * v_local
     inside = (local_t >= 0) & (local_t < v_local)
     picked_bt = jnp.take_along_axis(logits_btv, jnp.clip(local_t, 0, v_local - 1)[..., None],
                                     axis=-1)[..., 0]
-    target_logit_bt = psum_tp(jnp.where(inside, picked_bt, 0.0), par)
+    target_logit_bt = total(jnp.where(inside, picked_bt, 0.0))
     return jnp.log(sum_exp_bt) + max_bt - target_logit_bt

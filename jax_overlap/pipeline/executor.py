@@ -56,8 +56,19 @@ matmuls needs B to keep each matmul's output gradient.
 
 Embedding and head: F of virtual stage 0 embeds the microbatch's tokens, F of the last
 virtual stage ends in the head and adds loss / (global loss count); their backward (B, or W
-when split) produces the embedding / head gradients on the stage that owns them. Those are
-summed over 'pp' at the end (with tied embeddings the head's use of `wte` and the embedding's
+when split) produces the embedding / head gradients on the stage that owns them.
+
+Vocabulary-parallel head (`pipeline.vocab_parallel`, `TickProgram.vocab_parallel`): the last
+virtual stage's F ends at its chunk's output instead. At that tick, after the forward lane,
+every stage runs the head phase (`lax.cond` on a flag every stage reads alike): the output is
+broadcast over 'pp' (a psum of it masked to its stage), each stage computes the logits of
+its 1/pp of the vocabulary and the loss from statistics reduced over 'pp'
+(`collectives.vocab_cross_entropy`), pulls back at once, and the output's gradient (the
+stages' partial sums, psum'd over 'pp') is filed into a stash slot of the F's stage, where
+the chunk's B reads it as if a next stage had sent it. Each stage's head gradient covers its
+vocabulary columns only; the sum over 'pp' below completes it.
+
+The embedding and head gradients are summed over 'pp' at the end (with tied embeddings the head's use of `wte` and the embedding's
 add up there), then the gradients go through the explicit DP reduction of `buckets`.
 
 DP reduction of the blocks, by `overlap`:
@@ -147,8 +158,10 @@ class StagePieces(NamedTuple):
     remat: str
 
 
-def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
-    """The `StagePieces` of a model with its TP context, loss divisor and remat policy."""
+def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1
+                 ) -> StagePieces:
+    """The `StagePieces` of a model with its TP context, loss divisor and remat policy; with
+    `vocab_shards` > 1 the head is this pp rank's vocabulary-parallel share of it."""
     raw = partial(_apply_block, model, par)
     block = remat_block(raw, remat)
 
@@ -161,8 +174,11 @@ def stage_pieces(model, par: Parallel, count, remat: str) -> StagePieces:
     def embed(w_embed, ids_bt):
         return model.embed(w_embed, ids_bt, par)
 
+    head_par = (par if vocab_shards == 1 else
+                dataclasses.replace(par, vocab_axis=PP, vocab_shards=vocab_shards))
+
     def head(w_embed, w_head, y_btd, targets_bt):
-        return model.head_loss(w_embed, w_head, y_btd, targets_bt, par) / count
+        return model.head_loss(w_embed, w_head, y_btd, targets_bt, head_par) / count
 
     return StagePieces(embed, chunk, head, raw, remat)
 
@@ -458,8 +474,9 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     residuals, each weight matmul's activation operand. B pulls back to the chunk's input,
     the addends (= every weight matmul's output gradient, kept in a "dz" slot until W) and
     the small parameters (biases, norms); W multiplies the kept output gradients with the kept
-    activation operands. Virtual stage 0 has no input gradient to send, so its W does B's
-    part too (its B is empty, as without the split).
+    activation operands. Virtual stage 0 has no input gradient to send; its B still pulls
+    back to the embedding (and the embedding's gradient), so its B and W cost what every
+    other chunk's do and lockstep ticks stay alike.
     """
     pieces, lay, cs = ctx.pieces, ctx.layouts, ctx.chunk_split
     run = cs.forward(pieces.remat)
@@ -511,15 +528,14 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         if kind == "B":
             dx, dz, grads = input_grads(inbox, res, grads, row)
             res["dz"] = list(dz)
-            out = dx
-        else:  # W
-            if role == "first":
-                dh, dz, grads = input_grads(inbox, res, grads, row)
+            if role == "first":  # the chunk's input gradient goes into the embedding
                 pull = residuals.pullback(lay["embed"], res["first"][:-1], (w["embed"],))
-                (d_embed,) = pull(dh)
+                (d_embed,) = pull(dx)
                 grads = {**grads, "embed": jax.tree.map(jnp.add, grads["embed"], d_embed)}
             else:
-                dz = list(res["dz"])
+                out = dx
+        else:  # W
+            dz = list(res["dz"])
             acts = list(res["chunk"][n_stash:])
             grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
             if role == "last":
@@ -531,8 +547,6 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     def branch(inbox, res, grads, loss, row):
         if kind == "F":
             out = forward(inbox, res, grads, loss, row)
-        elif kind == "B" and role == "first":
-            out = (res, grads, loss, ctx.zeros_btd)  # vs 0: W does the work
         else:
             out = backward(inbox, res, grads, loss, row)
         return ctx.typed(*out, res)
@@ -654,6 +668,32 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     zeros = ctx.zeros_btd
     writes = _pool_writes(program, res0)
 
+    def head_phase(pool, grads, loss, out, rows, row):
+        # Vocabulary-parallel head (see the module docstring). The flag is read from stage
+        # 0's row (every stage's says the same), so it is pp-invariant and every stage takes
+        # the same side of the cond: the collectives inside meet.
+        if not program.vocab_parallel:
+            return pool, grads, loss
+        mb1 = rows[0, 0, COL["head_mb"]]
+
+        def run(pool, grads, loss):
+            slot = row[COL["head_slot"]]
+            mine = slot != program.trash  # the stage whose F made the hidden state
+            y = jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP)  # over pp
+            y = _like(y, zeros)
+            w = ctx.params
+            part, pull = jax.vjp(
+                lambda we, wh, y_: ctx.pieces.head(we, wh, y_, ctx.targets_mbt[mb1 - 1]),
+                w["embed"], w["head"], y)
+            d_embed, d_head, dy = pull(jnp.ones_like(part))
+            dy = _like(jax.lax.psum(dy, PP), zeros)  # the stages' partial sums, over pp
+            pool = pool.at[slot].set(dy)
+            grads = _accumulate(grads, {"embed": d_embed, "head": d_head}, None, blocks=False)
+            loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
+            return pool, _like(grads, ctx.grads0), _like(loss, ctx.loss0)
+
+        return jax.lax.cond(mb1 > 0, run, lambda *a: a, pool, grads, loss)
+
     def slots(pool, row):
         # The two slots an action can read: its input and its output gradient.
         return {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
@@ -698,6 +738,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         if program.local_handoff:
             pool = _file(pool, row, "self", inbox_self)
         res, grads, loss, out = act(pool, res, grads, loss, row)
+        pool, grads, loss = head_phase(pool, grads, loss, out, rows, row)
         inbox_down = _ring(out, program.down_pairs, zeros)
         inbox_up = _ring(out, program.up_pairs, zeros)
         inbox_self = out if program.local_handoff else inbox_self
@@ -718,6 +759,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         pool, inbox = read_inbox(pool, row)
         res, grads, loss, out, (arrival_down, arrival_up) = act(
             pool, res, grads, loss, row, inbox, tie=(arrival_down, arrival_up))
+        pool, grads, loss = head_phase(pool, grads, loss, out, rows, row)
         if program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
         if program.up_pairs:
@@ -756,6 +798,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         pool, inbox = read_inbox(pool, lanes[0])
         res, grads, loss, out_f, arrival_b = act(pool, res, grads, loss, lanes[0], inbox,
                                                  tie=arrival_b)
+        pool, grads, loss = head_phase(pool, grads, loss, out_f, rows, lanes[0])
         pool = file_all(pool, lanes[1], arrival_b, 1)
         arrival_f = send(out_f, 0)
         pool, inbox = read_inbox(pool, lanes[1])
@@ -795,7 +838,7 @@ def _pool_writes(program: TickProgram, pools: dict) -> dict:
         flags = [False]
         for b in program.branches:
             if name == "dz":
-                flags.append(b.kind == "B" and b.role != "first" and not b.sync)
+                flags.append(b.kind == "B" and not b.sync)
             else:
                 flags.append(b.kind == "F" and name in ("chunk", b.role))
         out[name] = jnp.asarray(flags)
@@ -869,7 +912,8 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
     def probe(params, batch):
         params, blocks_vn, mbs, count = _prologue(params, batch, model, program,
                                                   dict(mesh.shape), plan.layout.fsdp)
-        pieces = stage_pieces(model, plan.parallel(), count, plan.remat)
+        pieces = stage_pieces(model, plan.parallel(), count, plan.remat,
+                              _vocab_shards(program))
         valid_vn = _stage_validity(plan.stage_layers, program)
         pools = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn).pools
         found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
@@ -885,6 +929,11 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
                        out_specs=P())
     jax.eval_shape(mapped, abstract, batch)
     return found
+
+
+def _vocab_shards(program: TickProgram) -> int:
+    """How many ways the head's vocabulary is split over pp (1: the last stage runs it)."""
+    return program.schedule.stages if program.vocab_parallel else 1
 
 
 class Residuals(NamedTuple):
@@ -960,15 +1009,17 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
             for a in jax.tree.leaves(acts)]
         extra = [_vary(jnp.zeros((program.residual_slots("dz") + 1, *z.shape), z.dtype),
                        sorted(_varying_axes(z))) for z in z0]
-    _, _, head_layout, _ = vjp_with_layout(
-        lambda we, wh, y_: pieces.head(we, wh, y_, targets), (params["embed"], params["head"], y),
-        (params["embed"], params["head"]))
-    layouts = {"embed": embed_layout, "chunk": chunk_layout, "head": head_layout}
+    layouts = {"embed": embed_layout, "chunk": chunk_layout}
     n_first = program.residual_slots("first") + 1
     first = residuals.empty_pool(embed_layout, n_first)
     first.append(_vary(jnp.zeros((n_first, *x.shape), x.dtype), sorted(_varying_axes(x))))
-    pools = {"first": first, "chunk": chunk_pool,
-             "last": residuals.empty_pool(head_layout, program.residual_slots("last") + 1)}
+    pools = {"first": first, "chunk": chunk_pool}
+    if not program.vocab_parallel:  # else the head phase pulls back at once: nothing kept
+        _, _, layouts["head"], _ = vjp_with_layout(
+            lambda we, wh, y_: pieces.head(we, wh, y_, targets),
+            (params["embed"], params["head"], y), (params["embed"], params["head"]))
+        pools["last"] = residuals.empty_pool(layouts["head"],
+                                             program.residual_slots("last") + 1)
     if extra is not None:
         pools["dz"] = extra
     return Residuals(layouts, pools, cs, z0)
@@ -1004,7 +1055,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
-    pieces = stage_pieces(model, par, count, remat)
+    pieces = stage_pieces(model, par, count, remat, _vocab_shards(program))
     valid_vn = _stage_validity(stage_layers, program)
     found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,

@@ -23,7 +23,7 @@ KIND_ORDER = ("F", "B", "W")
 ROLE_ORDER = ("first", "mid", "last")
 # Columns of the per-(tick, stage) table.
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
-          "file_self", "r_slot", "e_slot", "z_slot")
+          "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot")
 COL = {name: i for i, name in enumerate(FIELDS)}
 ROUTES = ("down", "up", "self")
 
@@ -68,6 +68,14 @@ class TickProgram:
         slot `z_slot` of the "dz" pool (so W is only the weight-gradient matmuls).
       lane_rings: per lane, `(down_pairs, up_pairs, local_handoff)` of what that lane's
         actions send (a paired 1F1B's forwards use only the +1 ring, its backwards only -1).
+      vocab_parallel: the head runs vocabulary-parallel on every stage (`pipeline.
+        vocab_parallel`). The last virtual stage is then a middle one: its F sends nothing
+        and its B reads its output gradient from slot `g_slot`. At a tick where that F runs,
+        every stage's lane-0 row holds `head_mb` = its microbatch + 1 (0 elsewhere): after
+        the forward lane, all stages run the head phase together (the hidden state
+        broadcast over pp, each stage's share of the logits and loss, the hidden state's
+        gradient summed over pp), and the stage that ran the F files that gradient into its
+        slot `head_slot` (`trash` on the others).
     """
 
     schedule: Schedule
@@ -79,6 +87,7 @@ class TickProgram:
     local_handoff: bool
     res_slots: tuple[tuple[str, int], ...] = ()
     lane_rings: tuple[tuple[tuple, tuple, bool], ...] = ()
+    vocab_parallel: bool = False
 
     @property
     def ticks(self) -> int:
@@ -122,10 +131,11 @@ class TickProgram:
         return float((total - busy.sum()) / total) if total else 0.0
 
 
-def _role(virtual_stage: int, num_virtual_stages: int) -> str:
+def _role(virtual_stage: int, num_virtual_stages: int, vocab_parallel: bool = False) -> str:
     if virtual_stage == 0:
         return "first"
-    return "last" if virtual_stage == num_virtual_stages - 1 else "mid"
+    last = virtual_stage == num_virtual_stages - 1 and not vocab_parallel
+    return "last" if last else "mid"
 
 
 def _route(src: int, dst: int, stages: int) -> str:
@@ -164,11 +174,12 @@ def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], in
     return slot_of, len(busy_until)
 
 
-def _messages(s: Schedule, tick_of: dict[Task, int]):
+def _messages(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = False):
     """Every transfer of a step: when and where it arrives, its ring, how long it is kept.
 
     ('x', mb, vs) is the input of virtual stage vs, sent by F(mb, vs-1); ('g', mb, vs) is the
-    gradient of vs's output, sent by B(mb, vs+1). Each becomes readable `transfer_latency`
+    gradient of vs's output, sent by B(mb, vs+1) (the last virtual stage's, under a
+    vocabulary-parallel head, filed by the head phase of F(mb, vs)'s tick). Each becomes readable `transfer_latency`
     ticks after it was sent (the next tick on the same stage) and stays in a slot of its
     receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
 
@@ -183,6 +194,12 @@ def _messages(s: Schedule, tick_of: dict[Task, int]):
     pairs: dict[tuple[str, int], set] = {(route, lane): set() for route in ROUTES
                                          for lane in (0, 1)}
     for (kind, mb, vs), t in tick_of.items():
+        if vocab_parallel and kind == "F" and vs == n_vs - 1:
+            # Filed by the head phase at the end of the F's tick (after the forward lane,
+            # before a paired backward lane reads its slots): the slot is taken from t on.
+            dst = s.placement[vs][0]
+            lifetimes[dst].append((t, tick_of[Task(last_kind, mb, vs)], ("g", mb, vs)))
+            continue
         if kind == "F" and vs < n_vs - 1:
             key, target = ("x", mb, vs + 1), vs + 1
         elif kind == "B" and vs > 0:
@@ -204,7 +221,8 @@ def lane_of(kind: str, schedule: Schedule) -> int:
     return int(schedule.paired and kind != "F")
 
 
-def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int]) -> dict[tuple[int, str], list]:
+def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = False
+                        ) -> dict[tuple[int, str], list]:
     """Per (stage, pool), `(F tick, last backward tick, key)` of every (microbatch, chunk):
     how long what the F keeps for its backward stays on the stage. Every F fills a slot of
     the "chunk" pool; virtual stage 0's also one of "first", the last one's one of "last"."""
@@ -215,7 +233,7 @@ def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int]) -> dict[tuple[int
         if kind == "F":
             d, life = s.placement[vs][0], (t, tick_of[Task(last_kind, mb, vs)], ("r", mb, vs))
             out.setdefault((d, "chunk"), []).append(life)
-            role = _role(vs, n_vs)
+            role = _role(vs, n_vs, vocab_parallel)
             if role != "mid":
                 out.setdefault((d, role), []).append(life)
         elif kind == "B" and s.split_backward:
@@ -235,13 +253,15 @@ def _sync_actions(s: Schedule, tick_of: dict[Task, int]) -> set[Task]:
     return set(last.values())
 
 
-def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgram:
+def compile_program(schedule: Schedule, sync_in_loop: bool = False,
+                    vocab_parallel: bool = False) -> TickProgram:
     """Turns a schedule table into the executor's int tables.
 
     Args:
       schedule: a valid schedule (checked with `validate`).
       sync_in_loop: give each chunk's last weight-gradient action its own branch
         (`Branch.sync`), where the executor reduces the chunk's gradients over dp.
+      vocab_parallel: run the head vocabulary-parallel on every stage (see `TickProgram`).
 
     Returns:
       The `TickProgram`.
@@ -258,7 +278,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
     p, n_vs = s.stages, s.stages * s.virtual_stages
     lanes = 2 if s.paired else 1
     tick_of = {s.task(d, a): t for d, t, a in s.actions()}
-    arrivals, lifetimes, pairs = _messages(s, tick_of)
+    arrivals, lifetimes, pairs = _messages(s, tick_of, vocab_parallel)
     slot_of: dict[tuple[int, tuple], int] = {}
     slots = 0
     for d in range(p):
@@ -269,12 +289,13 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
 
     res_slot: dict[tuple[int, str, tuple], int] = {}
     res_slots: dict[str, int] = {}
-    for (d, pool), intervals in sorted(_residual_lifetimes(s, tick_of).items()):
+    for (d, pool), intervals in sorted(_residual_lifetimes(s, tick_of, vocab_parallel).items()):
         assigned, used = _allocate(intervals)
         res_slot.update({(d, pool, key): slot for key, slot in assigned.items()})
         res_slots[pool] = max(res_slots.get(pool, 0), used)
 
-    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs) for d, _, a in s.actions()}
+    roles = {(d, a): _role(s.virtual_stage(d, a.chunk), n_vs, vocab_parallel)
+             for d, _, a in s.actions()}
     syncs = _sync_actions(s, tick_of) if sync_in_loop else set()
     branch_of = {(d, a): Branch(a.kind, role, s.task(d, a) in syncs)
                  for (d, a), role in roles.items()}
@@ -284,7 +305,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
     table = np.full((s.ticks, p, lanes, len(FIELDS)), trash, np.int32)
     table[..., [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
-                COL["e_slot"], COL["z_slot"]]] = 0  # idle
+                COL["e_slot"], COL["z_slot"], COL["head_mb"]]] = 0  # idle
     for (d, a), role in roles.items():
         entry = table[tick_of[s.task(d, a)], d, lane_of(a.kind, s)]
         vs = s.virtual_stage(d, a.chunk)
@@ -298,10 +319,17 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False) -> TickProgr
         entry[COL["z_slot"]] = res_slot.get((d, "dz", ("z", a.microbatch, vs)), 0)
     for (t, d, route, lane), key in arrivals.items():
         table[t, d, lane, COL["file_" + route]] = slot_of[(d, key)]
+    if vocab_parallel:
+        for (kind, mb, vs), t in tick_of.items():
+            if kind == "F" and vs == n_vs - 1:
+                d = s.placement[vs][0]
+                table[t, :, 0, COL["head_mb"]] = mb + 1
+                table[t, d, 0, COL["head_slot"]] = slot_of[(d, ("g", mb, vs))]
     def used(route, lanes_):
         return tuple(sorted(set().union(*(pairs[(route, lane)] for lane in lanes_))))
 
     lane_rings = tuple((used("down", (lane,)), used("up", (lane,)), bool(used("self", (lane,))))
                        for lane in range(lanes))
     return TickProgram(s, branches, table, slots, used("down", (0, 1)), used("up", (0, 1)),
-                       bool(used("self", (0, 1))), tuple(sorted(res_slots.items())), lane_rings)
+                       bool(used("self", (0, 1))), tuple(sorted(res_slots.items())), lane_rings,
+                       vocab_parallel)
