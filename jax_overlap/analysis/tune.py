@@ -335,8 +335,9 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     what the remat policy (`model.remat`) recomputes per layer -- ``full`` the block's
     forward, ``minimal`` its attention scores, ``none`` / ``save_dots`` nothing. Split: B
     is the input gradients (plus the recompute), W only the weight-gradient GEMMs (what B
-    kept), virtual stage 0's alike (its B ends in the embedding's gradient). The structure -- TP collective
-    count, parameter bytes per stage, stash -- is the same as for calibrated costs.
+    kept), virtual stage 0's alike (its B ends in the embedding's gradient). The structure --
+    TP collective count, parameter bytes per stage, stash -- is the same as for calibrated
+    costs.
 
     Args:
       cfg: the candidate config.

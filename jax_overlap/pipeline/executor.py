@@ -68,8 +68,9 @@ stages' partial sums, psum'd over 'pp') is filed into a stash slot of the F's st
 the chunk's B reads it as if a next stage had sent it. Each stage's head gradient covers its
 vocabulary columns only; the sum over 'pp' below completes it.
 
-The embedding and head gradients are summed over 'pp' at the end (with tied embeddings the head's use of `wte` and the embedding's
-add up there), then the gradients go through the explicit DP reduction of `buckets`.
+The embedding and head gradients are summed over 'pp' at the end (with tied embeddings the
+head's use of `wte` and the embedding's add up there), then the gradients go through the
+explicit DP reduction of `buckets`.
 
 DP reduction of the blocks, by `overlap`:
   no buckets           after the loop, one collective per leaf.

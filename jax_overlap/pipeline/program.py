@@ -179,9 +179,9 @@ def _messages(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = Fals
 
     ('x', mb, vs) is the input of virtual stage vs, sent by F(mb, vs-1); ('g', mb, vs) is the
     gradient of vs's output, sent by B(mb, vs+1) (the last virtual stage's, under a
-    vocabulary-parallel head, filed by the head phase of F(mb, vs)'s tick). Each becomes readable `transfer_latency`
-    ticks after it was sent (the next tick on the same stage) and stays in a slot of its
-    receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
+    vocabulary-parallel head, filed by the head phase of F(mb, vs)'s tick). Each becomes
+    readable `transfer_latency` ticks after it was sent (the next tick on the same stage) and
+    stays in a slot of its receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
 
     Returns:
       (arrivals: (tick, stage, route, sender's lane) -> key, per-stage lifetimes
