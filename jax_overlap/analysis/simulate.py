@@ -809,11 +809,13 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
                         if not s.paired or (a.kind == "F") == (lane == 0)]
                 for _ in acts:
                     done[d] = run(d, done[d])
-            skewed = s.paired or s.transfer_latency == 2
+            skewed = (s.paired or s.transfer_latency == 2) and not tl.synchronous
             for d in range(p):
                 if not near[lane][d]:
                     clock[d] = done[d]
                     continue
+                # Synchronous collectives (a CPU) cannot run under the action: the permute
+                # waits for it, as an unskewed one does.
                 ref = begin if skewed else done
                 meet = max([ref[d], *(ref[e] for e in near[lane][d])]) + xfer
                 # The wait for the partners is idle; the transfer is the last `xfer` of it.

@@ -470,6 +470,7 @@ def predict(
     hw: HardwareProfile,
     calibration: cal_lib.Calibration | None = None,
     efficiency: float = FLOP_EFFICIENCY,
+    timing: str = "events",
 ) -> Prediction:
     """Simulate one plan.
 
@@ -479,6 +480,9 @@ def predict(
       hw: hardware profile.
       calibration: measured costs of the model (None: FLOP-based costs).
       efficiency: FLOP efficiency for FLOP-based costs.
+      timing: how the simulator plays the pipeline (`simulate`'s ``timing``): ``events``
+        (each stage's row as soon as its inputs are there) or ``ticks`` (the executor's
+        ticks, each stage waiting for its ring neighbours at every permute).
 
     Returns:
       The :class:`Prediction`.
@@ -493,7 +497,7 @@ def predict(
     else:
         costs = flop_costs(cfg, hw, efficiency)
         opt = 0.0
-    r = simulate(sim_plan(cfg, plan), costs, hw)
+    r = simulate(sim_plan(cfg, plan), costs, hw, timing=timing)
     memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg, plan)
     m = r.metrics
     return Prediction(
@@ -694,7 +698,8 @@ SEARCH_SPLITS = 3
 
 def search_split(pred: Prediction, hw: HardwareProfile,
                  calibration: cal_lib.Calibration | None = None,
-                 efficiency: float = FLOP_EFFICIENCY, max_rounds: int = 8) -> Prediction:
+                 efficiency: float = FLOP_EFFICIENCY, max_rounds: int = 8,
+                 timing: str = "events") -> Prediction:
     """The plan with its layer split improved by simulation: starting from its split, move
     one layer between two virtual stages while the simulated step gets shorter.
 
@@ -703,7 +708,7 @@ def search_split(pred: Prediction, hw: HardwareProfile,
 
     Args:
       pred: a ranked prediction of a pipelined plan.
-      hw, calibration, efficiency: as for :func:`predict`.
+      hw, calibration, efficiency, timing: as for :func:`predict`.
       max_rounds: most improving moves.
 
     Returns:
@@ -729,7 +734,7 @@ def search_split(pred: Prediction, hw: HardwareProfile,
                     conf = apply_candidate(pred.config, cand)
                 except ConfigError:
                     continue
-                p = predict(cand, conf, hw, calibration, efficiency)
+                p = predict(cand, conf, hw, calibration, efficiency, timing)
                 if p.step_time_s < (improved or best).step_time_s * (1 - 1e-9):
                     improved, found = p, trial
         if improved is None:
