@@ -493,3 +493,11 @@ def test_vocab_parallel_head_matches_single_device(references, name, pp, dp, tp,
 def test_vocab_parallel_head_matches_single_device_sweep(references, name, pp, dp, tp, m, tied,
                                                          extra):
     check_vocab_parallel(references, name, pp, dp, tp, m, tied, extra)
+
+
+def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
+    """Training with the head split over the stages, through the skewed loop, follows pp=1."""
+    cfg = pipeline_cfg("zb-v", 4, 2, 1, 4, extra=["pipeline.vocab_parallel=true",
+                                                  "pipeline.transfer_latency=2"])
+    losses = _curve(cfg, tmp_path, "zb-v-vocab")
+    assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
