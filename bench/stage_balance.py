@@ -83,8 +83,6 @@ def imbalance_floor(cfg, hw) -> float:
 
 
 def rows(meshes, microbatches, variants=VARIANTS) -> list[dict]:
-    import dataclasses
-
     from jax_overlap import config
     from jax_overlap.analysis import tune
     from jax_overlap.analysis.hardware import load_profile
@@ -104,12 +102,10 @@ def rows(meshes, microbatches, variants=VARIANTS) -> list[dict]:
                             cfg = p.config
                         else:
                             cand = tune.Candidate(dp, tp, pp, v, m, schedule, BUCKET_MB, False,
-                                                  1, lat, split)
+                                                  1, lat, split, vocab_parallel=head == "vocab")
                             cfg = tune.apply_candidate(base, cand)
-                            cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
-                                cfg.pipeline, vocab_parallel=head == "vocab"))
                             p = tune.predict(cand, cfg, hw, timing="ticks")
-                        events = tune.predict(p.candidate, cfg, hw)
+                        events = tune.predict(p.candidate, cfg, hw, timing="events")
                         plan = tune.plan_of(cfg)
                         step_ms = p.step_time_s * 1e3
                         even_ms = step_ms if split == "even" else even_ms

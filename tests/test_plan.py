@@ -87,12 +87,13 @@ def test_simulated_bubble_follows_the_transfer_latency_table():
     assert bubble_fraction(tune.plan_for(cfg).schedule) > 0.3  # latency 2: the longer ramp
 
 
-def _latency_pair(hw):
+def _latency_pair(hw, timing=None):
     cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8"])
     times = {}
     for latency in (1, 2):
         cand = tune.Candidate(2, 1, 4, 1, 8, "1f1b", 64.0, False, 1, latency)
-        times[latency] = tune.predict(cand, tune.apply_candidate(cfg, cand), hw).step_time_s
+        times[latency] = tune.predict(cand, tune.apply_candidate(cfg, cand), hw,
+                                      timing=timing).step_time_s
     return times
 
 
@@ -100,9 +101,17 @@ def test_tuner_picks_latency_two_when_the_stage_link_is_slow():
     nvlink = load_profile("h100_8x_nvlink")
     slow = dataclasses.replace(nvlink, links={**nvlink.links, "slow": Link("slow", 2e9, 5e-5)},
                                axes={**nvlink.axes, "pp": AxisLink("slow", True)})
+    # Played as the table's order with nothing else to wait for (event-driven), latency 2
+    # pays its longer ramp on NVLink and wins only where transfers are slow.
+    fast, slow_times = _latency_pair(nvlink, "events"), _latency_pair(slow, "events")
+    assert fast[1] < fast[2]
+    assert slow_times[2] < slow_times[1]
+    # On the executor's ticks (the tuner's default on a GPU) a latency-1 permute makes each
+    # stage wait for its neighbours' slower actions every tick, and the skewed loop's idle
+    # ramp entries cost only that wait: latency 2 wins on both links, by far on the slow one.
     fast, slow_times = _latency_pair(nvlink), _latency_pair(slow)
-    assert fast[1] < fast[2]  # NVLink: the shorter ramp wins
-    assert slow_times[2] < slow_times[1]  # 2 GB/s: hiding the transfer wins
+    assert fast[2] < fast[1] and slow_times[2] < slow_times[1]
+    assert slow_times[1] / slow_times[2] > fast[1] / fast[2]
     best = tune.tune(config.load(TINY, ["model.layers=4", "model.d_model=512", "model.d_ff=2048",
                                         "model.seq_len=512", "train.global_batch=64"]),
                      8, slow, bucket_sizes_mb=(0.0,), windows=(2,), max_microbatches=8)

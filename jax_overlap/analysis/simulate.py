@@ -33,6 +33,7 @@ interval arithmetic as the measured-trace metrics, over the window ``[0, step en
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -729,6 +730,15 @@ def simulate(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _program(schedule: Schedule, vocab_parallel: bool):
+    """The executor's tick program of a table (which rings each lane's permutes use); the
+    tuner simulates thousands of plans over a few hundred tables."""
+    from jax_overlap.pipeline.program import compile_program
+
+    return compile_program(schedule, vocab_parallel=vocab_parallel)
+
+
 def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Timeline,
                 link: dict[str, Link], starts, ends, held) -> None:
     """Plays the table the way the executor's SPMD program runs it on a GPU.
@@ -753,11 +763,9 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
     Fills `tl`, and per stage `starts` / `ends` (one entry per element of `rows[stage]`, in
     order) and the activation `held` events.
     """
-    from jax_overlap.pipeline.program import compile_program
-
     s = plan.schedule
     p, split = s.stages, s.split_backward
-    program = compile_program(s, vocab_parallel=plan.vocab_parallel)
+    program = _program(s, plan.vocab_parallel)
     release = "W" if split else "B"
     xfer = p2p_time(costs.act_bytes, link["pp"])
     reduce_s = all_reduce_time(costs.act_bytes, p, link["pp"])

@@ -91,6 +91,8 @@ class Candidate:
         one host).
       slow: how the gradient crosses dcn (``flat`` with dcn = 1): ``hierarchical``,
         ``delay1`` (one step late) or ``diloco:H,F,tau,dtype`` (Streaming DiLoCo).
+      vocab_parallel: the LM head split over the pipeline stages (`pipeline.vocab_parallel`);
+        False when pp = 1.
     """
 
     dp: int
@@ -108,6 +110,7 @@ class Candidate:
     remat: str = "none"
     dcn: int = 1
     slow: str = "flat"
+    vocab_parallel: bool = False
 
     def key(self) -> tuple:
         """Stable tie-break key (the fields in order)."""
@@ -124,6 +127,8 @@ class Candidate:
             sched += f" split-{self.stage_layers}"
         if self.remat != "none":
             sched += f" remat-{self.remat}"
+        if self.vocab_parallel:
+            sched += " vocab"
         shard = f"fsdp w{self.window}" if self.fsdp else "repl"
         hosts = f"dcn{self.dcn} " if self.dcn > 1 else ""
         slow = f" {self.slow}" if self.dcn > 1 else ""
@@ -160,7 +165,7 @@ def apply_candidate(cfg: Config, cand: Candidate) -> Config:
                                      virtual_stages=c.virtual_stages,
                                      transfer_latency=c.transfer_latency,
                                      stage_layers=_split_value(c.stage_layers),
-                                     paired=c.paired),
+                                     paired=c.paired, vocab_parallel=c.vocab_parallel),
         model=dataclasses.replace(cfg.model, remat=c.remat),
         overlap=dataclasses.replace(cfg.overlap, grad_bucket_mb=float(c.grad_bucket_mb),
                                     param_sharding="fsdp" if c.fsdp else "replicated",
@@ -243,13 +248,18 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
     return out
 
 
+# Model kinds whose head can run vocabulary-parallel (`vocab_parallel_head`).
+VOCAB_PARALLEL_KINDS = ("gpt", "bert", "llama")
+
+
 def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
-                      ) -> list[tuple[int, str, bool]]:
-    """``(transfer latency, stage split, paired)`` worth trying: both latencies, paired
-    ticks (latency 1) and, where the balanced split differs from the even one (or the layers
-    do not split evenly), ``auto``."""
+                      ) -> list[tuple[int, str, bool, bool]]:
+    """``(transfer latency, stage split, paired, vocab-parallel head)`` worth trying: both
+    latencies, paired ticks (latency 1) and, where the balanced split differs from the even
+    one (or the layers do not split evenly), ``auto``; and, unpaired at both latencies, the
+    head split over the stages (a built-in decoder; its balanced split is the even one)."""
     if pp == 1:
-        return [(1, "even", False)]
+        return [(1, "even", False, False)]
     splits = ["even"]
     try:
         even = apply_candidate(cfg, Candidate(1, 1, pp, v, m, schedule, 0.0, False, 1, 1))
@@ -259,8 +269,11 @@ def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
             splits.append("auto")
     except (ConfigError, ValueError):
         splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
-    return [(latency, split, paired) for latency, paired in ((1, False), (2, False), (1, True))
-            for split in splits]
+    lanes = ((1, False), (2, False), (1, True))
+    out = [(latency, split, paired, False) for latency, paired in lanes for split in splits]
+    if cfg.model.kind in VOCAB_PARALLEL_KINDS:  # unpaired: its lanes wait around the head
+        out += [(latency, splits[0], False, True) for latency in (1, 2)]
+    return out
 
 
 def enumerate_candidates(
@@ -299,9 +312,10 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    for latency, split, paired in _pipeline_options(cfg, pp, v, schedule, m):
+                    for latency, split, paired, vocab in _pipeline_options(cfg, pp, v,
+                                                                           schedule, m):
                         base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency,
-                                         split, paired)
+                                         split, paired, vocab_parallel=vocab)
                         try:
                             plan_of(apply_candidate(cfg, base))
                         except (ConfigError, ValueError):
@@ -470,7 +484,7 @@ def predict(
     hw: HardwareProfile,
     calibration: cal_lib.Calibration | None = None,
     efficiency: float = FLOP_EFFICIENCY,
-    timing: str = "events",
+    timing: str | None = None,
 ) -> Prediction:
     """Simulate one plan.
 
@@ -482,7 +496,9 @@ def predict(
       efficiency: FLOP efficiency for FLOP-based costs.
       timing: how the simulator plays the pipeline (`simulate`'s ``timing``): ``events``
         (each stage's row as soon as its inputs are there) or ``ticks`` (the executor's
-        ticks, each stage waiting for its ring neighbours at every permute).
+        ticks, each stage waiting for its ring neighbours at every permute). None: ``ticks``
+        for a pipelined plan on a device with asynchronous collectives (a GPU), else
+        ``events`` (what `docs/simulator_validation.md` checks against CPU steps).
 
     Returns:
       The :class:`Prediction`.
@@ -497,6 +513,8 @@ def predict(
     else:
         costs = flop_costs(cfg, hw, efficiency)
         opt = 0.0
+    if timing is None:
+        timing = "ticks" if plan.pp > 1 and not hw.synchronous_collectives else "events"
     r = simulate(sim_plan(cfg, plan), costs, hw, timing=timing)
     memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg, plan)
     m = r.metrics
@@ -699,7 +717,7 @@ SEARCH_SPLITS = 3
 def search_split(pred: Prediction, hw: HardwareProfile,
                  calibration: cal_lib.Calibration | None = None,
                  efficiency: float = FLOP_EFFICIENCY, max_rounds: int = 8,
-                 timing: str = "events") -> Prediction:
+                 timing: str | None = None) -> Prediction:
     """The plan with its layer split improved by simulation: starting from its split, move
     one layer between two virtual stages while the simulated step gets shorter.
 

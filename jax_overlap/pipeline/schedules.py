@@ -241,7 +241,7 @@ class Schedule:
         """Length of the table (ticks from first action to last)."""
         return len(self.grid[0]) if self.grid else 0
 
-    @property
+    @cached_property
     def paired(self) -> bool:
         """Whether any tick runs a forward and a backward on one stage (a :class:`Pair`)."""
         return any(isinstance(c, Pair) for row in self.grid for c in row)
