@@ -781,7 +781,9 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
             out[dst].add(src)
         return out
 
-    near = [partners(lane) for lane in range(lanes)]
+    # A paired lane's half-tick carries the other lane's last output (the executor's
+    # `paired_tick`): its permutes are on the other lane's rings.
+    near = [partners(1 - lane if s.paired else lane) for lane in range(lanes)]
     clock = [0.0] * p
     if plan.fsdp and plan.dp > 1:
         for d in range(p):

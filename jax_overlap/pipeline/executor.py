@@ -676,10 +676,13 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         if not program.vocab_parallel:
             return pool, grads, loss
         mb1 = rows[0, 0, COL["head_mb"]]
+        slot = row[COL["head_slot"]]  # `trash` but on the stage whose F made the output
+        mine = slot != program.trash
+        # Only the head's accumulators go through the cond (the pool and the blocks' stay
+        # outside it, so nothing large is handed to a conditional that might copy it).
+        acc = {k: grads[k] for k in ("embed", "head")}
 
-        def run(pool, grads, loss):
-            slot = row[COL["head_slot"]]
-            mine = slot != program.trash  # the stage whose F made the hidden state
+        def run(acc, loss):
             y = jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP)  # over pp
             y = _like(y, zeros)
             w = ctx.params
@@ -688,12 +691,13 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
                 w["embed"], w["head"], y)
             d_embed, d_head, dy = pull(jnp.ones_like(part))
             dy = _like(jax.lax.psum(dy, PP), zeros)  # the stages' partial sums, over pp
-            pool = pool.at[slot].set(dy)
-            grads = _accumulate(grads, {"embed": d_embed, "head": d_head}, None, blocks=False)
+            acc = _accumulate(acc, {"embed": d_embed, "head": d_head}, None, blocks=False)
             loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
-            return pool, _like(grads, ctx.grads0), _like(loss, ctx.loss0)
+            return dy, _like(acc, {k: ctx.grads0[k] for k in acc}), _like(loss, ctx.loss0)
 
-        return jax.lax.cond(mb1 > 0, run, lambda *a: a, pool, grads, loss)
+        dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (zeros, acc, loss),
+                                     acc, loss)
+        return pool.at[slot].set(dy), {**grads, **acc}, loss
 
     def slots(pool, row):
         # The two slots an action can read: its input and its output gradient.
