@@ -69,9 +69,10 @@ class TickProgram:
       lane_rings: per lane, `(down_pairs, up_pairs, local_handoff)` of what that lane's
         actions send (a paired 1F1B's forwards use only the +1 ring, its backwards only -1).
       vocab_parallel: the head runs vocabulary-parallel on every stage (`pipeline.
-        vocab_parallel`). The last virtual stage is then a middle one: its F sends nothing
-        and its B reads its output gradient from slot `g_slot`. At a tick where that F runs,
-        every stage's lane-0 row holds `head_mb` = its microbatch + 1 (0 elsewhere): after
+        vocab_parallel`). The last virtual stage is then a middle one: its F's output goes to
+        the head phase, and its B reads its output gradient from slot `g_slot`. At a tick
+        where that F runs, every stage's lane-0 row holds `head_mb` = its microbatch + 1 (0
+        elsewhere): after
         the forward lane, all stages run the head phase together (the hidden state
         broadcast over pp, each stage's share of the logits and loss, the hidden state's
         gradient summed over pp), and the stage that ran the F files that gradient into its
@@ -181,7 +182,8 @@ def _messages(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = Fals
     gradient of vs's output, sent by B(mb, vs+1) (the last virtual stage's, under a
     vocabulary-parallel head, filed by the head phase of F(mb, vs)'s tick). Each becomes
     readable `transfer_latency` ticks after it was sent (the next tick on the same stage) and
-    stays in a slot of its receiver until the last backward action of (mb, vs) -- B, or W when split -- has read it.
+    stays in a slot of its receiver until the last backward action of (mb, vs) -- B, or W
+    when split -- has read it.
 
     Returns:
       (arrivals: (tick, stage, route, sender's lane) -> key, per-stage lifetimes
