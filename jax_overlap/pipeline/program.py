@@ -72,11 +72,10 @@ class TickProgram:
         vocab_parallel`). The last virtual stage is then a middle one: its F's output goes to
         the head phase, and its B reads its output gradient from slot `g_slot`. At a tick
         where that F runs, every stage's lane-0 row holds `head_mb` = its microbatch + 1 (0
-        elsewhere): after
-        the forward lane, all stages run the head phase together (the hidden state
-        broadcast over pp, each stage's share of the logits and loss, the hidden state's
-        gradient summed over pp), and the stage that ran the F files that gradient into its
-        slot `head_slot` (`trash` on the others).
+        elsewhere): after the forward lane, all stages run the head phase together (the
+        hidden state broadcast over pp, each stage's share of the logits and loss, the hidden
+        state's gradient summed over pp), and the stage that ran the F files that gradient
+        into its slot `head_slot` (`trash` on the others).
     """
 
     schedule: Schedule
