@@ -1109,7 +1109,7 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
     redo = s[f"{blk}_f"] if plan.remat == "full" else 0.0  # per layer, recomputed in B
     fwd, bwd, wgt = [], [], []
     # A vocabulary-parallel head is no virtual stage's work (`head_phase_time`).
-    head_last = not getattr(plan, "vocab_parallel", False)
+    head_last = not plan.vocab_parallel
     for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
         first, last = vs == 0, vs == n_vs - 1 and head_last
         f = n * s[f"{blk}_f"] + first * s["embed_f"] + last * s["head_f"]
@@ -1166,7 +1166,7 @@ def costs_for_config(cal: Calibration, cfg: Config, plan, hw: HardwareProfile) -
 def head_phase_time(cal: Calibration, cfg: Config, plan, bubble: float = 0.0) -> float:
     """A vocabulary-parallel head's phase on one device: 1/pp of the measured head forward
     and backward (0 unless `plan.vocab_parallel`)."""
-    if not getattr(plan, "vocab_parallel", False):
+    if not plan.vocab_parallel:
         return 0.0
     b, k = micro_batch_size(cfg, plan), plan.tp
     scale = busy_scale(cfg, plan, cal.parallel_capacity, cal.devices, bubble)

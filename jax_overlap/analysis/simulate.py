@@ -523,8 +523,7 @@ def simulate(
     if timing not in TIMINGS:
         raise ValueError(f"simulate: timing must be one of {TIMINGS}, got {timing!r}")
     s = plan.schedule
-    p, n_vs, split = s.stages, s.stages * s.virtual_stages, s.split_backward
-    stage_of = [pos[0] for pos in s.placement]
+    p = s.stages
     # A paired tick's two actions run back to back on their stage, forward first. Under a
     # vocabulary-parallel head every stage runs the head phase H after the forward lane of
     # the tick where the last virtual stage's F runs, as the executor does.
@@ -534,14 +533,13 @@ def simulate(
         tasks = []
         for t, cell in enumerate(row):
             acts = [s.task(d, a) for a in cell_actions(cell)]
-            if t in heads:
-                lane0 = acts[:1] if not acts or acts[0].kind == "F" or not s.paired else []
-                acts = [*lane0, Task("H", heads[t], -1), *acts[len(lane0):]]
+            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's forward
+                lane0 = int(bool(acts) and (not s.paired or acts[0].kind == "F"))
+                acts.insert(lane0, Task("H", heads[t], -1))
             tasks.extend(acts)
         rows.append(tasks)
     link = {axis: hw.link(axis) for axis in ("dp", "pp", "tp")}
-    release = "W" if split else "B"
-    gather = plan.fsdp and plan.dp > 1
+    release = "W" if s.split_backward else "B"
 
     tl = _Timeline(p, hw.synchronous_collectives)
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -549,136 +547,9 @@ def simulate(
     held: list[list[tuple[float, float]]] = [[] for _ in range(p)]  # (time, +/- bytes)
 
     if timing == "ticks":
-        _play_ticks(plan, costs, rows, heads, tl, link, starts, ends, held)
+        _play_ticks(plan, costs, heads, tl, link, starts, ends, held)
     else:
-        finish: dict[Task, float] = {}
-        arrival: dict[Task, float] = {}
-        gathers: dict[tuple[int, int], float] = {}  # (stage, action index) -> gather end
-
-        def ready_at(dep: Task, stage: int) -> float | None:
-            if dep not in finish:
-                return None
-            if dep.kind == "H":
-                return finish[dep]
-            return finish[dep] if stage_of[dep.virtual_stage] == stage else arrival[dep]
-
-        def issue_gather(d: int, j: int, issue: float) -> None:
-            task = rows[d][j]
-            if task.kind == "W":  # weight gradients need activations and output grads only
-                return
-            vs = task.virtual_stage
-            gathers[(d, j)] = tl.enqueue(
-                d,
-                "fsdp",
-                f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
-                issue,
-                all_gather_time(costs.params(vs), plan.dp, link["dp"]),
-            )
-
-        if gather and plan.fsdp_window > 0:
-            for d in range(p):
-                for j in range(min(plan.fsdp_window, len(rows[d]))):
-                    issue_gather(d, j, 0.0)
-
-        def run_head(mb: int) -> bool:
-            """The head phase of `mb` on every stage at once, if all have reached it."""
-            h = Task("H", mb, -1)
-            made = Task("F", mb, n_vs - 1)
-            if made not in finish or any(nxt[d] >= len(rows[d]) or rows[d][nxt[d]] != h
-                                         for d in range(p)):
-                return False
-            reduce_s = all_reduce_time(costs.act_bytes, p, link["pp"])
-            start = max([*tl.compute_free, finish[made]])
-            for d in range(p):
-                t = start
-                for what, dur in (("all-reduce head input", reduce_s), (None, costs.head_s),
-                                  ("all-reduce head gradient", reduce_s)):
-                    if what is None:
-                        tl.add(d, "compute", "compute", f"H mb{mb}", t, t + dur)
-                    else:  # blocking: the logits need the hidden state, the B its gradient
-                        tl.add(d, "pp", "comm", f"{what} mb{mb}", t, t + dur)
-                    t += dur
-                tl.compute_free[d] = t
-                starts[d].append(start)
-                ends[d].append(t)
-                nxt[d] += 1
-            finish[h] = arrival[h] = t
-            return True
-
-        nxt = [0] * p
-        remaining = sum(len(r) for r in rows)
-        while remaining:
-            progressed = False
-            for d in range(p):
-                while nxt[d] < len(rows[d]):
-                    j, task = nxt[d], rows[d][nxt[d]]
-                    if task.kind == "H":
-                        if not run_head(task.microbatch):
-                            break
-                        remaining -= p
-                        progressed = True
-                        continue
-                    deps = dependencies(task, n_vs)
-                    if heads and task.kind == "B" and task.virtual_stage == n_vs - 1:
-                        deps = (*deps, Task("H", task.microbatch, -1))
-                    times = [ready_at(dep, d) for dep in deps]
-                    if any(t is None for t in times):
-                        break
-                    inputs = max(times, default=0.0)
-                    if gather and plan.fsdp_window == 0:
-                        issue_gather(d, j, max(tl.compute_free[d], inputs))
-                    start = max(tl.compute_free[d], inputs, gathers.get((d, j), 0.0))
-                    vs, mb = task.virtual_stage, task.microbatch
-                    label = f"{task.kind} mb{mb} vs{vs}"
-                    tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
-                    end = _run_action(
-                        tl,
-                        d,
-                        label,
-                        start,
-                        costs.compute_s(task.kind, vs, split),
-                        tp_bytes,
-                        plan,
-                        link["tp"],
-                    )
-                    tl.compute_free[d] = end
-                    finish[task] = end
-                    starts[d].append(start)
-                    ends[d].append(end)
-                    if gather and plan.fsdp_window > 0 and j + plan.fsdp_window < len(rows[d]):
-                        issue_gather(d, j + plan.fsdp_window, start)
-                    if task.kind == "F":
-                        held[d].append((start, costs.stash(vs)))
-                    if task.kind == release:
-                        held[d].append((end, -costs.stash(vs)))
-                    # Hand the output to the next stage in model order (F) or back (B).
-                    nxt_vs = vs + 1 if task.kind == "F" else vs - 1 if task.kind == "B" else None
-                    if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
-                        what = "act" if task.kind == "F" else "grad"
-                        sent = tl.enqueue(
-                            d,
-                            "pp",
-                            f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
-                            end,
-                            p2p_time(costs.act_bytes, link["pp"]),
-                        )
-                        if s.transfer_latency >= 2:
-                            # Sent beside the stage's next tick, readable after it: the transfer
-                            # hides under a tick of compute (the action's own length stands in
-                            # for the tick's).
-                            arrival[task] = max(sent, end + (end - start))
-                        else:
-                            arrival[task] = sent
-                    else:
-                        arrival[task] = end
-                    nxt[d] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                stuck = [f"stage {d}: {rows[d][nxt[d]]}" for d in range(p) if nxt[d] < len(rows[d])]
-                raise ValueError(
-                    f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}"
-                )
+        _play_events(plan, costs, rows, heads, tl, link, starts, ends, held)
 
     # Gradient buckets: reduced over dp once the last microbatch's weight gradients exist.
     if plan.dp > 1:
@@ -730,6 +601,163 @@ def simulate(
     )
 
 
+def _place_action(tl: _Timeline, plan: Plan, costs: Costs, link: dict[str, Link], d: int,
+                  task: Task, start: float, starts, ends, held) -> float:
+    """Places one action on stage `d` from `start` (its compute and TP collectives), records
+    its span in `starts` / `ends` and what it holds or releases in `held`; returns its end."""
+    s = plan.schedule
+    vs = task.virtual_stage
+    tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
+    end = _run_action(tl, d, f"{task.kind} mb{task.microbatch} vs{vs}", start,
+                      costs.compute_s(task.kind, vs, s.split_backward), tp_bytes, plan,
+                      link["tp"])
+    starts[d].append(start)
+    ends[d].append(end)
+    if task.kind == "F":
+        held[d].append((start, costs.stash(vs)))
+    if task.kind == ("W" if s.split_backward else "B"):
+        held[d].append((end, -costs.stash(vs)))
+    return end
+
+
+def _place_head(tl: _Timeline, costs: Costs, link: dict[str, Link], mb: int, start: float,
+                starts, ends) -> float:
+    """Places microbatch `mb`'s vocabulary-parallel head phase on every stage from `start`:
+    a blocking all-reduce over pp of the hidden state, ``costs.head_s`` of compute, a blocking
+    all-reduce of its gradient. Records its span on every stage; returns its end."""
+    reduce_s = all_reduce_time(costs.act_bytes, len(starts), link["pp"])
+    parts = (("all-reduce head input", reduce_s), (None, costs.head_s),
+             ("all-reduce head gradient", reduce_s))
+    for d in range(len(starts)):
+        t = start
+        for what, dur in parts:
+            if what is None:
+                tl.add(d, "compute", "compute", f"H mb{mb}", t, t + dur)
+            else:  # blocking: the logits need the hidden state, the B its gradient
+                tl.add(d, "pp", "comm", f"{what} mb{mb}", t, t + dur)
+            t += dur
+        starts[d].append(start)
+        ends[d].append(t)
+    return t
+
+
+def _play_events(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Timeline,
+                 link: dict[str, Link], starts, ends, held) -> None:
+    """Plays the table event-driven: each stage runs `rows[stage]` in order, each action as
+    soon as the stage is free and its inputs have arrived; a head phase waits for every
+    stage to reach it. Fills `tl`, `starts` / `ends` (one entry per element of each row)
+    and `held`.
+
+    Raises:
+      ValueError: a schedule whose order deadlocks.
+    """
+    s = plan.schedule
+    p, n_vs = s.stages, s.stages * s.virtual_stages
+    stage_of = [pos[0] for pos in s.placement]
+    gather = plan.fsdp and plan.dp > 1
+    finish: dict[Task, float] = {}
+    arrival: dict[Task, float] = {}
+    gathers: dict[tuple[int, int], float] = {}  # (stage, action index) -> gather end
+
+    def ready_at(dep: Task, stage: int) -> float | None:
+        if dep not in finish:
+            return None
+        if dep.kind == "H" or stage_of[dep.virtual_stage] == stage:
+            return finish[dep]
+        return arrival[dep]
+
+    def issue_gather(d: int, j: int, issue: float) -> None:
+        task = rows[d][j]
+        if task.kind == "W":  # weight gradients need activations and output grads only
+            return
+        vs = task.virtual_stage
+        gathers[(d, j)] = tl.enqueue(
+            d,
+            "fsdp",
+            f"all-gather params vs{vs} for {task.kind} mb{task.microbatch}",
+            issue,
+            all_gather_time(costs.params(vs), plan.dp, link["dp"]),
+        )
+
+    if gather and plan.fsdp_window > 0:
+        for d in range(p):
+            for j in range(min(plan.fsdp_window, len(rows[d]))):
+                issue_gather(d, j, 0.0)
+
+    def run_head(mb: int) -> bool:
+        """The head phase of `mb` on every stage at once, if all have reached it."""
+        h = Task("H", mb, -1)
+        made = Task("F", mb, n_vs - 1)
+        if made not in finish or any(nxt[d] >= len(rows[d]) or rows[d][nxt[d]] != h
+                                     for d in range(p)):
+            return False
+        end = _place_head(tl, costs, link, mb, max([*tl.compute_free, finish[made]]), starts,
+                          ends)
+        for d in range(p):
+            tl.compute_free[d] = end
+            nxt[d] += 1
+        finish[h] = end
+        return True
+
+    nxt = [0] * p
+    remaining = sum(len(r) for r in rows)
+    while remaining:
+        progressed = False
+        for d in range(p):
+            while nxt[d] < len(rows[d]):
+                j, task = nxt[d], rows[d][nxt[d]]
+                if task.kind == "H":
+                    if not run_head(task.microbatch):
+                        break
+                    remaining -= p
+                    progressed = True
+                    continue
+                deps = dependencies(task, n_vs)
+                if heads and task.kind == "B" and task.virtual_stage == n_vs - 1:
+                    deps = (*deps, Task("H", task.microbatch, -1))
+                times = [ready_at(dep, d) for dep in deps]
+                if any(t is None for t in times):
+                    break
+                inputs = max(times, default=0.0)
+                if gather and plan.fsdp_window == 0:
+                    issue_gather(d, j, max(tl.compute_free[d], inputs))
+                start = max(tl.compute_free[d], inputs, gathers.get((d, j), 0.0))
+                vs, mb = task.virtual_stage, task.microbatch
+                end = _place_action(tl, plan, costs, link, d, task, start, starts, ends, held)
+                tl.compute_free[d] = end
+                finish[task] = end
+                if gather and plan.fsdp_window > 0 and j + plan.fsdp_window < len(rows[d]):
+                    issue_gather(d, j + plan.fsdp_window, start)
+                # Hand the output to the next stage in model order (F) or back (B).
+                nxt_vs = vs + 1 if task.kind == "F" else vs - 1 if task.kind == "B" else None
+                if nxt_vs is not None and 0 <= nxt_vs < n_vs and stage_of[nxt_vs] != d:
+                    what = "act" if task.kind == "F" else "grad"
+                    sent = tl.enqueue(
+                        d,
+                        "pp",
+                        f"send {what} mb{mb} vs{vs}->vs{nxt_vs}",
+                        end,
+                        p2p_time(costs.act_bytes, link["pp"]),
+                    )
+                    if s.transfer_latency >= 2:
+                        # Sent beside the stage's next tick, readable after it: the transfer
+                        # hides under a tick of compute (the action's own length stands in
+                        # for the tick's).
+                        arrival[task] = max(sent, end + (end - start))
+                    else:
+                        arrival[task] = sent
+                else:
+                    arrival[task] = end
+                nxt[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"stage {d}: {rows[d][nxt[d]]}" for d in range(p) if nxt[d] < len(rows[d])]
+            raise ValueError(
+                f"simulate: schedule {s.name!r} deadlocks; waiting: {'; '.join(stuck)}"
+            )
+
+
 @functools.lru_cache(maxsize=256)
 def _program(schedule: Schedule, vocab_parallel: bool):
     """The executor's tick program of a table (which rings each lane's permutes use); the
@@ -739,7 +767,7 @@ def _program(schedule: Schedule, vocab_parallel: bool):
     return compile_program(schedule, vocab_parallel=vocab_parallel)
 
 
-def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Timeline,
+def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                 link: dict[str, Link], starts, ends, held) -> None:
     """Plays the table the way the executor's SPMD program runs it on a GPU.
 
@@ -760,21 +788,17 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
 
     The FSDP gather of a stage's blocks happens once per step under the pipeline (the
     executor gathers them before the loop): one blocking all-gather at the start.
-    Fills `tl`, and per stage `starts` / `ends` (one entry per element of `rows[stage]`, in
-    order) and the activation `held` events.
+    Fills `tl`, and per stage `starts` / `ends` (in the order `simulate` lists the stage's
+    actions and head phases) and the activation `held` events.
     """
     s = plan.schedule
-    p, split = s.stages, s.split_backward
+    p = s.stages
     program = _program(s, plan.vocab_parallel)
-    release = "W" if split else "B"
     xfer = p2p_time(costs.act_bytes, link["pp"])
-    reduce_s = all_reduce_time(costs.act_bytes, p, link["pp"])
-    lanes = 2 if s.paired else 1
-    rings = program.lane_rings if s.paired else (
-        (program.down_pairs, program.up_pairs, program.local_handoff),)
+    lanes = program.lanes
 
     def partners(lane: int) -> list[set[int]]:
-        down, up, _ = rings[lane]
+        down, up, _ = program.lane_rings[lane]
         out = [set() for _ in range(p)]
         for src, dst in (*down, *up):
             out[src].add(dst)
@@ -791,34 +815,16 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
             clock[d] = tl.enqueue(d, "fsdp", "all-gather stage params", 0.0,
                                   all_gather_time(sum(costs.params(vs) for vs in mine),
                                                   plan.dp, link["dp"]))
-    pos = [0] * p  # next element of rows[d]
-
-    def run(d: int, start: float) -> float:
-        """Runs rows[d][pos[d]] (an action) from `start`; returns its end."""
-        task = rows[d][pos[d]]
-        vs = task.virtual_stage
-        tp_bytes = costs.tp(vs) if task.kind in ("F", "B") else 0.0
-        end = _run_action(tl, d, f"{task.kind} mb{task.microbatch} vs{vs}", start,
-                          costs.compute_s(task.kind, vs, split), tp_bytes, plan, link["tp"])
-        starts[d].append(start)
-        ends[d].append(end)
-        if task.kind == "F":
-            held[d].append((start, costs.stash(vs)))
-        if task.kind == release:
-            held[d].append((end, -costs.stash(vs)))
-        pos[d] += 1
-        return end
-
     for t in range(s.ticks):
         for lane in range(lanes):
             begin = list(clock)
             done = list(clock)
             for d in range(p):
                 cell = s.grid[d][t]
-                acts = [a for a in cell_actions(cell)
-                        if not s.paired or (a.kind == "F") == (lane == 0)]
-                for _ in acts:
-                    done[d] = run(d, done[d])
+                for a in cell_actions(cell):
+                    if not s.paired or (a.kind == "F") == (lane == 0):
+                        done[d] = _place_action(tl, plan, costs, link, d, s.task(d, a),
+                                                done[d], starts, ends, held)
             skewed = (s.paired or s.transfer_latency == 2) and not tl.synchronous
             for d in range(p):
                 if not near[lane][d]:
@@ -832,22 +838,7 @@ def _play_ticks(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Time
                 tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet - xfer, meet)
                 clock[d] = max(done[d], meet)
             if lane == 0 and t in heads:
-                mb = heads[t]
-                start = max(clock)
-                for d in range(p):
-                    u = start
-                    for what, dur in (("all-reduce head input", reduce_s),
-                                      (None, costs.head_s),
-                                      ("all-reduce head gradient", reduce_s)):
-                        if what is None:
-                            tl.add(d, "compute", "compute", f"H mb{mb}", u, u + dur)
-                        else:
-                            tl.add(d, "pp", "comm", f"{what} mb{mb}", u, u + dur)
-                        u += dur
-                    starts[d].append(start)
-                    ends[d].append(u)
-                    pos[d] += 1
-                    clock[d] = u
+                clock = [_place_head(tl, costs, link, heads[t], max(clock), starts, ends)] * p
     for d in range(p):
         tl.compute_free[d] = clock[d]
 

@@ -248,16 +248,21 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
     return out
 
 
-# Model kinds whose head can run vocabulary-parallel (`vocab_parallel_head`).
-VOCAB_PARALLEL_KINDS = ("gpt", "bert", "llama")
+def _vocab_parallel_head(cfg: Config) -> bool:
+    """Whether the config's model can run its head vocabulary-parallel (it declares
+    `vocab_parallel_head`, as the plan requires)."""
+    from jax_overlap.model_api import build_model
+
+    return bool(getattr(build_model(cfg), "vocab_parallel_head", False))
 
 
-def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
-                      ) -> list[tuple[int, str, bool, bool]]:
+def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int,
+                      vocab_parallel: bool = False) -> list[tuple[int, str, bool, bool]]:
     """``(transfer latency, stage split, paired, vocab-parallel head)`` worth trying: both
     latencies, paired ticks (latency 1) and, where the balanced split differs from the even
-    one (or the layers do not split evenly), ``auto``; and, unpaired at both latencies, the
-    head split over the stages (a built-in decoder; its balanced split is the even one)."""
+    one (or the layers do not split evenly), ``auto``; and, with ``vocab_parallel`` (the
+    model's head supports it), unpaired at both latencies, the head split over the stages
+    (its balanced split is the even one)."""
     if pp == 1:
         return [(1, "even", False, False)]
     splits = ["even"]
@@ -271,7 +276,7 @@ def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int
         splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
     lanes = ((1, False), (2, False), (1, True))
     out = [(latency, split, paired, False) for latency, paired in lanes for split in splits]
-    if cfg.model.kind in VOCAB_PARALLEL_KINDS:  # unpaired: its lanes wait around the head
+    if vocab_parallel:  # unpaired: a paired tick's lanes both wait around the head phase
         out += [(latency, splits[0], False, True) for latency in (1, 2)]
     return out
 
@@ -304,6 +309,7 @@ def enumerate_candidates(
     # The configured policy, and `full` (the least activation memory) when that differs.
     policies = list(dict.fromkeys(remats or (cfg.model.remat, "full")))
     out = []
+    vocab = _vocab_parallel_head(cfg)
     for tp in _divisors(devices):
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
@@ -312,10 +318,10 @@ def enumerate_candidates(
                 for m in _divisors(max(1, cfg.train.global_batch // dp)):
                     if m > max_microbatches:
                         break
-                    for latency, split, paired, vocab in _pipeline_options(cfg, pp, v,
-                                                                           schedule, m):
+                    for latency, split, paired, head in _pipeline_options(cfg, pp, v,
+                                                                          schedule, m, vocab):
                         base = Candidate(dp, tp, pp, v, m, schedule, 0.0, False, 1, latency,
-                                         split, paired, vocab_parallel=vocab)
+                                         split, paired, vocab_parallel=head)
                         try:
                             plan_of(apply_candidate(cfg, base))
                         except (ConfigError, ValueError):
