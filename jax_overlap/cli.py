@@ -19,6 +19,17 @@ from jax_overlap.config import Config, ConfigError
 USER_ERROR = 2
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (argparse prints one line and exits with 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="YAML file, e.g. configs/tiny.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -59,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
     _add_config_args(p)
     p.add_argument("--target", default="cpu", choices=["cpu", "a100", "h100", "h200"])
+    p.add_argument("--top", type=_non_negative_int, default=0, metavar="N",
+                   help="on a GPU target: also list the N costliest non-GEMM kernels of the "
+                        "step estimate")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("profile", help="trace N steps and compute CCOR, bubble, exposed comm")
@@ -209,7 +223,7 @@ def cmd_analyze(args) -> int:
         prepare_deviceless(cfg)
     from jax_overlap.analysis import analyze
 
-    print(analyze.analyze_command(cfg, args.target, as_json=args.json))
+    print(analyze.analyze_command(cfg, args.target, as_json=args.json, top=args.top))
     return 0
 
 

@@ -77,7 +77,7 @@ def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any
 
 def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
     """HloReport of the configured train step compiled for `target` (`texts`, when given,
-    receives the compiled HLO text on a CPU target)."""
+    receives the compiled HLO text)."""
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     model, plan = built = built or build_plan(cfg, target)
@@ -101,9 +101,25 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
         raise ConfigError([f"--target {target}: {reason}"])
     # With a slow axis, one host per dcn group (topology 1 x dcn x devices per group), so the
     # compiled program is the multi-host one and its dcn collectives can be told apart.
-    return deviceless.analyze_for(target, plan.num_devices,
+    text = deviceless.compile_for(target, plan.num_devices,
                                   lambda devices: lower_train_step(cfg, devices, target, built),
-                                  num_hosts=plan.dcn, branch_frequencies=frequencies)
+                                  num_hosts=plan.dcn)
+    if texts is not None:
+        texts.append(text)
+    from jax_overlap.analysis.targets import get_target
+
+    return analyze_hlo(text, target=get_target(target).key, branch_frequencies=frequencies)
+
+
+def step_estimate(cfg, plan, model, target: str, text: str):
+    """`StepEstimate` of a step compiled for a GPU `target` (`analysis.step_estimate`): the
+    roofline over its kernels, the pipeline replayed on the plan's tick table."""
+    from jax_overlap.analysis.machine import chip_spec
+    from jax_overlap.analysis.step_estimate import Ticks, estimate_step
+
+    model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices
+    ticks = Ticks.of_program(plan.program) if plan.program is not None else None
+    return estimate_step(text, chip_spec(target), model_flops, ticks)
 
 
 # Below this share of collective bytes under GEMMs, `analyze` names the knobs that would help.
@@ -143,7 +159,8 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
     return hints
 
 
-def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> str:
+def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
+                  estimate=None, top: int = 0) -> str:
     data = {**report.to_json(), "dcn": dcn}
     lines = [f"train step of {cfg.model.kind} ({cfg.model.layers} layers, d_model "
              f"{cfg.model.d_model}) on {f'dcn={plan.dcn} ' if plan.dcn > 1 else ''}"
@@ -171,6 +188,10 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None) -> st
     est = data.get("exposed_comm_s_estimate")
     if est is not None:
         lines.append(f"exposed communication estimate:           {est * 1e3:.3f} ms/step")
+    if estimate is not None:
+        from jax_overlap.analysis.step_estimate import format_estimate
+
+        lines.extend(format_estimate(estimate, top))
     if data.get("note"):
         lines.append(f"note: {data['note']}")
     for hint in overlap_hints(cfg, plan, data["collective_bytes_under_gemm_fraction"]):
@@ -205,19 +226,27 @@ def dcn_summary(plan, texts: list, frequencies=None, report=None) -> dict | None
     return out
 
 
-def analyze_command(cfg, target: str = "cpu", as_json: bool = False) -> str:
+def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 0) -> str:
+    """`jax-overlap analyze`: the report as text or JSON. On a GPU target it carries the
+    step estimate (`estimate`; with `top`, the costliest non-GEMM kernels under
+    `top_kernels`)."""
     built = build_plan(cfg, target)
     texts: list = []
     report = analyze(cfg, target, built, texts)
-    plan = built[1]
+    model, plan = built
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
-    dcn = dcn_summary(plan, texts, frequencies, report)
+    estimate = step_estimate(cfg, plan, model, target, texts[0]) if target != "cpu" else None
+    dcn = dcn_summary(plan, texts if target == "cpu" else [], frequencies, report)
     if as_json:
         out = report.to_json()
+        if estimate is not None:
+            out["estimate"] = estimate.to_json()
+            if top:
+                out["top_kernels"] = estimate.top(top)
         if dcn is not None:
             out["dcn"] = dcn
         out["mesh"] = plan.axis_sizes
         out["plan"] = plan.describe()
         out["hints"] = overlap_hints(cfg, plan, out["collective_bytes_under_gemm_fraction"])
         return json.dumps(out, default=float)
-    return format_report(cfg, plan, target, report, dcn)
+    return format_report(cfg, plan, target, report, dcn, estimate, top)

@@ -111,7 +111,7 @@ from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
-from jax_overlap.pipeline.program import COL, TickProgram
+from jax_overlap.pipeline.program import COL, HEAD_SCOPE, LANE_SCOPE, TickProgram
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.training.grads import microbatched
 
@@ -181,6 +181,14 @@ def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1
     def head(w_embed, w_head, y_btd, targets_bt):
         return model.head_loss(w_embed, w_head, y_btd, targets_bt, head_par) / count
 
+    if vocab_shards == 1:
+        # The last virtual stage's F stashes the head's residuals until its B. Kept as they
+        # are, they are the full-vocabulary logits in f32 ([b, T, V]: 6.6 GB a microbatch for
+        # GPT-1.3B at b = 16), written into a pool slot every tick by every stage; kept under
+        # `jax.checkpoint` they are the head's input (b, T, D) and B recomputes the logits
+        # (one head GEMM more per microbatch, on the last stage only). The vocabulary-parallel
+        # head pulls back at once and keeps nothing, so it runs without the checkpoint.
+        head = jax.checkpoint(head)
     return StagePieces(embed, chunk, head, raw, remat)
 
 
@@ -695,8 +703,9 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
             return dy, _like(acc, {k: ctx.grads0[k] for k in acc}), _like(loss, ctx.loss0)
 
-        dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (zeros, acc, loss),
-                                     acc, loss)
+        with jax.named_scope(HEAD_SCOPE):
+            dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (zeros, acc, loss),
+                                         acc, loss)
         return pool.at[slot].set(dy), {**grads, **acc}, loss
 
     def slots(pool, row):
@@ -709,7 +718,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         # reads before those writes, and XLA copies the whole pool every tick.
         return jax.lax.optimization_barrier((pool, slots(pool, row)))
 
-    def act(pool, res, grads, loss, row, inbox=None, tie=None):
+    def act(pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
         # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
         # returns is written back to the slots its branch fills and to each pool's trash
         # slot otherwise. Handing the switch whole pools would copy them every tick.
@@ -721,7 +730,10 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         mine = {name: [p[index[name]] for p in leaves] for name, leaves in res.items()}
         if inbox is None:
             inbox = slots(pool, row)
-        mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads, loss, row)
+        # The named scope marks the switch in the compiled HLO for `analysis.step_estimate`.
+        with jax.named_scope(f"{LANE_SCOPE}{lane}"):
+            mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads,
+                                                    loss, row)
         if tie is not None:
             # Transfers that must be under this action: nothing that reads them may run
             # before the action's results exist, so their only cover is the action itself
@@ -808,7 +820,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         arrival_f = send(out_f, 0)
         pool, inbox = read_inbox(pool, lanes[1])
         res, grads, loss, out_b, arrival_f = act(pool, res, grads, loss, lanes[1], inbox,
-                                                 tie=arrival_f)
+                                                 tie=arrival_f, lane=1)
         pool = file_all(pool, lanes_next[0], arrival_f, 0)
         return (pool, res, out_b, grads, loss), None
 
@@ -1020,11 +1032,13 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     first.append(_vary(jnp.zeros((n_first, *x.shape), x.dtype), sorted(_varying_axes(x))))
     pools = {"first": first, "chunk": chunk_pool}
     if not program.vocab_parallel:  # else the head phase pulls back at once: nothing kept
+        # An F branch indexes the targets by a stage-dependent microbatch: varying over pp.
+        targets = _vary(targets, [PP])
         _, _, layouts["head"], _ = vjp_with_layout(
             lambda we, wh, y_: pieces.head(we, wh, y_, targets),
             (params["embed"], params["head"], y), (params["embed"], params["head"]))
-        pools["last"] = residuals.empty_pool(layouts["head"],
-                                             program.residual_slots("last") + 1)
+        pools["last"] = [_vary(p, [PP]) for p in residuals.empty_pool(
+            layouts["head"], program.residual_slots("last") + 1)]
     if extra is not None:
         pools["dz"] = extra
     return Residuals(layouts, pools, cs, z0)

@@ -25,6 +25,11 @@ ROLE_ORDER = ("first", "mid", "last")
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
           "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot")
 COL = {name: i for i, name in enumerate(FIELDS)}
+# Named scopes the executor puts around each lane's action switch (`pp_lane0`, `pp_lane1`) and
+# the head phase; the compiled conditionals keep them in their `op_name`, which is how
+# `jax_overlap.analysis.step_estimate` finds the switches to replay the table on.
+LANE_SCOPE = "pp_lane"
+HEAD_SCOPE = "pp_head"
 ROUTES = ("down", "up", "self")
 
 

@@ -1,0 +1,585 @@
+"""What the compiled step costs on a GPU: a roofline over the kernels of its optimized HLO.
+
+Every kernel the program launches is costed once per execution, and executions come from
+the program's own structure: a ``while`` body runs its trip count times, a ``conditional``
+runs one branch -- the branch the pipeline's tick table says (a tick switch's branches are
+weighted by how often the table takes them), and the most expensive branch of any other
+conditional (a guard's apply, a real layer rather than a padded one). Per kernel:
+
+* a GEMM (a dot, a cuBLAS/cuDNN call, a fusion holding one): ``max(flops / matmul peak,
+  bytes / HBM bandwidth)`` at the dtype's peak (:meth:`ChipSpec.matmul_flops_per_s`);
+* any other kernel: ``bytes / HBM bandwidth``. Bytes are what it reads and writes: a
+  fusion reading a slice of a large buffer (a pool slot) counts the slice, one that
+  updates a buffer in place (``dynamic-update-slice``, ``scatter``) counts the update;
+* every kernel, collectives included: :data:`LAUNCH_S` for its launch;
+* a collective's transfer: assumed hidden (``analyze`` reports separately which are).
+
+Pipelines are replayed tick by tick (:func:`replay_ticks`): a stage's tick costs the tick
+loop's own kernels plus the branch its row of the table runs in each lane, and a stage
+starts a tick only when it and the stages that send to it have finished the last one (at
+transfer latency 2 and in paired ticks the arrival is needed to finish the tick, not to
+start it). A vocabulary-parallel head phase synchronises every stage. The replayed step is
+the loop's longest stage plus the work outside the loop.
+
+Returned figures (:class:`StepEstimate`) are per device per step: ``gemm_ms``,
+``other_ms`` and ``launch_ms`` are the average device's work (the stages' mean in a
+pipeline), ``wait_ms`` the rest of the replayed step -- the bubble, lockstep waits and
+stage imbalance (0 without a pipeline); ``step_ms`` their sum; ``mfu`` the model's FLOPs
+over ``step_ms`` at the chip's bf16 peak.
+
+What it leaves out: kernel efficiency below the roofline, caches, the cost of a
+conditional's predicate read beyond one launch, overlap of independent kernels on several
+streams, and link time (``HloReport.exposed_comm_s_estimate`` has that).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from jax_overlap.analysis.hlo_gemms import gemm_work
+from jax_overlap.analysis.hlo_parse import (
+    Computation,
+    HloModule,
+    Instruction,
+    called_computations,
+    parse_module,
+    shape_bytes,
+    tuple_elements,
+    while_trip_count,
+)
+from jax_overlap.analysis.machine import ChipSpec
+from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE
+
+LAUNCH_S = 4e-6  # seconds per kernel launch
+
+_FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
+    "after-all", "partition-id", "replica-id", "add-dependency", "domain", "async-done",
+    "fusion-done", "copy-done", "all-reduce-done", "all-gather-done",
+    "collective-permute-done", "send-done", "recv-done", "async-update",
+})
+_COLLECTIVES = frozenset({
+    "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter",
+    "collective-permute", "collective-permute-start", "all-to-all", "ragged-all-to-all",
+    "send", "recv", "collective-broadcast",
+})
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# Ops that update their operand 0 in place: the operand holding the update.
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One launched kernel and its cost per execution.
+
+    Attributes:
+      name: the instruction (fusion, custom-call, collective...).
+      computation: the computation it is launched from.
+      kind: ``gemm``, ``other`` or ``collective``.
+      flops: matmul FLOPs (0 unless a GEMM).
+      bytes: bytes read and written.
+      seconds: roofline time (0 for a collective: its transfer is assumed hidden).
+      op: the JAX operation it came from (the tail of its ``op_name``).
+    """
+
+    name: str
+    computation: str
+    kind: str
+    flops: float
+    bytes: float
+    seconds: float
+    op: str
+
+
+def _op_name(inst: Instruction) -> str:
+    match = _OP_NAME.search(inst.attributes)
+    if not match:
+        return inst.opcode
+    parts = [p for p in match.group(1).split("/") if p and not p.startswith("jit(")]
+    return "/".join(parts[-3:]) or inst.opcode
+
+
+class _Users:
+    """Users of each instruction of a computation (memoised per computation)."""
+
+    def __init__(self):
+        self._of: dict[str, dict[str, list[Instruction]]] = {}
+
+    def __call__(self, comp: Computation) -> dict[str, list[Instruction]]:
+        if comp.name not in self._of:
+            users: dict[str, list[Instruction]] = {}
+            for inst in comp.instructions:
+                for op in inst.operands:
+                    users.setdefault(op, []).append(inst)
+            self._of[comp.name] = users
+        return self._of[comp.name]
+
+
+def _read_bytes(comp: Computation, users, name: str, full: float, depth: int = 0) -> float:
+    """Bytes a fused computation reads of its value ``name`` (``full`` bytes): only the
+    slices where every use slices it, nothing where it is the buffer an in-place update
+    writes into, else all of it."""
+    uses = users(comp).get(name, [])
+    if not uses or depth > 8:
+        return full
+    total = 0.0
+    for use in uses:
+        if use.opcode in _SLICING and use.operands and use.operands[0] == name:
+            total += shape_bytes(use.shape)
+        elif use.opcode in _IN_PLACE and use.operands[0] == name:
+            continue
+        elif use.opcode in ("bitcast", "reshape"):
+            total += _read_bytes(comp, users, use.name, full, depth + 1)
+        else:
+            return full
+    return min(total, full)
+
+
+def _written_bytes(comp: Computation, inst: Instruction, depth: int = 0) -> float:
+    """Bytes a fused computation's value ``inst`` writes: an in-place update writes only
+    its update; a tuple, each element's."""
+    if depth > 8:
+        return shape_bytes(inst.shape)
+    if inst.opcode in _IN_PLACE and len(inst.operands) > _IN_PLACE[inst.opcode]:
+        update = comp.get(inst.operands[_IN_PLACE[inst.opcode]])
+        return shape_bytes(update.shape) if update is not None else shape_bytes(inst.shape)
+    if inst.opcode == "tuple":
+        return sum(_written_bytes(comp, comp.get(op), depth + 1) if comp.get(op) is not None
+                   else 0 for op in inst.operands)
+    if inst.opcode in ("bitcast", "reshape") and inst.operands and comp.get(inst.operands[0]):
+        return _written_bytes(comp, comp.get(inst.operands[0]), depth + 1)
+    return shape_bytes(inst.shape)
+
+
+def _operand_bytes(comp: Computation, inst: Instruction) -> list[float]:
+    out = []
+    for i, op in enumerate(inst.operands):
+        shape = inst.operand_shapes[i] if i < len(inst.operand_shapes) else None
+        if not shape:
+            src = comp.get(op)
+            shape = src.shape if src is not None else ""
+        out.append(float(shape_bytes(shape)) if shape else 0.0)
+    return out
+
+
+def _fusion_bytes(module: HloModule, comp: Computation, inst: Instruction, users) -> float:
+    """Bytes a fusion moves: its operands as the fused computation reads them, its result
+    as the fused root writes it."""
+    callee = (called_computations(inst).get("calls") or [None])[0]
+    fused = module.computations.get(callee) if callee else None
+    operands = _operand_bytes(comp, inst)
+    if fused is None:
+        return sum(operands) + shape_bytes(inst.shape)
+    params = {}
+    for sub in fused.instructions:
+        if sub.opcode == "parameter" and sub.operands:
+            try:
+                params[int(sub.operands[0])] = sub.name
+            except ValueError:
+                pass
+    read = sum(_read_bytes(fused, users, params[i], full) if i in params else full
+               for i, full in enumerate(operands))
+    root = fused.root
+    return read + (_written_bytes(fused, root) if root is not None else shape_bytes(inst.shape))
+
+
+def _plain_bytes(comp: Computation, inst: Instruction) -> float:
+    """Bytes an unfused kernel moves."""
+    if inst.opcode in _IN_PLACE and len(inst.operands) > _IN_PLACE[inst.opcode]:
+        return 2.0 * _operand_bytes(comp, inst)[_IN_PLACE[inst.opcode]]
+    if inst.opcode in _SLICING or inst.opcode == "copy":
+        return 2.0 * shape_bytes(inst.shape)
+    return sum(_operand_bytes(comp, inst)) + shape_bytes(inst.shape)
+
+
+def kernel_of(module: HloModule, comp: Computation, inst: Instruction, chip: ChipSpec,
+              users=None) -> Kernel | None:
+    """The kernel ``inst`` launches, or None when it launches none (tuples, parameters,
+    bitcasts, async done ops) or is control flow (``while``, ``conditional``, ``call``).
+
+    Args:
+      module: the module.
+      comp: the computation ``inst`` is in (not a fused one).
+      inst: the instruction.
+      chip: the chip's peaks.
+      users: a :class:`_Users` cache (one is made when omitted).
+
+    Returns:
+      The :class:`Kernel`, or None.
+    """
+    users = users or _Users()
+    op = inst.opcode
+    if op in _FREE or op in ("while", "conditional", "call"):
+        return None
+    if op in _COLLECTIVES:
+        return Kernel(inst.name, comp.name, "collective", 0.0, 0.0, 0.0, _op_name(inst))
+    if op in ("fusion", "fusion-start"):
+        nbytes = _fusion_bytes(module, comp, inst, users)
+    elif op == "custom-call":
+        nbytes = sum(_operand_bytes(comp, inst)) + shape_bytes(tuple_elements(inst.shape)[0])
+    else:
+        nbytes = _plain_bytes(comp, inst)
+    memory_s = nbytes / chip.hbm_bytes_per_s
+    work = gemm_work(module, comp, inst)
+    if work is not None and work.flops > 0:
+        seconds = max(work.flops / chip.matmul_flops_per_s(work.dtype), memory_s)
+        return Kernel(inst.name, comp.name, "gemm", work.flops, nbytes, seconds,
+                      _op_name(inst))
+    return Kernel(inst.name, comp.name, "other", 0.0, nbytes, memory_s, _op_name(inst))
+
+
+# ----------------------------------------------------------------------------- tallies
+
+
+@dataclass
+class Tally:
+    """Work of some executions of a computation: totals and the kernels behind them.
+
+    Attributes:
+      gemm_s, other_s: roofline seconds of GEMM / other kernels.
+      launches: kernel launches.
+      gemm_flops: matmul FLOPs.
+      kernels: (computation, name) -> [Kernel, executions, context].
+    """
+
+    gemm_s: float = 0.0
+    other_s: float = 0.0
+    launches: float = 0.0
+    gemm_flops: float = 0.0
+    kernels: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.gemm_s + self.other_s + self.launches * LAUNCH_S
+
+    def add_kernel(self, kernel: Kernel, context: str) -> None:
+        self.launches += 1
+        if kernel.kind == "gemm":
+            self.gemm_s += kernel.seconds
+            self.gemm_flops += kernel.flops
+        else:
+            self.other_s += kernel.seconds
+        key = (kernel.computation, kernel.name)
+        entry = self.kernels.setdefault(key, [kernel, 0.0, context])
+        entry[1] += 1
+
+    def add(self, other: Tally, times: float = 1.0) -> None:
+        if times == 0:
+            return
+        self.gemm_s += times * other.gemm_s
+        self.other_s += times * other.other_s
+        self.launches += times * other.launches
+        self.gemm_flops += times * other.gemm_flops
+        for key, (kernel, n, context) in other.kernels.items():
+            entry = self.kernels.setdefault(key, [kernel, 0.0, context])
+            entry[1] += times * n
+
+
+# A conditional's branch weights: given the conditional, its weights, or None to take the
+# most expensive branch.
+BranchWeights = Callable[[Instruction], Sequence[float] | None]
+
+
+class _Walker:
+    """Tallies computations, memoised: ``tally(name)`` is one execution of ``name``."""
+
+    def __init__(self, module: HloModule, chip: ChipSpec, weights: BranchWeights,
+                 label: Callable[[Instruction, int], str | None]):
+        self.module, self.chip, self.weights, self.label = module, chip, weights, label
+        self.users = _Users()
+        self._memo: dict[tuple[str, str], Tally] = {}
+
+    def tally(self, name: str, context: str = "", skip: frozenset = frozenset()) -> Tally:
+        key = (name, context)
+        if not skip and key in self._memo:
+            return self._memo[key]
+        out = Tally()
+        comp = self.module.computations.get(name)
+        for inst in (comp.instructions if comp is not None else ()):
+            if inst.name not in skip:
+                self._instruction(comp, inst, context, out)
+        if not skip:
+            self._memo[key] = out
+        return out
+
+    def branches(self, inst: Instruction, context: str) -> list[Tally]:
+        calls = called_computations(inst)
+        names = calls.get("branch_computations") or (
+            calls.get("true_computation", []) + calls.get("false_computation", []))
+        if "branch_computations" not in calls and len(names) == 2:
+            names = names[::-1]  # branch 0 is the false computation
+        return [self.tally(n, self.label(inst, b) or context) for b, n in enumerate(names)]
+
+    def _instruction(self, comp: Computation, inst: Instruction, context: str,
+                     out: Tally) -> None:
+        calls = called_computations(inst)
+        if inst.opcode == "while":
+            trips = while_trip_count(self.module, comp, inst) or 1
+            for body in calls.get("body", []):
+                out.add(self.tally(body, context), trips)
+            for cond in calls.get("condition", []):
+                out.add(self.tally(cond, context), trips + 1)
+            return
+        if inst.opcode == "conditional":
+            out.launches += 1  # the predicate's read
+            branches = self.branches(inst, context)
+            if not branches:
+                return
+            weights = self.weights(inst)
+            if weights is None or len(weights) != len(branches):
+                weights = [0.0] * len(branches)
+                weights[int(np.argmax([b.seconds for b in branches]))] = 1.0
+            for b, w in zip(branches, weights):
+                out.add(b, w)
+            return
+        if inst.opcode == "call":
+            for callee in calls.get("to_apply", []) + calls.get("calls", []):
+                out.add(self.tally(callee, context))
+            return
+        if inst.opcode == "async-start":
+            for callee in calls.get("calls", []):
+                out.add(self.tally(callee, context))
+            return
+        kernel = kernel_of(self.module, comp, inst, self.chip, self.users)
+        if kernel is not None:
+            out.add_kernel(kernel, context)
+
+
+def _scope_of(inst: Instruction) -> str:
+    match = _OP_NAME.search(inst.attributes)
+    return match.group(1) if match else ""
+
+
+def _lane(inst: Instruction) -> int | None:
+    found = re.search(rf"/{LANE_SCOPE}(\d+)/", _scope_of(inst) + "/")
+    return int(found.group(1)) if found else None
+
+
+def _is_head(inst: Instruction) -> bool:
+    return f"/{HEAD_SCOPE}/" in _scope_of(inst) + "/"
+
+
+# ----------------------------------------------------------------------------- ticks
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """What the replay needs of a pipeline's tick program.
+
+    Attributes:
+      branch: int ``(ticks, stages, lanes)``: the switch branch each stage runs per lane
+        (0 idle).
+      names: a label per branch (``idle``, ``F first``, ``B mid``...).
+      senders: per stage, the stages whose transfers it receives each tick.
+      head: bool ``(ticks,)``: ticks with a vocabulary-parallel head phase.
+      arrival_to_finish: at transfer latency 2 and with paired lanes a tick's arrival is
+        needed to finish the tick, not to start it.
+    """
+
+    branch: np.ndarray
+    names: tuple[str, ...]
+    senders: tuple[tuple[int, ...], ...]
+    head: np.ndarray
+    arrival_to_finish: bool
+
+    @classmethod
+    def of_program(cls, program: Any) -> Ticks:
+        """From a `jax_overlap.pipeline.program.TickProgram`."""
+        branch = program.column("branch")
+        stages = branch.shape[1]
+        pairs = tuple(program.down_pairs) + tuple(program.up_pairs)
+        senders = tuple(tuple(sorted({src for src, dst in pairs if dst == s and src != s}))
+                        for s in range(stages))
+        head = (program.column("head_mb")[:, 0, 0] > 0) if program.vocab_parallel \
+            else np.zeros(branch.shape[0], bool)
+        names = ("idle",) + tuple(f"{b.kind} {b.role}{' sync' if b.sync else ''}"
+                                  for b in program.branches)
+        return cls(branch, names, senders, head, program.lanes == 2 or program.skewed)
+
+    @cached_property
+    def lane_frequencies(self) -> list[list[float]]:
+        """Per lane, the share of (tick, stage) entries taking each branch."""
+        out = []
+        for lane in range(self.branch.shape[2]):
+            counts = np.bincount(self.branch[:, :, lane].ravel(), minlength=len(self.names))
+            out.append((counts / counts.sum()).tolist())
+        return out
+
+
+def replay_ticks(work: np.ndarray, ticks: Ticks) -> np.ndarray:
+    """Finish time of each stage's last tick, replaying the table.
+
+    Args:
+      work: seconds ``(ticks, stages)`` each stage's tick takes once started.
+      ticks: the program's senders and head ticks.
+
+    Returns:
+      ``(stages,)`` finish times of the last tick.
+    """
+    stages = work.shape[1]
+    finish = np.zeros(stages)
+    for t in range(work.shape[0]):
+        before = finish.copy()
+        for s in range(stages):
+            arrived = max((before[src] for src in ticks.senders[s]), default=0.0)
+            if ticks.arrival_to_finish:
+                finish[s] = max(before[s] + work[t, s], arrived)
+            else:
+                finish[s] = max(before[s], arrived) + work[t, s]
+        if ticks.head[t]:
+            finish[:] = finish.max()
+    return finish
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The compiled step's estimated time on one device (see the module docstring).
+
+    Attributes:
+      step_ms: the replayed step.
+      mfu: ``model_flops / (step_ms x bf16 peak)``.
+      gemm_ms, other_ms, launch_ms: the average device's GEMM, other-kernel and launch time.
+      wait_ms: ``step_ms`` minus the average device's work (0 without a pipeline).
+      model_flops: the model's training FLOPs per device per step.
+      gemm_flops: the program's matmul FLOPs per device per step (recompute included).
+      kernels: every kernel with its executions per step and where it runs.
+      chip: the chip's name.
+    """
+
+    step_ms: float
+    mfu: float
+    gemm_ms: float
+    other_ms: float
+    launch_ms: float
+    wait_ms: float
+    model_flops: float
+    gemm_flops: float
+    kernels: tuple = ()
+    chip: str = ""
+
+    def to_json(self) -> dict[str, float]:
+        """The JSON object ``analyze --json`` prints under ``estimate``."""
+        return {"step_ms": self.step_ms, "mfu": self.mfu, "gemm_ms": self.gemm_ms,
+                "other_ms": self.other_ms, "launch_ms": self.launch_ms,
+                "wait_ms": self.wait_ms, "model_flops": self.model_flops,
+                "gemm_flops": self.gemm_flops}
+
+    def top(self, n: int, kind: str = "other") -> list[dict[str, Any]]:
+        """The ``n`` kernels of ``kind`` costing most per step (time x executions)."""
+        rows = [(k.seconds * runs, k, runs, where) for k, runs, where in self.kernels
+                if k.kind == kind and runs > 0]
+        rows.sort(key=lambda r: -r[0])
+        return [{"ms": total * 1e3, "name": k.name, "executions": runs,
+                 "ms_each": k.seconds * 1e3, "mib": k.bytes / 2**20, "op": k.op,
+                 "where": where or k.computation}
+                for total, k, runs, where in rows[:n]]
+
+
+def _tick_loop(module: HloModule) -> tuple[Computation, Instruction, list[Instruction]] | None:
+    """The ``while`` whose body holds the tick switches, with those switches."""
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            if inst.opcode != "while":
+                continue
+            body = module.computations.get((called_computations(inst).get("body") or [""])[0])
+            if body is None:
+                continue
+            switches = [i for i in body.instructions
+                        if i.opcode == "conditional" and (_lane(i) is not None or _is_head(i))]
+            if any(_lane(i) is not None for i in switches):
+                return comp, inst, switches
+    return None
+
+
+def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
+                  ticks: Ticks | None = None) -> StepEstimate:
+    """Estimate the compiled step's time on one device of ``chip``.
+
+    Args:
+      hlo: ``compiled.as_text()`` of the step, or its parsed module.
+      chip: the GPU's peaks.
+      model_flops: the model's training FLOPs per device per step (for ``mfu``).
+      ticks: the pipeline's tick table (:meth:`Ticks.of_program`); None without one.
+
+    Returns:
+      The :class:`StepEstimate`.
+    """
+    module = parse_module(hlo) if isinstance(hlo, str) else hlo
+
+    def weights(inst: Instruction) -> Sequence[float] | None:
+        if ticks is None:
+            return None
+        lane = _lane(inst)
+        if lane is not None and lane < len(ticks.lane_frequencies):
+            return ticks.lane_frequencies[lane]
+        if _is_head(inst):
+            share = float(ticks.head.mean())
+            return [1.0 - share, share]
+        return None
+
+    def label(inst: Instruction, b: int) -> str | None:
+        lane = _lane(inst)
+        if lane is not None and ticks is not None and b < len(ticks.names):
+            return f"lane {lane}: {ticks.names[b]}"
+        if _is_head(inst):
+            return "head phase" if b == 1 else "head phase (skipped)"
+        return None
+
+    walker = _Walker(module, chip, weights, label)
+    total = walker.tally(module.entry)
+    wait_s = 0.0
+    loop = _tick_loop(module) if ticks is not None else None
+    if loop is not None:
+        comp, inst, switches = loop
+        trips = while_trip_count(module, comp, inst) or ticks.branch.shape[0]
+        body = (called_computations(inst).get("body") or [""])[0]
+        cond = (called_computations(inst).get("condition") or [""])[0]
+        outside = walker.tally(body, skip=frozenset(s.name for s in switches)).seconds \
+            + walker.tally(cond).seconds * (trips + 1) / max(trips, 1)
+        work = np.full(ticks.branch.shape[:2], outside)
+        for switch in switches:
+            costs = [b.seconds for b in walker.branches(switch, "")]
+            lane = _lane(switch)
+            if lane is not None and lane < ticks.branch.shape[2]:
+                work += np.asarray(costs)[np.clip(ticks.branch[:, :, lane], 0, len(costs) - 1)]
+            elif len(costs) == 2:  # the head phase: on its ticks, every stage
+                work += np.where(ticks.head, costs[1], costs[0])[:, None]
+        replayed = replay_ticks(work, ticks).max()
+        wait_s = max(0.0, replayed - work.sum(axis=0).mean())
+    step_s = total.seconds + wait_s
+    kernels = tuple((k, runs, where) for k, runs, where in total.kernels.values())
+    return StepEstimate(
+        step_ms=step_s * 1e3,
+        mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s > 0 else 0.0,
+        gemm_ms=total.gemm_s * 1e3, other_ms=total.other_s * 1e3,
+        launch_ms=total.launches * LAUNCH_S * 1e3, wait_ms=wait_s * 1e3,
+        model_flops=float(model_flops), gemm_flops=total.gemm_flops, kernels=kernels,
+        chip=chip.name)
+
+
+def format_estimate(est: StepEstimate, top: int = 0) -> list[str]:
+    """Text lines for ``analyze``: the estimate and, with ``top``, the costliest non-GEMM
+    kernels."""
+    lines = [f"estimated step on one {est.chip}: {est.step_ms:.1f} ms, MFU {est.mfu:.3f} "
+             f"(GEMMs {est.gemm_ms:.1f} ms, other kernels {est.other_ms:.1f} ms, launches "
+             f"{est.launch_ms:.1f} ms, waits {est.wait_ms:.1f} ms; GEMM FLOPs "
+             f"{est.gemm_flops / max(est.model_flops, 1):.2f}x the model's)"]
+    if top:
+        lines.append(f"costliest non-GEMM kernels ({'ms/step':>8s}, runs, MiB each, what):")
+        for row in est.top(top):
+            lines.append(f"  {row['ms']:9.2f} {row['executions']:7.1f} {row['mib']:9.1f}  "
+                         f"{row['op']} [{row['where']}]")
+    return lines
