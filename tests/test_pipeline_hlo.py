@@ -129,10 +129,23 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
                  "pipeline.schedule=1f1b", "pipeline.microbatches=8", "train.global_batch=32",
                  "pipeline.transfer_latency=2", "overlap.grad_bucket_mb=1",
                  "overlap.xla_preset=gpu_overlap"]
-    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json", "--top", "3",
                    *[a for o in overrides for a in ("--set", o)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    ops = last_json_line(proc.stdout)["ops"]
+    out = last_json_line(proc.stdout)
+    ops = out["ops"]
+    # The step estimate (analysis.step_estimate), with the exact keys: the pipeline
+    # replayed on its tick table waits on the bubble; the three costliest non-GEMM kernels.
+    est = out["estimate"]
+    assert set(est) == {"step_ms", "mfu", "gemm_ms", "other_ms", "launch_ms", "wait_ms",
+                        "model_flops", "gemm_flops"}
+    assert est["wait_ms"] > 0 and 0 < est["mfu"] < 1
+    assert est["step_ms"] == pytest.approx(
+        est["gemm_ms"] + est["other_ms"] + est["launch_ms"] + est["wait_ms"])
+    per_device = GPT.from_config(config.load(TINY, overrides).model).flops_per_example() * 32 / 8
+    assert est["model_flops"] == pytest.approx(per_device)
+    top = out["top_kernels"]
+    assert len(top) == 3 and top[0]["ms"] >= top[1]["ms"] >= top[2]["ms"] > 0
     permutes = [op for op in ops if op["kind"] == "collective-permute"]
     assert len(permutes) == 2
     assert all(op["async"] and op["gemms_between"] for op in permutes), permutes

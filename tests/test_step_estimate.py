@@ -1,0 +1,160 @@
+"""The compiled step's estimate (`jax_overlap.analysis.step_estimate`): kernels counted per
+execution, in-place updates and slices at their real size, the pipeline replayed on its tick
+table, and agreement with a second, simpler roofline of the same HLO."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, run_cli
+
+from jax_overlap import config
+from jax_overlap.analysis.hlo_gemms import gemm_work
+from jax_overlap.analysis.hlo_parse import (
+    called_computations,
+    execution_counts,
+    parse_module,
+    shape_bytes,
+)
+from jax_overlap.analysis.machine import chip_spec
+from jax_overlap.analysis.step_estimate import (
+    LAUNCH_S,
+    Ticks,
+    estimate_step,
+    replay_ticks,
+)
+
+H100 = chip_spec("h100")
+
+
+def _hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_a_loop_body_counts_once_per_trip():
+    """Five trips of a (64 x 128) @ (128 x 32) matmul: five times its FLOPs."""
+    def f(x, w):
+        return jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w), x)
+
+    x, w = jnp.ones((64, 128)), jnp.ones((128, 128))
+    est = estimate_step(_hlo(f, x, w), H100, model_flops=1.0)
+    assert est.gemm_flops == pytest.approx(5 * 2 * 64 * 128 * 128)
+    assert est.wait_ms == 0
+    assert est.step_ms == pytest.approx(est.gemm_ms + est.other_ms + est.launch_ms)
+
+
+def test_an_in_place_update_costs_its_update_not_its_buffer():
+    """Writing one (8, 256) row block into a 64 MiB pool moves kilobytes, not the pool."""
+    pool = jnp.zeros((1024, 64, 256))
+
+    def f(pool, x, i):
+        return jax.lax.dynamic_update_slice_in_dim(pool, x[None] * 2, i, axis=0)
+
+    text = jax.jit(f, donate_argnums=0).lower(pool, jnp.ones((64, 256)), 3).compile().as_text()
+    est = estimate_step(text, H100, model_flops=1.0)
+    moved = est.other_ms * 1e-3 * H100.hbm_bytes_per_s
+    assert moved < 4 * 64 * 256 * 4  # a few times the update, far below the 64 MiB pool
+
+
+def test_replay_waits_for_the_senders():
+    """Two stages sending to each other each tick: a stage starts a tick when it and its
+    sender finished the last one (latency 1), or finishes it no earlier than the sender's
+    last tick (arrival needed to finish)."""
+    work = np.array([[1.0, 3.0], [3.0, 1.0]])
+    ticks = Ticks(branch=np.zeros((2, 2, 1), int), names=("idle",), senders=((1,), (0,)),
+                  head=np.zeros(2, bool), arrival_to_finish=False)
+    assert replay_ticks(work, ticks).tolist() == [6.0, 4.0]
+    skewed = Ticks(**{**ticks.__dict__, "arrival_to_finish": True})
+    assert replay_ticks(work, skewed).tolist() == [4.0, 4.0]
+    alone = Ticks(**{**ticks.__dict__, "senders": ((), ())})
+    assert replay_ticks(work, alone).tolist() == [4.0, 4.0]
+
+
+def _pipeline_hlo(overrides):
+    from jax_overlap.analysis.analyze import build_plan, lower_train_step
+
+    cfg = config.load(TINY, overrides)
+    model, plan = build_plan(cfg, "cpu")
+    text = lower_train_step(cfg, jax.devices()[:plan.num_devices], "cpu",
+                            (model, plan)).compile().as_text()
+    return cfg, model, plan, text
+
+
+PIPELINE = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=4", "pipeline.microbatches=4",
+            "train.global_batch=16", "data.source=synthetic"]
+
+
+def test_pipeline_estimate_replays_the_tick_table():
+    """pp4 x dp2 1F1B: the switch branches are weighted as the table takes them (every
+    stage runs each microbatch's F and B once: the block GEMMs' FLOPs add up to the model's
+    forward and backward), and the replayed step waits on the bubble."""
+    cfg, model, plan, text = _pipeline_hlo(PIPELINE)
+    est = estimate_step(text, H100, 1.0, Ticks.of_program(plan.program))
+    where = {w for _, runs, w in est.kernels if runs > 0}
+    assert {"lane 0: F first", "lane 0: B last"} <= where
+    model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices
+    assert 0.9 < est.gemm_flops / model_flops < 1.5
+    assert est.wait_ms > 0
+    assert est.step_ms == pytest.approx(est.gemm_ms + est.other_ms + est.launch_ms + est.wait_ms)
+    # No tick table: every branch costed as the most expensive one, nothing replayed.
+    flat = estimate_step(text, H100, 1.0)
+    assert flat.wait_ms == 0 and flat.gemm_flops > est.gemm_flops
+
+
+def _simple_roofline(text: str, chip, frequencies) -> float:
+    """A second, simpler counter: `hlo_parse.execution_counts` per computation (every
+    conditional's branches as often as the tick table takes them), each kernel at
+    max(FLOPs / peak, 2 x written bytes / bandwidth) -- a kernel reads about what it
+    writes, an in-place update writes its update -- plus a launch."""
+    module = parse_module(text)
+    counts, _ = execution_counts(module, frequencies)
+    fused = {c for comp in module.computations.values() for inst in comp.instructions
+             if inst.opcode not in ("call", "async-start")
+             for key, names in called_computations(inst).items()
+             if key in ("calls", "to_apply") for c in names}
+    free = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+            "conditional", "call", "opt-barrier", "after-all", "partition-id", "async-start"}
+    seconds = 0.0
+    for name, comp in module.computations.items():
+        runs = counts.get(name, 0)
+        if not runs or name in fused:
+            continue
+        for inst in comp.instructions:
+            if inst.opcode in free or inst.opcode.endswith("-done"):
+                continue
+            seconds += runs * LAUNCH_S
+            if any(k in inst.opcode for k in ("all-", "collective", "reduce-scatter")):
+                continue
+            callee = (called_computations(inst).get("calls") or [None])[0]
+            body = module.computations.get(callee, comp)
+            root = body.root if callee in module.computations else inst
+            written = shape_bytes(root.shape)
+            if root.opcode in ("dynamic-update-slice", "scatter"):
+                update = body.get(root.operands[1 if root.opcode != "scatter" else 2])
+                written = shape_bytes(update.shape) if update is not None else written
+            work = gemm_work(module, comp, inst)
+            memory = 2 * written / chip.hbm_bytes_per_s
+            seconds += runs * (max(work.flops / chip.matmul_flops_per_s(work.dtype), memory)
+                               if work is not None and work.flops else memory)
+    return seconds
+
+
+def test_the_estimate_agrees_with_a_simpler_roofline():
+    """The work part of the estimate (its step less the replay's waits) is within 20% of the
+    simple counter above, on the pipelined program and on a pp = 1 one."""
+    for overrides in (PIPELINE, ["model.layers=4", "train.global_batch=16"]):
+        _, _, plan, text = _pipeline_hlo(overrides)
+        ticks = Ticks.of_program(plan.program) if plan.program is not None else None
+        est = estimate_step(text, H100, 1.0, ticks)
+        frequencies = plan.program.branch_frequencies() if plan.program is not None else None
+        simple = _simple_roofline(text, H100, frequencies) * 1e3
+        work = est.step_ms - est.wait_ms
+        assert abs(work - simple) / simple < 0.20, (overrides, work, simple)
+
+
+def test_analyze_top_must_be_a_count():
+    proc = run_cli("analyze", "--config", TINY, "--top", "-1")
+    assert proc.returncode == 2
+    assert "--top" in proc.stderr and "Traceback" not in proc.stderr
