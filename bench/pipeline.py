@@ -1,11 +1,30 @@
 """Pipeline schedules on 8 devices: step time, bubble fraction, and cost vs no pipeline.
 
-For p = 4 stages and m in {4, 8, 16} microbatches, each schedule's fwd+bwd step (the jitted
+For p = 4 stages and m in {8, 16} microbatches, each schedule's fwd+bwd step (the jitted
 `make_loss_and_grads`, gradients reduced) on pp4 x dp2 of a small GPT, against the same model
 with pp = 1 on the same devices (dp8, and dp2 x tp4). The global batch is fixed, so every row
 does the same model work. Also the cost of one tick of each action kind, from programs that
 run the same action on every stage for K ticks: a W-only tick costs a W, an idle tick only
 its two ppermutes.
+
+Work ratio (`work` column, `work_ratio` in the JSON): each row's step time over a pp = 1 step
+that does the same work in the same GEMM shapes, timed in the same run. A pipelined
+microbatch is B / (dp m) = B / (2m) sequences (global batch B, dp = 2), and each device runs
+its L / p layers on m of them. The baseline keeps all 8 devices and the same model with
+pp = 1 and tp = 1, so dp = 8, and accumulates gradients over k = 2m / 8 = m / 4 microbatches
+(`pipeline.microbatches` = k) of B / (8k) = B / (2m) sequences: same global batch, so the same
+model FLOPs; per device L layers x k microbatches = (L / p) x m layer calls, each GEMM with
+the same row count (sequences x seq_len) as the pipelined one's; one dp gradient reduction
+after the accumulation and no TP collectives in both (the pipelined step reduces each
+stage's quarter of the parameters over dp = 2, the baseline all of them over dp = 8). What
+is left in the ratio is the pipeline's own cost -- idle ticks, the executor's recompute,
+switch and ppermutes, the embedding and head on the end stages only -- and not the
+smaller-GEMM cost of smaller microbatches, which the `/ pp1 dp8` column (dp8 without
+accumulation, microbatches of B / 8) mixes in. (dp2 x tp4 with m microbatches has the same
+row count but GEMMs a quarter as wide, plus TP collectives, so it is not used.) Where m / 4
+is not a whole count that divides B / 8 (m < 4, or m not a multiple of 4), k is the valid
+count whose microbatch is nearest B / (2m) sequences (ties: the larger microbatch); the
+table flags those rows with `~` and lists both sizes below it.
 
     python bench/pipeline.py [--reps 5] [--set model.d_model=64 ...]
     python bench/pipeline.py --quick   # tiny model, 1f1b and zb-v at m=4, one repetition
@@ -14,14 +33,16 @@ Prints one aligned table and writes bench/results/pipeline.json. Columns: `bubbl
 fraction of idle stage-ticks of the table the executor ran (unit-cost theory); `w-bubble` is
 the idle device-time fraction of the same lockstep table when each action takes the measured
 time of its kind (a tick lasts as long as its slowest action); `slots` is the stash size per
-stage in microbatch activations. Times are the best of `--reps` calls (the pp=1 baselines
-are re-timed after each group of rows and keep their best).
+stage in microbatch activations; `work` is the work ratio above. Times are the best of
+`--reps` calls (the pp=1 baselines are re-timed after each group of rows and keep their
+best).
 
 On the CPU host platform the 8 devices are threads sharing the machine's cores, so wall time
 tracks the total work of all devices more than the critical path: idle stage-ticks cost
-little here, and the step-time ratio mostly shows the executor's recompute (B and W
-re-run the chunk's forward). The bubble column is the fraction of idle stage-ticks in the
-table the executor ran, which is what costs time on real accelerators.
+little here, and the step-time ratios (the work ratio most directly) mostly show the
+executor's recompute (B and W re-run the chunk's forward). The bubble column is the fraction
+of idle stage-ticks in the table the executor ran, which is what costs time on real
+accelerators.
 """
 
 from __future__ import annotations
@@ -134,6 +155,19 @@ def weighted_bubble(program, cost: dict[str, float]) -> float:
     return float(1.0 - per_tick.sum() / span)
 
 
+def accumulation_microbatches(global_batch: int, m: int, pipe_dp: int = 2
+                               ) -> tuple[int, bool]:
+    """(k, exact): the microbatch count of the pp = 1, dp = DEVICES baseline whose microbatch
+    (global_batch / (DEVICES k) sequences) matches a pipelined row's, global_batch /
+    (pipe_dp m); `exact` False when no valid k gives it and k is the nearest (ties: the
+    larger microbatch, fewer k)."""
+    per_replica = global_batch // DEVICES
+    target = global_batch / (pipe_dp * m)
+    valid = [k for k in range(1, per_replica + 1) if per_replica % k == 0]
+    k = min(valid, key=lambda k: (abs(per_replica / k - target), k))
+    return k, per_replica / k == target
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
@@ -206,9 +240,30 @@ def main() -> None:
                                                             "pipeline.microbatches=1"])
         compile_s, step_s, compiled = timed(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh),
                                             (params, batch), args.reps)
-        baselines[name] = {"step_s": step_s, "compile_s": compile_s}
+        baselines[name] = {"step_s": step_s, "compile_s": compile_s, "microbatches": 1}
         again[name] = (compiled, (params, batch))
         print(f"pp=1 {name}: {step_s * 1e3:.1f} ms/step (compile {compile_s:.1f} s)",
+              flush=True, file=sys.stderr if args.json else sys.stdout)
+
+    # The work-ratio baselines: dp8, pp=1, gradient accumulation over k microbatches of the
+    # pipelined rows' microbatch size (k = 1 is the dp8 baseline above, not compiled again).
+    global_batch = batch["inputs"].shape[0]
+    work_base = {}  # m -> (baseline name, k, exact)
+    for m in microbatches:
+        k, exact = accumulation_microbatches(global_batch, m)
+        name = "dp8" if k == 1 else f"dp8 acc{k}"
+        work_base[m] = (name, k, exact)
+        if name in baselines:
+            continue
+        cfg, model, mesh, params, batch = setup(["mesh.dp=8", "mesh.tp=1", "mesh.pp=1",
+                                                 f"pipeline.microbatches={k}"])
+        compile_s, step_s, compiled = timed(
+            steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh),
+            (params, batch), args.reps)
+        baselines[name] = {"step_s": step_s, "compile_s": compile_s, "microbatches": k}
+        again[name] = (compiled, (params, batch))
+        print(f"pp=1 {name} ({k} microbatches of {global_batch // DEVICES // k}): "
+              f"{step_s * 1e3:.1f} ms/step (compile {compile_s:.1f} s)",
               flush=True, file=sys.stderr if args.json else sys.stdout)
 
     def retime_baselines():
@@ -273,9 +328,16 @@ def main() -> None:
     for r in rows:
         r["vs_pp1_dp8"] = r["step_s"] / ref_s
         r["vs_pp1_dp2xtp4"] = r["step_s"] / baselines["dp2xtp4"]["step_s"]
+        name, k, exact = work_base[r["microbatches"]]
+        r["work_ratio"] = r["step_s"] / baselines[name]["step_s"]
+        r["work_baseline"] = {"name": name, "mesh": "dp8", "microbatches": k,
+                              "micro_batch": global_batch // DEVICES // k,
+                              "pipelined_micro_batch": global_batch // 2 // r["microbatches"],
+                              "exact": exact, "step_ms": baselines[name]["step_s"] * 1e3}
 
     header = (f"{'schedule':<19} {'p':>2} {'m':>3} {'v':>2} {'ticks':>5} {'bubble':>7} "
-              f"{'w-bubble':>8} {'slots':>5} {'step ms':>8} {'peak MiB':>8} {'/ pp1 dp8':>9} {'/ dp2xtp4':>9}")
+              f"{'w-bubble':>8} {'slots':>5} {'step ms':>8} {'peak MiB':>8} {'/ pp1 dp8':>9} "
+              f"{'/ dp2xtp4':>9} {'work':>6}")
     title = (f"pp4 x dp2 on {jax.device_count()} {jax.devices()[0].platform} devices, "
              f"{cfg.model.layers}L d{cfg.model.d_model} ff{cfg.model.d_ff} "
              f"seq{cfg.model.seq_len} global batch {cfg.train.global_batch}; "
@@ -288,7 +350,17 @@ def main() -> None:
                      f"{r['virtual_stages']:>2} {r['ticks']:>5} {r['bubble_fraction']:>7.3f} "
                      f"{r['bubble_at_measured_costs']:>8.3f} {r['stash_slots']:>5} "
                      f"{r['step_s'] * 1e3:>8.1f} {r['peak_bytes'] / 2**20 if r['peak_bytes'] else 0:>8.1f} "
-                     f"{r['vs_pp1_dp8']:>9.2f} {r['vs_pp1_dp2xtp4']:>9.2f}")
+                     f"{r['vs_pp1_dp8']:>9.2f} {r['vs_pp1_dp2xtp4']:>9.2f} "
+                     f"{r['work_ratio']:>5.2f}{' ' if r['work_baseline']['exact'] else '~'}")
+    lines.append("")
+    lines.append("work = step / pp=1 dp8 step with gradient accumulation, same microbatch size:")
+    for m, (name, k, exact) in work_base.items():
+        micro = global_batch // DEVICES // k
+        lines.append(f"  m={m:<3} {name:<10} {k:>3} microbatch{'es' if k > 1 else ''} of "
+                     f"{micro} sequence{'s' if micro > 1 else ''} per replica, "
+                     f"{baselines[name]['step_s'] * 1e3:.1f} ms"
+                     + ("" if exact else f"  ~ nearest valid: pipelined microbatch is "
+                                         f"{global_batch / 2 / m:g} sequences"))
     lines.append("")
     lines.append(f"one tick, every stage running the same action (pp4 x dp2, microbatch of "
                  f"{cfg.train.global_batch // 2 // TICK_M}, {TICKS}-tick programs, ms per "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import resource
@@ -120,6 +121,12 @@ def test_pipeline_quick():
         assert r["stages"] == 4 and r["microbatches"] == 4 and r["ticks"] > 0
         assert 0 <= r["bubble"] < 1 and 0 <= r["weighted_bubble"] < 1
         assert r["step_ms"] > 0 and r["stash_bytes"] > 0 and r["peak_bytes"] > 0
+        # Work ratio: over a pp = 1 dp8 step accumulating microbatches of the same size (at
+        # m = 4 on pp4 x dp2 that is one microbatch of B / 8, the plain dp8 baseline).
+        assert math.isfinite(r["work_ratio"]) and r["work_ratio"] > 0
+        base = r["work_baseline"]
+        assert base["exact"] and base["micro_batch"] == base["pipelined_micro_batch"] == 2
+        assert base["microbatches"] == 1 and base["name"] in out["baselines_ms"]
     plain_1f1b, paired_1f1b, zb_v = rows[0], rows[1], rows[2]
     assert zb_v["virtual_stages"] == 2  # zb-v: two chunks per stage
     assert zb_v["bubble"] < plain_1f1b["bubble"]  # zero bubble beats 1f1b's idle ticks
