@@ -476,7 +476,8 @@ def _add_leaves(grads: dict, chunk, idx, values) -> dict:
     return {**grads, "blocks": jax.tree.unflatten(treedef, leaves)}
 
 
-def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = False
+                        ) -> Callable:
     """A split-backward schedule's branch with W only the weight-gradient matmuls.
 
     F runs the chunk with a zero addend on every weight matmul's output and keeps, besides the
@@ -486,6 +487,11 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     activation operands. Virtual stage 0 has no input gradient to send; its B still pulls
     back to the embedding (and the embedding's gradient), so its B and W cost what every
     other chunk's do and lockstep ticks stay alike.
+
+    With in-loop buckets the chunk's last W (`sync`) is still only the weight matmuls, run
+    layer by layer with a bucket hook per bucket (`_synced_weight_grads`): each bucket's
+    reduction over dp starts as soon as its layers' weight gradients exist, under the
+    weight-gradient GEMMs of the chunk's other layers.
     """
     pieces, lay, cs = ctx.pieces, ctx.layouts, ctx.chunk_split
     run = cs.forward(pieces.remat)
@@ -546,7 +552,10 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         else:  # W
             dz = list(res["dz"])
             acts = list(res["chunk"][n_stash:])
-            grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
+            if sync:
+                grads = _synced_weight_grads(ctx, grads, chunk, w["chunk"], acts, dz)
+            else:
+                grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
             if role == "last":
                 d_embed, d_head, _ = head_pull(res, w)
                 grads = _accumulate(grads, {"chunk": None, "embed": d_embed, "head": d_head},
@@ -561,6 +570,56 @@ def split_action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         return ctx.typed(*out, res)
 
     return branch
+
+
+def _synced_weight_grads(ctx: StepContext, grads: dict, chunk, w_chunk, acts: list,
+                         dz: list) -> dict:
+    """The chunk's last W with its dp reduction: every layer's weight matmuls on the kept
+    activation operands, pulled back from the kept output gradients `dz`, with a bucket hook
+    per bucket on the chunk's parameters (`buckets.BucketHooks`). A hook's backward adds the
+    accumulated gradients -- earlier microbatches', and this microbatch's small parameters'
+    from B -- to this W's weight gradients and reduces the bucket into `grads["synced"]`."""
+    cs, plan, axis_sizes = ctx.chunk_split, ctx.chunk_buckets, ctx.axis_sizes
+    marked = (*data_axes(axis_sizes), PP, TP)
+    leaves = [_vary(leaf, marked) for leaf in jax.tree.leaves(w_chunk)]
+    acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
+                  for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+    layers = ctx.layers_per_chunk
+
+    def matmuls(sinks):
+        hooks = buckets.BucketHooks(plan, leaves, acc_leaves, sinks, axis_sizes, marked,
+                                    ctx.overlap.grad_comm_dtype)
+        outs = []
+        for layer in range(layers):
+            hooks.enter(1 + layer)
+            values = [hooks.value(i, layer) for i in range(cs.n_leaves)]
+            p_l = cs._layer([values[i] for i in cs.split.dot_leaves],
+                            [values[i] for i in cs.split.other_leaves(cs.n_leaves)])
+            outs.append(cs.split.weight_matmuls(p_l, [a[layer] for a in acts]))
+        hooks.enter(layers + 1)  # buckets completing after the chunk's layers (none here)
+        return outs
+
+    sinks = buckets.make_sinks(plan, axis_sizes, marked)
+    outs, pull = jax.vjp(matmuls, sinks)
+    cts = [[_ct_like(o, z[layer], axis_sizes) for o, z in zip(layer_outs, dz)]
+           for layer, layer_outs in enumerate(outs)]
+    (reduced_flat,) = pull(cts)
+    reduced = buckets.assemble(plan, reduced_flat, axis_sizes)  # leaf -> (layers, ...)
+    synced, synced_def = jax.tree.flatten(grads["synced"])
+    return {**grads, "synced": jax.tree.unflatten(synced_def, [
+        acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
+        for i, acc in enumerate(synced)])}
+
+
+def _ct_like(y, ct, axis_sizes: dict[str, int]):
+    """A cotangent for `y` from `ct`: where `y` is typed varying over axes `ct` is not (its
+    weights were marked varying for the buckets while its values agree across them), each
+    rank takes its share, as the vjp sums the ranks' contributions."""
+    extra = sorted(_varying_axes(y) - _varying_axes(ct))
+    ct = ct.astype(y.dtype)
+    if extra:
+        ct = _vary(ct, extra) / math.prod(axis_sizes[a] for a in extra)
+    return ct
 
 
 def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
@@ -978,11 +1037,6 @@ def _chunk_split(pieces: StagePieces, w_chunk, x, program: TickProgram):
     when the block cannot be split: W then runs the whole backward)."""
     if not program.schedule.split_backward:
         return None
-    if any(b.sync for b in program.branches):
-        # In-loop buckets: the chunk's last W recomputes and reduces this microbatch's whole
-        # gradient, which B's share of it would then count twice.
-        _log.info("pipeline: in-loop buckets: W runs the whole chunk backward")
-        return None
     layer = jax.tree.map(lambda b: b[0], w_chunk)
     split, why = weight_grads.split_block(pieces.block, layer, x)
     if split is None:
@@ -1085,10 +1139,12 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
                       tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0,
                       valid_vn=valid_vn)
-    action = split_action_branch if found.chunk_split is not None else action_branch
-    branches = [idle_branch(ctx)] + [sync_branch(ctx, b.kind, b.role) if b.sync
-                                     else action(ctx, b.kind, b.role)
-                                     for b in program.branches]
+    if found.chunk_split is not None:
+        branches = [split_action_branch(ctx, b.kind, b.role, b.sync) for b in program.branches]
+    else:
+        branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
+                    action_branch(ctx, b.kind, b.role) for b in program.branches]
+    branches = [idle_branch(ctx)] + branches
     grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
