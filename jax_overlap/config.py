@@ -59,6 +59,10 @@ class ModelConfig:
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
     # (weight) matmul outputs.
     remat: Literal["none", "full", "save_dots", "minimal"] = "none"
+    # Attention kernel (jax_overlap/parallel/attention.py): fused is cuDNN flash attention
+    # (GPU, bf16/fp16, head dim a multiple of 8 up to 128); plain the einsum path that
+    # materialises the [b, h, T, T] probabilities; auto fused where the target allows it.
+    attention: Literal["auto", "fused", "plain"] = "auto"
     # Llama only (docs/llama_and_hf.md; the other models ignore them): key/value heads of
     # grouped-query attention (0: = heads), RoPE base and optional Llama-3.1 frequency
     # scaling, RMSNorm epsilon. d_ff is the SwiGLU's hidden size.

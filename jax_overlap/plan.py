@@ -184,6 +184,8 @@ class ParallelPlan:
       grad_bytes: fp32 gradient bytes per device (tp / pp split, before any dp split), when
         built with a model.
       dcn_bytes_per_s: the slow link's per-device bandwidth (mesh.dcn_gbps).
+      attention: the blocks' attention kernel, "fused" or "plain" (model.attention resolved
+        for the target; `parallel.attention`).
     """
 
     dp: int
@@ -207,6 +209,7 @@ class ParallelPlan:
     grad_bytes: int = 0
     dcn_bytes_per_s: float = 12.5e9
     vocab_parallel: bool = False
+    attention: str = "plain"
 
     # ------------------------------------------------------------------ derived values
 
@@ -282,7 +285,7 @@ class ParallelPlan:
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
                         cm_grouped=self.overlap.cm_grouped,
-                        explicit_wgrad=not self.pipelined)
+                        explicit_wgrad=not self.pipelined, attention=self.attention)
 
     def with_program(self, program: TickProgram) -> "ParallelPlan":
         """The same plan running another tick program (benchmarks time hand-made tables)."""
@@ -309,6 +312,7 @@ class ParallelPlan:
             "paired": self.schedule.paired,
             "stage_layers": list(self.stage_layers),
             "vocab_parallel": self.vocab_parallel,
+            "attention": self.attention,
             "overlap": dataclasses.asdict(self.overlap),
             "target": self.target.name,
             "choices": {k: {"value": c.value, "why": c.why} for k, c in self.choices.items()},
@@ -334,6 +338,7 @@ class ParallelPlan:
         m, pl, ov = cfg.mesh, cfg.pipeline, cfg.overlap
         choices: dict[str, Choice] = {}
         tp_comm, direction = _resolve_tp(cfg, target, choices)
+        attention = _resolve_attention(cfg, target, choices)
         overlap = OverlapPlan(
             grad_bucket_bytes=int(ov.grad_bucket_mb * MIB),
             bucket_order=ov.bucket_order,
@@ -379,7 +384,8 @@ class ParallelPlan:
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
                    choices=choices, stage_layers=split, dcn=m.dcn, diloco=_diloco_plan(cfg),
-                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel)
+                   dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
+                   attention=attention)
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -480,6 +486,22 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             direction, why = "uni", "no collective matmul"
         choices["overlap.collective_matmul_direction"] = Choice(direction, why)
     return tp_comm, direction
+
+
+def _resolve_attention(cfg: Config, target: Target, choices: dict[str, Choice]) -> str:
+    """`model.attention`, `auto` resolved (`parallel.attention.resolve`): "fused" or "plain"."""
+    from jax_overlap.parallel.attention import resolve
+
+    mo = cfg.model
+    value, why, problem = resolve(mo.attention, accelerator=target.accelerator,
+                                  target_name=target.name, kind=mo.kind,
+                                  precision=cfg.train.precision,
+                                  head_dim=mo.d_model // max(mo.heads, 1))
+    if problem:
+        raise ConfigError([problem])
+    if why is not None:
+        choices["model.attention"] = Choice(value, why)
+    return value
 
 
 def _divisors(n: int) -> list[int]:

@@ -7,6 +7,8 @@ single-device reference, inside `shard_map` and under GSPMD.
 
 TP layout (Megatron): QKV and MLP-in are column-parallel (split over heads / d_ff), attention-out
 and MLP-out are row-parallel with a psum over TP; embedding and cross-entropy split the vocab.
+Attention over the local heads is the einsum path below, or one fused kernel when the plan
+chose `model.attention: fused` (`par.attention`, `jax_overlap.parallel.attention`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
@@ -84,13 +87,16 @@ class Block(nn.Module):
         b, t = qkv_btn.shape[:2]
         qkv_bth3 = qkv_btn.reshape(b, t, h_local, 3 * hd) + b_qkv_h3.astype(dt)
         q_bthe, k_bthe, v_bthe = jnp.split(qkv_bth3, 3, axis=-1)
-        scores_bhts = jnp.einsum("bthe,bshe->bhts", q_bthe, k_bthe).astype(jnp.float32)
-        scores_bhts = scores_bhts / math.sqrt(hd)
-        if self.causal:
-            mask_ts = jnp.tril(jnp.ones((t, t), bool))
-            scores_bhts = jnp.where(mask_ts, scores_bhts, -1e30)
-        probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(dt)
-        ctx_bthe = jnp.einsum("bhts,bshe->bthe", probs_bhts, v_bthe)
+        if use_fused(par):  # one flash-attention kernel: no (B, H, T, T) tensor in memory
+            ctx_bthe = fused_attention(q_bthe, k_bthe, v_bthe, causal=self.causal, par=par)
+        else:
+            scores_bhts = jnp.einsum("bthe,bshe->bhts", q_bthe, k_bthe).astype(jnp.float32)
+            scores_bhts = scores_bhts / math.sqrt(hd)
+            if self.causal:
+                mask_ts = jnp.tril(jnp.ones((t, t), bool))
+                scores_bhts = jnp.where(mask_ts, scores_bhts, -1e30)
+            probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(dt)
+            ctx_bthe = jnp.einsum("bhts,bshe->bthe", probs_bhts, v_bthe)
         attn_btd = row_parallel(ctx_bthe.reshape(b, t, h_local * hd),
                                 w_o_hed.reshape(h_local * hd, self.d_model).astype(dt), par)
         x_btd = x_btd + (attn_btd + b_o_d.astype(dt)).astype(x_btd.dtype)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
@@ -156,13 +157,17 @@ class Block(nn.Module):
         q_bthe = apply_rope(q_bthe, cos_te, sin_te)
         k_btke = apply_rope(k_btke, cos_te, sin_te)
         group = h_local // kv_local
-        q_btkge = q_bthe.reshape(b, t, kv_local, group, hd)
-        scores = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke).astype(jnp.float32)
-        scores = scores / math.sqrt(hd)
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        ctx_btkge = jnp.einsum("bkgts,bske->btkge", probs, v_btke)
-        attn_btd = row_parallel(ctx_btkge.reshape(b, t, h_local * hd),
+        if use_fused(par):  # one flash-attention kernel (GQA: query head h reads h // group)
+            ctx_bthe = fused_attention(q_bthe, k_btke, v_btke, causal=True, par=par)
+        else:
+            q_btkge = q_bthe.reshape(b, t, kv_local, group, hd)
+            scores = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke).astype(jnp.float32)
+            scores = scores / math.sqrt(hd)
+            scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            ctx_btkge = jnp.einsum("bkgts,bske->btkge", probs, v_btke)
+            ctx_bthe = ctx_btkge.reshape(b, t, h_local, hd)
+        attn_btd = row_parallel(ctx_bthe.reshape(b, t, h_local * hd),
                                 w_o_hed.reshape(h_local * hd, d).astype(dt), par)
         x_btd = x_btd + attn_btd.astype(x_btd.dtype)
 

@@ -25,7 +25,7 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert (plan.overlap.tp_comm, plan.overlap.cm_direction) == ("plain", "uni")
     assert plan.microbatches == 1 and plan.micro_batch == 16 // 2
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
-                                 "pipeline.microbatches"}
+                                 "pipeline.microbatches", "model.attention"}
     piped = ParallelPlan.build(config.load(TINY, ["mesh.pp=2", "mesh.tp=2",
                                                   "pipeline.microbatches=auto"]))
     assert piped.microbatches == 4  # fills two stages twice
@@ -45,7 +45,7 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
                                  "pipeline.microbatches=8"])
     plan = ParallelPlan.build(cfg, target=H100)
     assert plan.overlap.tp_comm == "sequence_parallel" and plan.microbatches == 8
-    assert set(plan.choices) == {"overlap.collective_matmul_direction"}
+    assert set(plan.choices) == {"overlap.collective_matmul_direction", "model.attention"}
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
     assert resolved.overlap.tp_comm == "collective_matmul"

@@ -34,8 +34,8 @@ class GemmWork:
 
     Attributes:
       name: instruction name (the fusion/call/custom-call as scheduled).
-      flops: total FLOPs of the dots/convolutions in it (0 when not derivable, e.g.
-        cuDNN attention custom-calls).
+      flops: total FLOPs of the dots/convolutions in it (cuDNN fused attention: its
+        matmuls, `_fmha_flops`; 0 when not derivable).
       dtype: element type of the first matmul operand (picks the chip's rate).
     """
 
@@ -99,6 +99,27 @@ def _custom_gemm_flops(comp: Computation, inst: Instruction) -> tuple[float, str
     return 2.0 * math.prod(out[0][1]) * k, dtype
 
 
+def _fmha_flops(comp: Computation, inst: Instruction, target: str) -> tuple[float, str]:
+    """FLOPs of a cuDNN fused attention custom-call (``__cudnn$fmha*``): per batch and head
+    ``2 T S E`` for each of its matmuls -- q k^T and p v forward; the recomputed q k^T and
+    dv, dp, dq, dk backward -- from the scores' shape (``intermediate_tensor_shape``:
+    B, N, T, S) and the query's head dim E, halved under a causal mask (the kernel skips the
+    masked tiles)."""
+    lhs_shape = operand_shape(comp, inst, 0)
+    q = array_shapes(lhs_shape) if lhs_shape else []
+    dtype = q[0][0] if q else "bf16"
+    config = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*'
+                       r'\[([^\]]*)\]', inst.attributes)
+    if not q or not config:
+        return 0.0, dtype
+    scores = [int(x) for x in re.findall(r"\d+", config.group(1))]
+    matmuls = 5 if "Backward" in target else 2
+    flops = matmuls * 2.0 * math.prod(scores) * q[0][1][-1]
+    if re.search(r'"mask_type"\s*:\s*"[A-Z_]*CAUSAL', inst.attributes):
+        flops /= 2
+    return flops, dtype
+
+
 def gemm_work(module: HloModule, comp: Computation, inst: Instruction,
               _depth: int = 0) -> GemmWork | None:
     """The GEMM work an instruction performs, or None if it is not GEMM-like.
@@ -127,6 +148,8 @@ def gemm_work(module: HloModule, comp: Computation, inst: Instruction,
                 flops, dtype = _conv_flops(comp, inst)
             elif "cublas" in target:
                 flops, dtype = _custom_gemm_flops(comp, inst)
+            elif target.startswith("__cudnn$fmha"):
+                flops, dtype = _fmha_flops(comp, inst, target)
             else:
                 lhs_shape = operand_shape(comp, inst, 0)
                 leaves = array_shapes(lhs_shape) if lhs_shape else []

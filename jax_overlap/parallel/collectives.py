@@ -42,6 +42,10 @@ class Parallel:
     # (`vocab_columns`), and the loss's reductions run over this axis too.
     vocab_axis: str | None = None
     vocab_shards: int = 1
+    # The attention kernel blocks run (`model.attention` resolved by the plan for its
+    # target): "plain" einsums, "fused" (cuDNN flash attention), or "xla" (the fused code
+    # path through XLA's implementation, for tests); `parallel.attention`.
+    attention: str = "plain"
 
     @property
     def active(self) -> bool:

@@ -6,6 +6,7 @@ JAX release means editing this module only.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -79,3 +80,46 @@ def all_gather_invariant(x: jax.Array, axes, axis: int = 0, tiled: bool = True) 
     if gather is None:
         from jax._src.lax.parallel import all_gather_invariant as gather
     return gather(x, axes, axis=axis, tiled=tiled)
+
+
+# cuDNN the fused attention is traced for when the process has no cuDNN library to ask (a GPU
+# step compiled deviceless from a CPU host): jax-cuda12-plugin's `with-cuda` extra requires
+# nvidia-cudnn-cu12 >= 9.10.2 (`analysis.targets.GpuDeviceInfo.dnn_version`). JAX reads the
+# version only to refuse features older cuDNNs lack; the custom call it emits is the same.
+ASSUMED_CUDNN_VERSION = 91002
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_cudnn_version() -> int | None:
+    """The cuDNN version JAX's fused attention sees, or None when it finds no cuDNN."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        return int(fa.check_cudnn_version())
+    except Exception:  # noqa: BLE001 - no plugin, no library: both mean "none here"
+        return None
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool,
+                          scale: float, implementation: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` (`(B, T, N, H)` layout) with `implementation` "cudnn"
+    or "xla", also for "cudnn" where this process has no cuDNN: the GPU program compiled
+    without a GPU (`analysis.deviceless`, a CPU backend). There JAX's trace-time version check
+    (`fused_attention_stablehlo.check_cudnn_version`, jax 0.11 and 0.12 alike) is answered
+    with `ASSUMED_CUDNN_VERSION` for the duration of the call; the compiler gets the same
+    `__cudnn$fmha*` custom calls a GPU host traces."""
+    call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=scale,
+                             is_causal=is_causal, implementation=implementation)
+    if (implementation != "cudnn" or jax.default_backend() == "gpu"
+            or _installed_cudnn_version() is not None):
+        return call()
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    original = getattr(fa, "check_cudnn_version", None)
+    if original is None:  # a JAX that checks elsewhere: let it say what it needs
+        return call()
+    fa.check_cudnn_version = lambda: ASSUMED_CUDNN_VERSION
+    try:
+        return call()
+    finally:
+        fa.check_cudnn_version = original
