@@ -9,10 +9,12 @@ layout with its bucket plans. The step, the executor, the checkpoint code and th
 the plan (or plain values from it) and never look at the config's parallel sections again.
 
 Knobs left at `auto` are chosen here for the target the step runs on (`Target`): with tp > 1
-on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two) and
-the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows and the step within
-`MEMORY_BUDGET` of the device's memory; on a CPU, where every collective is synchronous and
-wall time follows total work, plain TP and no extra microbatches. `ParallelPlan.choices` says
+on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two), and
+together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows and the remat
+policy that recomputes least (`REMAT_ORDER`) with the estimated step
+(`analysis.memory`) within `MEMORY_BUDGET` of the device's memory; on a CPU, where every
+collective is synchronous and wall time follows total work, plain TP, no extra microbatches
+and no recompute. `ParallelPlan.choices` says
 what was picked and why; `resolved_config` writes the choices back into the config (the run's
 config.json holds them).
 """
@@ -37,9 +39,18 @@ MIB = 2**20
 # leave XLA's latency-hiding scheduler room to keep collectives in flight (it serialises them
 # when the step would not fit otherwise).
 MICROBATCH_TOKENS = 8192
-# Share of device memory the estimated step may take under auto microbatching; the rest is
-# headroom for the buffers that overlapping keeps alive longer and for XLA's own temporaries.
+# Share of device memory the estimated step may take under auto microbatching / remat; the rest
+# is headroom for the buffers that overlapping keeps alive longer and for XLA's own
+# temporaries. (XLA's GPU scheduler itself plans for 80% of the device, and its
+# rematerialization pass starts cloning instructions -- GEMMs included -- near 95%.)
 MEMORY_BUDGET = 0.8
+# `model.remat` policies by how much of the forward the backward recomputes, least first:
+# `auto` takes the first whose estimated step fits.
+REMAT_ORDER = ("none", "save_dots", "minimal", "full")
+# XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
+XLA_REMAT_PASS = "rematerialization"
+# Model kinds `analysis.memory` estimates (transformers; GPT-calibrated).
+ESTIMATED_KINDS = ("gpt", "bert", "llama")
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,8 @@ class ParallelPlan:
       dcn_bytes_per_s: the slow link's per-device bandwidth (mesh.dcn_gbps).
       attention: the blocks' attention kernel, "fused" or "plain" (model.attention resolved
         for the target; `parallel.attention`).
+      memory_estimate: the step's estimated peak bytes per device (`estimated_step_bytes`),
+        on an accelerator target; 0 elsewhere.
     """
 
     dp: int
@@ -210,6 +223,7 @@ class ParallelPlan:
     dcn_bytes_per_s: float = 12.5e9
     vocab_parallel: bool = False
     attention: str = "plain"
+    memory_estimate: float = 0.0
 
     # ------------------------------------------------------------------ derived values
 
@@ -287,6 +301,31 @@ class ParallelPlan:
                         cm_grouped=self.overlap.cm_grouped,
                         explicit_wgrad=not self.pipelined, attention=self.attention)
 
+    def compiler_options(self, environ=None) -> dict[str, str]:
+        """Per-compile XLA options of the train step (`jax.jit(..., compiler_options=)`).
+
+        On a GPU whose memory the estimated step fits (`fits_memory`), XLA's own
+        rematerialization pass is disabled: the remat policy already fits, and the pass
+        overestimates a pipeline's buffers and clones GEMMs that save nothing (GPT-1.3B
+        pp4 x dp2, fused attention, deviceless for 8 x H100: 1.26x the model's GEMM FLOPs with
+        the pass, 0.97x without, 56.3 GiB allocated either way). The passes `XLA_FLAGS`
+        already disables (the `gpu_overlap` preset's) stay disabled: a per-compile value
+        replaces the flag's list.
+        """
+        import os
+
+        if not (self.target.accelerator and self.memory_estimate
+                and fits_memory(self.memory_estimate, self.target)):
+            return {}
+        environ = os.environ if environ is None else environ
+        passes = []
+        for token in environ.get("XLA_FLAGS", "").split():
+            name, _, value = token.lstrip("-").partition("=")
+            if name == "xla_disable_hlo_passes":
+                passes += [p for p in value.split(",") if p]
+        passes = list(dict.fromkeys(passes + [XLA_REMAT_PASS]))
+        return {"xla_disable_hlo_passes": ",".join(passes)}
+
     def with_program(self, program: TickProgram) -> "ParallelPlan":
         """The same plan running another tick program (benchmarks time hand-made tables)."""
         out = dataclasses.replace(self, schedule=program.schedule)
@@ -356,7 +395,7 @@ class ParallelPlan:
             dcn_comm_dtype="fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype,
             dcn_delay_mode=ov.dcn_delay_mode,
         )
-        microbatches = _resolve_microbatches(cfg, target, overlap, choices)
+        microbatches, remat = _resolve_microbatches(cfg, target, overlap, choices, attention)
         try:
             # One stage runs the plain microbatch loop whatever schedule is named.
             costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
@@ -382,10 +421,13 @@ class ParallelPlan:
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
                    micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
-                   compute_dtype=cfg.train.precision, remat=cfg.model.remat, target=target,
+                   compute_dtype=cfg.train.precision, remat=remat, target=target,
                    choices=choices, stage_layers=split, dcn=m.dcn, diloco=_diloco_plan(cfg),
                    dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
                    attention=attention)
+        if target.accelerator:
+            plan = dataclasses.replace(plan, memory_estimate=estimated_step_bytes(
+                cfg, plan.micro_batch, overlap, remat, attention))
         if model is not None:
             from jax_overlap.overlap import dp_layout
 
@@ -508,27 +550,152 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target
+def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, remat: str,
+                         attention: str = "plain") -> float:
+    """The step's estimated peak bytes per device (`analysis.memory.step_bytes`) with
+    `micro_batch` sequences per microbatch under a remat policy; at pp > 1 with the slot
+    counts of the tick program that microbatch count gives (pairing search off: it keeps the
+    same activation caps)."""
+    from jax_overlap.analysis.memory import PipelineSlots, step_bytes
+
+    m, pl = cfg.mesh, cfg.pipeline
+    count = max(1, cfg.train.global_batch // (m.dcn * m.dp * max(micro_batch, 1)))
+    vocab_parallel = pl.vocab_parallel and m.pp > 1
+    slots, split = None, False
+    if m.pp > 1:
+        try:
+            costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
+            slots, split = _pipeline_slots(pl.schedule, m.pp, count, pl.virtual_stages,
+                                           pl.transfer_latency, pl.paired, costs,
+                                           overlap.buckets_in_loop, vocab_parallel)
+        except ValueError:  # no table for this count: the rough slot counts
+            slots = PipelineSlots.rough(m.pp, count, pl.virtual_stages)
+    return step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
+                      zero1=overlap.zero1, fsdp=overlap.fsdp, remat=remat, attention=attention,
+                      microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
+                      slots=slots, split_backward=split, vocab_parallel=vocab_parallel)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_slots(name: str, stages: int, microbatches: int, virtual_stages: int,
+                    transfer_latency: int, paired: bool, tick_costs, buckets_in_loop: bool,
+                    vocab_parallel: bool):
+    """(`memory.PipelineSlots`, split backward) of a schedule's compiled tick program."""
+    from jax_overlap.analysis.memory import PipelineSlots
+
+    schedule = cached_schedule(name, stages, microbatches, virtual_stages, transfer_latency,
+                               paired, tick_costs)
+    program = compile_program(schedule, buckets_in_loop, vocab_parallel)
+    return PipelineSlots.of_program(program), schedule.split_backward
+
+
+def fits_memory(need: float, target: Target) -> bool:
+    """Whether an estimated step of `need` bytes per device fits the target: within
+    `MEMORY_BUDGET` of its memory (always, where the memory is unknown)."""
+    return not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
+
+
+def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
+    """The policies `model.remat` may take: the explicit one; `auto` on a CPU `none` (there
+    recomputing only adds work), on a GPU every policy, least recompute first (`none` for a
+    model the memory estimate does not describe: `ESTIMATED_KINDS`)."""
+    if cfg.model.remat != "auto":
+        return (cfg.model.remat,)
+    if target.accelerator and cfg.model.kind in ESTIMATED_KINDS:
+        return REMAT_ORDER
+    return ("none",)
+
+
+def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
+                    attention: str, remats: tuple[str, ...]
+                    ) -> tuple[str | None, float, dict[str, float]]:
+    """The first of `remats` whose estimated step fits the target (None if none does), its
+    estimated bytes (the last one's when none fits), and the estimate of each policy tried.
+
+    A policy estimated to keep no less than one that recomputes less is passed over; one
+    estimated to keep exactly what the next does is named as the next (at pp = 1 the
+    projections are custom-vjp matmuls no policy sees, so `minimal` keeps what `full` does).
+    """
+    @functools.cache
+    def bytes_of(remat: str) -> float:
+        return estimated_step_bytes(cfg, micro_batch, overlap, remat, attention)
+
+    tried: dict[str, float] = {}
+    need = 0.0
+    for i, remat in enumerate(remats):
+        need = bytes_of(remat)
+        if tried and need >= min(tried.values()) and i < len(remats) - 1:
+            continue
+        while i + 1 < len(remats) and bytes_of(remats[i + 1]) == need:
+            i, remat = i + 1, remats[i + 1]
+        tried[remat] = need
+        if fits_memory(need, target):
+            return remat, need, tried
+    return None, need, tried
+
+
+def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
+                    remat: str | None = None, attention: str | None = None
                     ) -> tuple[bool, float]:
     """Whether `micro_batch` sequences per microbatch suit a GPU: at most `MICROBATCH_TOKENS`
-    GEMM rows, and the estimated step (`analysis.memory.step_bytes`, bytes returned too)
-    within `MEMORY_BUDGET` of the target's memory where it is known."""
-    from jax_overlap.analysis.memory import step_bytes
+    GEMM rows, and the estimated step (`estimated_step_bytes`, bytes returned too) within
+    `MEMORY_BUDGET` of the target's memory where it is known (`fits_memory`). `remat`
+    (default `model.remat`) at `auto`: under the policy auto would take for it."""
+    remat = remat or cfg.model.remat
+    if attention is None:
+        attention = _resolve_attention(cfg, target, {})
+    remats = _remat_candidates(cfg, target) if remat == "auto" else (remat,)
+    chosen, need, _ = _cheapest_remat(cfg, micro_batch, overlap, target, attention, remats)
+    return micro_batch * cfg.model.seq_len <= MICROBATCH_TOKENS and chosen is not None, need
 
-    m = cfg.mesh
-    need = step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
-                      zero1=overlap.zero1, fsdp=overlap.fsdp, remat=cfg.model.remat)
-    within = not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
-    return micro_batch * cfg.model.seq_len <= MICROBATCH_TOKENS and within, need
+
+def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target) -> str:
+    """Why auto took `remat`: its estimate against the budget, and what the policies that
+    recompute less were estimated to need."""
+    budget = (f" (budget {MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB)"
+              if target.memory_bytes else "")
+    lead = ("nothing recomputed" if remat == "none" else "the least recompute that fits")
+    why = f"{lead}: ~{need / 1e9:.0f} GB per device estimated{budget}"
+    over = [f"{r} ~{b / 1e9:.0f} GB" for r, b in tried.items() if r != remat]
+    return why + (f"; over it: {', '.join(over)}" if over else "")
 
 
 def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
-                          choices: dict[str, Choice]) -> int:
-    """`pipeline.microbatches`, `auto` resolved (an explicit count is returned as is)."""
-    m, pl = cfg.mesh, cfg.pipeline
-    if pl.microbatches != "auto":
-        return pl.microbatches
+                          choices: dict[str, Choice], attention: str = "plain"
+                          ) -> tuple[int, str]:
+    """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
+    kept): on a GPU the fewest microbatches whose GEMMs stay within `MICROBATCH_TOKENS` rows
+    and, for that count, the policy that recomputes least (`REMAT_ORDER`) whose estimated
+    step fits (`fits_memory`); on a CPU the fewest microbatches and no recompute."""
+    m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
+    remats = _remat_candidates(cfg, target)
+    auto_remat = mo.remat == "auto"
     per_replica = cfg.train.global_batch // (m.dcn * m.dp)
+
+    def pick_remat(n: int) -> str:
+        """The remat policy for an explicit (or CPU) microbatch count."""
+        if not auto_remat:
+            return mo.remat
+        if not target.accelerator:
+            choices["model.remat"] = Choice("none", "CPU: no device memory to save, and "
+                                                    "recomputing only adds work")
+            return "none"
+        if mo.kind not in ESTIMATED_KINDS:
+            choices["model.remat"] = Choice("none", f"no memory estimate for model.kind="
+                                                    f"{mo.kind}: nothing recomputed")
+            return "none"
+        b = max(1, per_replica // n)
+        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats)
+        if remat is None:
+            choices["model.remat"] = Choice("full", f"the least memory: ~{need / 1e9:.0f} GB "
+                                                    f"per device estimated; the step may "
+                                                    f"still not fit the device's memory")
+            return "full"
+        choices["model.remat"] = Choice(remat, _remat_why(remat, need, tried, target))
+        return remat
+
+    if pl.microbatches != "auto":
+        return pl.microbatches, pick_remat(pl.microbatches)
     group = m.pp * pl.transfer_latency if pl.schedule == "interleaved" and m.pp > 1 else 1
     least = m.pp if m.pp > 1 and pl.schedule != "gpipe" else 1
     valid = [n for n in _divisors(per_replica) if n >= least and n % group == 0]
@@ -544,22 +711,28 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         why = ("CPU: wall time follows total work, so the fewest microbatches"
                + (" that fill the pipeline twice" if m.pp > 1 else ""))
         choices["pipeline.microbatches"] = Choice(n, why)
-        return n
+        return n, pick_remat(n)
     budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
     for n in valid:
         b = per_replica // n
-        fits, need = microbatch_fits(cfg, b, overlap, target)
-        if fits:
-            why = (f"{b} sequences x {cfg.model.seq_len} positions per microbatch: GEMMs of "
-                   f"{b * cfg.model.seq_len} rows, ~{need / 1e9:.0f} GB per device estimated")
+        if b * mo.seq_len > MICROBATCH_TOKENS:
+            continue
+        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats)
+        if remat is not None:
+            why = (f"{b} sequences x {mo.seq_len} positions per microbatch: GEMMs of "
+                   f"{b * mo.seq_len} rows, ~{need / 1e9:.0f} GB per device estimated")
             if budget is not None:
                 why += f" (budget {budget / 1e9:.0f} GB)"
             choices["pipeline.microbatches"] = Choice(n, why)
-            return n
+            if auto_remat and mo.kind not in ESTIMATED_KINDS:
+                return n, pick_remat(n)
+            if auto_remat:
+                choices["model.remat"] = Choice(remat, _remat_why(remat, need, tried, target))
+            return n, remat
     n = valid[-1]
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "
                                                  "step may still not fit the device's memory")
-    return n
+    return n, pick_remat(n)
 
 
 def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]

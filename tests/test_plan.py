@@ -25,7 +25,8 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert (plan.overlap.tp_comm, plan.overlap.cm_direction) == ("plain", "uni")
     assert plan.microbatches == 1 and plan.micro_batch == 16 // 2
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
-                                 "pipeline.microbatches", "model.attention"}
+                                 "pipeline.microbatches", "model.attention", "model.remat"}
+    assert plan.remat == "none"  # CPU: recomputing only adds work
     piped = ParallelPlan.build(config.load(TINY, ["mesh.pp=2", "mesh.tp=2",
                                                   "pipeline.microbatches=auto"]))
     assert piped.microbatches == 4  # fills two stages twice
@@ -45,12 +46,62 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
                                  "pipeline.microbatches=8"])
     plan = ParallelPlan.build(cfg, target=H100)
     assert plan.overlap.tp_comm == "sequence_parallel" and plan.microbatches == 8
-    assert set(plan.choices) == {"overlap.collective_matmul_direction", "model.attention"}
+    assert set(plan.choices) == {"overlap.collective_matmul_direction", "model.attention",
+                                 "model.remat"}
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
     assert resolved.overlap.tp_comm == "collective_matmul"
     assert resolved.pipeline.microbatches == 32
     config.validate(resolved)  # the resolved config is itself a valid explicit config
+
+
+def test_auto_remat_takes_the_least_recompute_that_fits():
+    # GPT-1.3B dp8, 4 x 2048 tokens per microbatch on the plain attention path: keeping every
+    # residual needs ~100 GB (XLA: 99 GB), save_dots ~44 GB (XLA: 43) fits the budget.
+    plain = config.load(GPT_1P3B, ["model.attention=plain"])
+    dp8 = ParallelPlan.build(plain, target=H100)
+    assert (dp8.microbatches, dp8.remat) == (8, "save_dots")
+    assert dp8.choices["model.remat"].why.startswith("the least recompute that fits")
+    assert "over it: none ~100 GB" in dp8.choices["model.remat"].why
+    # Fused attention keeps no score tensors: everything fits.
+    fused = ParallelPlan.build(config.load(GPT_1P3B, ["model.attention=fused"]), target=H100)
+    assert (fused.microbatches, fused.remat) == (8, "none")
+    # A smaller part: the same microbatch, more recompute (pp = 1: `minimal` is `full`).
+    small = ParallelPlan.build(plain, target=Target("small", True, 40e9))
+    assert (small.microbatches, small.remat) == (8, "full")
+    # An explicit policy always wins; auto microbatching then works around it.
+    none = ParallelPlan.build(config.load(GPT_1P3B, ["model.attention=plain",
+                                                     "model.remat=none"]), target=H100)
+    assert none.remat == "none" and "model.remat" not in none.choices
+    assert none.microbatches == 32  # 2 x 2048 tokens need ~64 GB under none (XLA: 64.2)
+    # The resolved config (config.json) holds the choice.
+    assert dp8.resolved_config(plain).model.remat == "save_dots"
+
+
+def test_auto_remat_with_explicit_microbatches_and_pipelines():
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "model.attention=plain",
+                                 "pipeline.microbatches=32"])
+    plan = ParallelPlan.build(cfg, target=H100)
+    assert plan.microbatches == 32 and plan.remat == "save_dots"  # none: ~133 GB
+    huge = config.load(GPT_1P3B, ["model.attention=plain", "pipeline.microbatches=1"])
+    plan = ParallelPlan.build(huge, target=H100)  # 32 sequences per microbatch
+    assert plan.remat == "full" and "over it: none ~591 GB, save_dots ~160 GB" in \
+        plan.choices["model.remat"].why
+    plan = ParallelPlan.build(huge, target=Target("small", True, 40e9))  # nothing fits
+    assert plan.remat == "full" and "may still not fit" in plan.choices["model.remat"].why
+
+
+def test_a_step_that_fits_compiles_without_xla_rematerialization():
+    # XLA's pass, given a step our policy already fits, clones GEMMs that save nothing.
+    preset = {"XLA_FLAGS": "--xla_disable_hlo_passes=collective-permute-motion --x=1"}
+    plan = ParallelPlan.build(config.load(GPT_1P3B, ["model.attention=plain"]), target=H100)
+    assert 0 < plan.memory_estimate <= 0.8 * 80e9
+    assert plan.compiler_options(preset) == {
+        "xla_disable_hlo_passes": "collective-permute-motion,rematerialization"}
+    over = config.load(GPT_1P3B, ["model.attention=plain", "model.remat=none",
+                                  "pipeline.microbatches=8"])
+    assert ParallelPlan.build(over, target=H100).compiler_options(preset) == {}  # ~100 GB
+    assert ParallelPlan.build(config.load(TINY)).compiler_options(preset) == {}  # CPU
 
 
 def test_auto_microbatches_refuse_an_impossible_batch_in_one_line():

@@ -1,57 +1,165 @@
 """Per-device memory of a transformer train step, estimated from shapes alone (no tracing).
 
 Used where a decision has to be made before anything is compiled: the plan's automatic
-microbatching, `analyze`'s hints and the calibrated cost model's stash sizes. The estimate
-counts what a step keeps alive at its peak:
+microbatch count and remat policy (`plan.py`), `analyze`'s hints, the preflight check and the
+calibrated cost model's stash sizes. The terms are what XLA's buffer assignment holds at the
+step's peak, read off deviceless compiles of GPT-1.3B for 8 x H100 (`compiled.
+memory_analysis()` and XLA's memory-usage report; tests/test_memory_estimate.py keeps the
+comparison, within 15% for dp8, dp2 x tp4, pp4 x dp2 1F1B and ZB-V, pp2 x dp2 x tp2 under
+`none` and `full`):
 
-* state: fp32 parameters, gradients and Adam's two moments per parameter stored on the
-  device (TP splits blocks, the vocabulary and the MLP; PP splits the layers; ZeRO-1 splits
-  the moments over dp; FSDP splits the blocks' parameters, gradients and moments over dp),
-  plus a bf16 copy of the parameters under bf16 precision;
-* activations: what each layer keeps for its backward under the remat policy
-  (`layer_stash_bytes`: every residual for `none`, the block input for `full`, the matmul
-  outputs for `save_dots` / `minimal`), for one microbatch at pp = 1 and, at pp > 1, for
-  each microbatch in flight on the stage (at most `pp`), plus one layer's recomputed
-  residuals while `full` backpropagates;
-* the fp32 logits and their gradient on the last stage.
+* state: fp32 parameters and Adam's two moments (the step's arguments, updated in place), the
+  fp32 gradient accumulator and, at pp = 1 with more than one microbatch, the microbatch's own
+  gradient beside it. TP splits the blocks and the vocabulary, PP the layers (the embedding
+  and the head are on every stage), ZeRO-1 the moments over dp, FSDP the blocks' parameters,
+  gradients and moments over dp.
+* kept for the backward: per layer and token what the remat policy leaves
+  (`layer_token_bytes`; attention's part, which depends on the kernel, in
+  `attention_token_bytes`), and under `none` the compute-dtype copy of each layer's weights.
+  At pp = 1 for one microbatch (the layer scan stacks them). At pp > 1 the executor's residual
+  pools hold them: `TickProgram.res_slots` slots plus a trash slot, each one microbatch of a
+  chunk's layers (plus, on the plain attention path, the causal mask and the masked fill the
+  chunk's vjp keeps per microbatch), and a split backward's pool of matmul-output gradients.
+* working memory: one layer's residuals rebuilt while a recomputing policy backpropagates
+  through it, or the fp32 logits of a microbatch, whichever is larger; at pp > 1 also one or
+  two more copies of a slot's stacked residuals (`PIPELINE_SLOT_COPIES`), the activation stash
+  (`TickProgram.slots` + 1 plus the inboxes) and a chunk's weight gradients.
 
-It is an estimate, not XLA's number: XLA's buffer assignment adds temporaries and, when it
-overlaps collectives, keeps some buffers alive longer; callers keep headroom for that.
+Not counted: DP gradient buckets and FSDP's gathered blocks in flight (`resilience.preflight`
+adds them as communication buffers), XLA's scheduler keeping buffers alive longer for overlap.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+# d-sized fp32 tensors one LayerNorm keeps per token for its backward: x - mean, the
+# normalised x and the scaled one (the per-token rsqrt is noise).
+NORM_FP32_TENSORS = 3
+# tanh-GELU's residuals: its input and four d_ff-sized intermediates (compute dtype).
+GELU_TENSORS = 5
+# Extra copies of one residual slot's stacked tensors a pipeline step holds at its peak: the F's
+# fresh residuals before they are filed into the pool and the B's read of its slot. XLA's buffer
+# assignment gives them one buffer or two (GPT-1.3B deviceless: one at pp2 x dp2 x tp2, two at
+# pp4 x dp2 1F1B); the estimate takes the middle.
+PIPELINE_SLOT_COPIES = 1.5
+# Inboxes of a pipeline step: one per ring direction, and the local hand-off.
+PIPELINE_INBOXES = 3
+
 
 def dtype_bytes(precision: str) -> int:
-    """Bytes per activation element: 2 under bf16 compute, else 4."""
+    """Bytes per activation element: 2 under bf16/fp16 compute, else 4."""
     return 2 if precision in ("bf16", "fp16") else 4
 
 
-def layer_residual_bytes(model, micro_batch: int, tp: int, precision: str) -> float:
-    """Residual bytes one transformer layer keeps for its backward, for one microbatch on one
-    TP rank: per token the norm and matmul inputs (4 d, not TP-split), q, k, v, the attention
-    output and both MLP hidden tensors (4 d + 2 d_ff, split) and the attention probabilities
-    (heads x T, split)."""
-    tokens = micro_batch * model.seq_len
-    width = 4 * model.d_model + (4 * model.d_model + 2 * model.d_ff
-                                 + model.heads * model.seq_len) / tp
-    return tokens * dtype_bytes(precision) * width
+def _fused(attention) -> bool:
+    """`attention` as "fused"/"plain" (the resolved `model.attention`) or a bool."""
+    return attention is True or attention == "fused"
+
+
+@dataclass(frozen=True)
+class AttentionBytes:
+    """Bytes per token that attention adds to what one layer keeps for its backward.
+
+    Attributes:
+      layer: per layer (the score-sized tensors of the plain path, the fused kernel's output
+        and log-sum-exp).
+      chunk: per microbatch of a pipeline chunk, once for all its layers: the causal mask and
+        the masked fill the chunk's vjp keeps (the layer scan hoists them; at pp = 1 XLA folds
+        them into the backward).
+    """
+
+    layer: float
+    chunk: float = 0.0
+
+
+def attention_token_bytes(model, tp: int, precision: str, *, fused, remat: str = "none",
+                          pipelined: bool = False) -> AttentionBytes:
+    """What one layer's attention keeps per token for its backward, on one TP rank (heads split
+    over tp), by kernel and remat policy.
+
+    Args:
+      model: the model config (d_model, heads, seq_len).
+      tp: tensor-parallel degree.
+      precision: "fp32", "bf16" or "fp16" (the probabilities are in the compute dtype).
+      fused: the fused attention kernel (`model.attention: fused`, "fused" or True): no
+        [b, h, T, T] tensor is kept, only the kernel's output and fp32 log-sum-exp per head.
+      remat: `none` keeps the plain path's fp32 masked scores and the probabilities;
+        `save_dots` the scores and context matmul outputs (the fused kernel is no dot, so it
+        is recomputed); `full` / `minimal` nothing.
+      pipelined: a pipeline chunk's residual pool (`AttentionBytes.chunk`).
+    """
+    a = dtype_bytes(precision)
+    heads = model.heads / tp
+    scores = heads * model.seq_len  # [h, T] per token: one row of the [b, h, T, T] scores
+    if _fused(fused):
+        layer = (a * model.d_model / tp + 4 * heads) if remat == "none" else 0.0
+        return AttentionBytes(layer)
+    if remat == "none":
+        # fp32 masked scores and the probabilities; a pipeline slot also keeps the causal mask
+        # (bool) and the fp32 fill, broadcast to [b, h, T, T] once per chunk.
+        return AttentionBytes((4 + a) * scores, (1 + 4) * scores if pipelined else 0.0)
+    if remat == "save_dots":
+        return AttentionBytes(a * scores + a * model.d_model / tp)
+    return AttentionBytes(0.0)
+
+
+def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
+                      attention="plain", sequence_parallel: bool = False,
+                      pipelined: bool = False, split_backward: bool = False) -> float:
+    """Bytes per token one transformer layer keeps between its forward and its backward under
+    a remat policy (`parallel/remat.py`), on one TP rank.
+
+    `none`: each norm's fp32 statistics (`NORM_FP32_TENSORS`, split over the sequence under
+    sequence parallelism) and its output as the next matmul's input (gathered: full length);
+    q, k, v and the context; tanh-GELU's input and intermediates (`GELU_TENSORS`, d_ff split);
+    attention's part (`attention_token_bytes`). `full`: the block's input. `save_dots` /
+    `minimal`: the block's input and the matmul outputs the policy sees as dots -- in the
+    pipeline the projections' (q/k/v, attention output partial sums, MLP input), at pp = 1
+    none of them (the step runs them as custom-vjp matmuls, `collectives.local_matmul`, so
+    `minimal` keeps what `full` does and `save_dots` only attention's dots). A split backward
+    (ZB schedules) also keeps each weight matmul's input and output for W when a policy
+    recomputes.
+    """
+    a = dtype_bytes(precision)
+    d, f = model.d_model, model.d_ff
+    s = tp if sequence_parallel else 1
+    att = attention_token_bytes(model, tp, precision, fused=attention, remat=remat,
+                                pipelined=pipelined)
+    if remat == "none":
+        norms = 2 * (NORM_FP32_TENSORS * 4 * d / s + a * d)
+        projections = 4 * a * d / tp  # q, k, v, the context
+        mlp = GELU_TENSORS * a * f / tp
+        return norms + projections + mlp + att.layer
+    kept = a * d / s  # the block's input
+    if pipelined and remat in ("save_dots", "minimal"):
+        kept += a * (3 * d / tp + d + f / tp)  # q/k/v, attention-out partial sums, MLP input
+    if remat == "save_dots":
+        kept += att.layer
+    if split_backward:
+        # W's inputs (both norms' outputs, the context, GELU's output) and the outputs of the
+        # matmuls whose backward B runs (q/k/v, attention out, MLP in).
+        kept += a * (2 * d + d / tp + f / tp) + a * (3 * d / tp + d + f / tp)
+    return kept
+
+
+def layer_residual_bytes(model, micro_batch: int, tp: int, precision: str,
+                         attention="plain", *, sequence_parallel: bool = False) -> float:
+    """Residual bytes one transformer layer keeps for its backward with nothing recomputed
+    (`model.remat: none`), for one microbatch on one TP rank (`layer_token_bytes`)."""
+    return micro_batch * model.seq_len * layer_token_bytes(
+        model, tp, precision, "none", attention=attention,
+        sequence_parallel=sequence_parallel)
 
 
 def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
-                      remat: str = "none") -> float:
-    """What one layer keeps between its forward and its backward under a remat policy
-    (`parallel/remat.py`), for one microbatch on one TP rank: `none` every residual
-    (`layer_residual_bytes`); `full` only the block's input; `save_dots` the matmul outputs
-    (the residuals less the softmax output, recomputed from the saved scores: about the same);
-    `minimal` the matmul outputs without the attention scores and probabilities."""
-    tokens = micro_batch * model.seq_len
-    every = layer_residual_bytes(model, micro_batch, tp, precision)
-    if remat == "full":
-        return tokens * model.d_model * dtype_bytes(precision)
-    if remat == "minimal":
-        return every - tokens * dtype_bytes(precision) * model.heads * model.seq_len / tp
-    return every
+                      remat: str = "none", attention="plain", *,
+                      sequence_parallel: bool = False, pipelined: bool = False) -> float:
+    """What one layer keeps between its forward and its backward under a remat policy, for one
+    microbatch on one TP rank (`layer_token_bytes`)."""
+    return micro_batch * model.seq_len * layer_token_bytes(
+        model, tp, precision, remat, attention=attention,
+        sequence_parallel=sequence_parallel, pipelined=pipelined)
 
 
 def param_elements(model) -> tuple[float, float]:
@@ -64,31 +172,150 @@ def param_elements(model) -> tuple[float, float]:
     return float(embed), float(block)
 
 
-def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
-               zero1: bool = False, fsdp: bool = False, remat: str = "none") -> float:
-    """Estimated peak bytes per device of one train step (see the module docstring).
+@dataclass(frozen=True)
+class PipelineSlots:
+    """The slot counts of a pipeline step's pools (`TickProgram.slots`, `res_slots`).
+
+    Attributes:
+      stash: activation stash slots per stage.
+      chunk: residual slots of the chunks' vjps.
+      first, last: residual slots of the embedding's and the head's vjps.
+      dz: a split backward's slots of matmul-output gradients (0 without).
+      chunks: chunks per stage (virtual stages).
+    """
+
+    stash: int
+    chunk: int
+    first: int
+    last: int
+    dz: int = 0
+    chunks: int = 1
+
+    @classmethod
+    def of_program(cls, program) -> "PipelineSlots":
+        """From a compiled `jax_overlap.pipeline.program.TickProgram`."""
+        res = dict(program.res_slots)
+        return cls(program.slots, res.get("chunk", 0), res.get("first", 0),
+                   res.get("last", 0), res.get("dz", 0), program.schedule.virtual_stages)
+
+    @classmethod
+    def rough(cls, pp: int, microbatches: int, virtual_stages: int = 1) -> "PipelineSlots":
+        """Without a program: a 1F1B-like stage 0 with `pp` microbatches in flight per chunk."""
+        n = min(pp, max(microbatches, 1)) * virtual_stages
+        return cls(n + 1, n, n, 1, 0, virtual_stages)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Estimated peak bytes per device of one train step, by part (see the module docstring).
+
+    Attributes:
+      state: parameters, optimizer moments and gradient buffers.
+      kept: what the backward keeps: layer residuals and weight copies (pp = 1), residual
+        pools (pp > 1).
+      work: working memory on top: recomputed layer, score gradient, logits; at pp > 1 the
+        slot copies and the activation stash.
+    """
+
+    state: float
+    kept: float
+    work: float
+
+    @property
+    def total(self) -> float:
+        return self.state + self.kept + self.work
+
+
+def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
+                zero1: bool = False, fsdp: bool = False, remat: str = "none",
+                attention="plain", microbatches: int = 1, sequence_parallel: bool = False,
+                slots: PipelineSlots | None = None, split_backward: bool = False,
+                vocab_parallel: bool = False) -> StepMemory:
+    """Estimated peak bytes per device of one train step, by part.
 
     Args:
       model: the model config (`cfg.model`: layers, d_model, heads, d_ff, vocab, seq_len).
       micro_batch: sequences per microbatch on one replica.
       tp, pp, dp: mesh axis sizes.
-      precision: "fp32" or "bf16".
+      precision: "fp32", "bf16" or "fp16".
       zero1: Adam's moments split over dp.
       fsdp: block parameters, gradients and moments split over dp.
-      remat: the `model.remat` policy (what each layer stashes, `layer_stash_bytes`).
+      remat: the `model.remat` policy (`layer_token_bytes`).
+      attention: the resolved `model.attention`, "plain" or "fused" (`attention_token_bytes`).
+      microbatches: per replica per step (pp = 1: more than one keeps a second gradient).
+      sequence_parallel: TP splits the residual stream over the sequence (`overlap.tp_comm`
+        sequence_parallel or collective_matmul with tp > 1).
+      slots: the pipeline's pool sizes (pp > 1; default `PipelineSlots.rough`).
+      split_backward: the schedule splits B and W (ZB-H1, ZB-V).
+      vocab_parallel: the head runs over pp (`pipeline.vocab_parallel`): no head pool, the
+        logits split over tp x pp.
     """
+    a = dtype_bytes(precision)
+    d = model.d_model
+    s = tp if sequence_parallel and tp > 1 else 1
+    tokens = micro_batch * model.seq_len
     embed, block = param_elements(model)
     layers = model.layers / pp
-    block_elems = layers * block / tp / (dp if fsdp else 1)
-    embed_elems = embed / tp
-    elems = block_elems + embed_elems
+    block_elems = block / tp / (dp if fsdp else 1)
+    elems = layers * block_elems + embed / tp
     moments = 8 * (elems / dp if zero1 and not fsdp else elems)
-    state = elems * (4 + 4) + moments + (2 * elems if precision in ("bf16", "fp16") else 0)
-    tokens = micro_batch * model.seq_len
-    kept = layer_stash_bytes(model, micro_batch, tp, precision, remat)
-    # `full` rebuilds one layer's residuals at a time inside the backward.
-    redo = layer_residual_bytes(model, micro_batch, tp, precision) if remat == "full" else 0.0
-    in_flight = 1 if pp == 1 else pp
-    acts = in_flight * layers * kept + redo
-    logits = 2 * tokens * model.vocab / tp * 4
-    return float(state + acts + logits)
+    grads = 4 * elems * (2 if pp == 1 and microbatches > 1 else 1)
+    state = 4 * elems + moments + grads
+    # The compute-dtype copy of a layer's weights (none keeps it; fp32 needs no copy).
+    copies = (a * block / tp) if a < 4 else 0.0
+    pipelined = pp > 1
+    per_token = layer_token_bytes(model, tp, precision, remat, attention=attention,
+                                  sequence_parallel=s > 1, pipelined=pipelined,
+                                  split_backward=split_backward and pipelined)
+    att = attention_token_bytes(model, tp, precision, fused=attention, remat=remat,
+                                pipelined=pipelined)
+    # A recomputing policy rebuilds one layer's residuals at a time in the backward.
+    redo = 0.0
+    if remat != "none":
+        redo = tokens * layer_token_bytes(model, tp, precision, "none", attention=attention,
+                                          sequence_parallel=s > 1) + copies
+    # The fp32 logits of one microbatch (the head's peak, when no layer is being rebuilt).
+    logits = tokens * 4 * model.vocab / tp / (pp if vocab_parallel else 1)
+    work = max(redo, logits)
+    if not pipelined:
+        kept = layers * (tokens * per_token + (copies if remat == "none" else 0.0))
+        return StepMemory(float(state), float(kept), float(work))
+    slots = slots or PipelineSlots.rough(pp, microbatches)
+    chunk_layers = layers / max(slots.chunks, 1)
+    stacked = chunk_layers * tokens * per_token  # one slot's per-layer residuals
+    slot = stacked + tokens * att.chunk + (chunk_layers * copies if remat == "none" else 0.0)
+    act = tokens * a * d / s  # one microbatch's activations between stages
+    kept = (slots.chunk + 1) * slot
+    kept += (slots.first + 1) * 2.5 * act  # the embedding's residuals and its output
+    if not vocab_parallel:
+        kept += (slots.last + 1) * act  # the head's input
+    if slots.dz:
+        dz = chunk_layers * tokens * a * (3 * d / tp + 2 * d + model.d_ff / tp)
+        kept += (slots.dz + 1) * dz
+    work += PIPELINE_SLOT_COPIES * stacked + (slots.stash + 1 + PIPELINE_INBOXES) * act
+    # The chunk's weight gradients before they join the accumulator.
+    work += 4 * chunk_layers * block_elems
+    return StepMemory(float(state), float(kept), float(work))
+
+
+def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
+               zero1: bool = False, fsdp: bool = False, remat: str = "none",
+               attention="plain", **details) -> float:
+    """Estimated peak bytes per device of one train step (`step_memory(...).total`; `details`
+    are its keyword arguments: microbatches, sequence_parallel, slots, split_backward,
+    vocab_parallel)."""
+    return step_memory(model, micro_batch, tp, pp, dp, precision, zero1=zero1, fsdp=fsdp,
+                       remat=remat, attention=attention, **details).total
+
+
+def plan_step_memory(model, precision: str, plan) -> StepMemory:
+    """`step_memory` of a built `ParallelPlan` (its mesh, microbatching, remat policy,
+    attention kernel, TP mode and pipeline program)."""
+    ov = plan.overlap
+    program = plan.program
+    return step_memory(
+        model, plan.micro_batch, plan.tp, plan.pp, plan.dp, precision, zero1=ov.zero1,
+        fsdp=ov.fsdp, remat=plan.remat, attention=getattr(plan, "attention", "plain"),
+        microbatches=plan.microbatches, sequence_parallel=ov.tp_comm != "plain",
+        slots=PipelineSlots.of_program(program) if program is not None else None,
+        split_backward=plan.split_backward, vocab_parallel=plan.vocab_parallel)

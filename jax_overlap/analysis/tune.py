@@ -307,7 +307,9 @@ def enumerate_candidates(
     if devices < 1:
         raise ValueError(f"--devices: must be >= 1, got {devices}")
     # The configured policy, and `full` (the least activation memory) when that differs.
-    policies = list(dict.fromkeys(remats or (cfg.model.remat, "full")))
+    # (`auto`, the default, is `none` where the tuner's cost model decides.)
+    policies = list(dict.fromkeys("none" if r == "auto" else r
+                                  for r in (remats or (cfg.model.remat, "full"))))
     out = []
     vocab = _vocab_parallel_head(cfg)
     for tp in _divisors(devices):

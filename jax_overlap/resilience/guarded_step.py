@@ -73,7 +73,8 @@ def make_guarded_step(model, cfg, plan, mesh, optimizer) -> Callable:
                "step": train.step, "next_batch": batch_index(train), "version": train.version}
         return loop._replace(train=train, guard=guard), out
 
-    return jax.jit(guarded, donate_argnums=(0,))
+    return jax.jit(guarded, donate_argnums=(0,),
+                   compiler_options=plan.compiler_options() or None)
 
 
 def rejection_reason(loss: float, grad_norm: float) -> str:

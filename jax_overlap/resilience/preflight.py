@@ -100,34 +100,20 @@ def device_step_parts(model, train, plan) -> dict[str, float]:
       {"state": parameters + gradients + optimizer moments, "activations": what the schedule
       and remat policy keep for the backward plus the logits, "comm": communication buffers}.
     """
-    from jax_overlap.analysis.memory import (
-        dtype_bytes,
-        layer_residual_bytes,
-        param_elements,
-        step_bytes,
-    )
+    from jax_overlap.analysis.memory import dtype_bytes, param_elements, plan_step_memory
 
     ov = plan.overlap
-    b = plan.micro_batch
-    total = step_bytes(model, b, plan.tp, plan.pp, plan.dp, train.precision,
-                       zero1=ov.zero1, fsdp=ov.fsdp)
-    no_acts = step_bytes(model, 0, plan.tp, plan.pp, plan.dp, train.precision,
-                         zero1=ov.zero1, fsdp=ov.fsdp)
-    acts = total - no_acts
-    tokens = b * model.seq_len
+    # The plan's own estimate (the one its auto microbatches and remat policy were chosen by).
+    mem = plan_step_memory(model, train.precision, plan)
+    tokens = plan.micro_batch * model.seq_len
     act_bytes = dtype_bytes(train.precision)
-    if plan.remat == "full":
-        # Each block keeps only its input; one block's residuals live during its backward.
-        layers = model.layers / plan.pp
-        residual = layer_residual_bytes(model, b, plan.tp, train.precision)
-        acts = acts - layers * residual + layers * tokens * model.d_model * act_bytes + residual
     _, block = param_elements(model)
     comm = 2.0 * ov.grad_bucket_bytes  # a bucket being filled and one being reduced
     if ov.fsdp:
         comm += (ov.window + 1) * block / plan.tp * 4  # gathered blocks in flight
     if plan.pp > 1:
         comm += 2 * tokens * model.d_model * act_bytes * plan.transfer_latency
-    return {"state": float(no_acts), "activations": float(acts), "comm": float(comm)}
+    return {"state": mem.state, "activations": mem.kept + mem.work, "comm": float(comm)}
 
 
 def host_data_bytes(model, train, data) -> float:

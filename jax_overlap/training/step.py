@@ -159,7 +159,10 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             metrics["lr"] = lr(state.step)
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=(0,)) if jit else step
+    if not jit:
+        return step
+    # On a GPU the step fits (plan.compiler_options): XLA's remat pass would only clone GEMMs.
+    return jax.jit(step, donate_argnums=(0,), compiler_options=plan.compiler_options() or None)
 
 
 def param_shardings(model, mesh, layout=None) -> Any:
