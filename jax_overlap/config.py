@@ -129,8 +129,9 @@ class PipelineConfig:
     # Paired ticks: a stage may run one forward and one backward (of other microbatches) in
     # the same tick, so steady-state ticks cost alike on every stage and each stage-to-stage
     # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
-    # twice the unpaired schedule's activations per stage.
-    paired: bool = False
+    # twice the unpaired schedule's activations per stage. auto: on a GPU at latency 1, off
+    # on a CPU (collectives are synchronous there; pairing only adds permutes).
+    paired: bool | Literal["auto"] = "auto"
     # Paired tables only. pair_search: steps of a search over which ticks run pairs, so the
     # actions sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the
     # whole step; ~35 ms a step at p = 4, m = 16, done once when the plan is built).
@@ -149,6 +150,11 @@ class PipelineConfig:
     # of extra work. Needs pp > 1, a model whose head supports it (the built-in decoders)
     # and vocab / tp divisible by pp.
     vocab_parallel: bool = False
+    # zb-h1 / zb-v: W as only the weight-gradient GEMMs (F keeps each weight matmul's input
+    # and B its output gradient in stash slots until W) or as the chunk's whole backward.
+    # auto: split, but on a GPU under a remat policy that recomputes (there the slots' traffic
+    # every tick costs more than W's recompute).
+    split_backward: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -586,14 +592,14 @@ def validate(cfg: Config) -> None:
     if pl.transfer_latency not in (1, 2):
         p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
                  f"to overlap stage-to-stage transfers with compute")
-    if pl.paired and pl.transfer_latency != 1:
+    if pl.paired is True and pl.transfer_latency != 1:
         p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
                  f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "
                  f"pipeline.transfer_latency=1 or pipeline.paired=false")
     if not isinstance(pl.pair_search, int) or pl.pair_search < 0:
         p.append(f"pipeline.pair_search: must be an integer >= 0 (search steps), got "
                  f"{pl.pair_search!r}; try 300")
-    elif pl.pair_search and not pl.paired:
+    elif pl.pair_search and pl.paired is False:
         p.append("pipeline.pair_search: searches where paired ticks run; set pipeline.paired="
                  "true or pipeline.pair_search=0")
     costs = pl.tick_costs

@@ -173,6 +173,8 @@ OPTION_CASES = [
     # TP-replicated leaves) inside the tick loop.
     ("1f1b", 2, 2, 2, 4, True, ["overlap.grad_bucket_mb=0.01"]),
     ("zb-v", 2, 2, 2, 2, False, ["overlap.grad_bucket_mb=0.01", "pipeline.transfer_latency=2"]),
+    # W as the chunk's whole backward (what the plan picks on a GPU under full remat).
+    ("zb-h1", 2, 2, 2, 2, False, ["pipeline.split_backward=false", "model.remat=full"]),
     # Collective matmul inside the per-stage branches: grouped steps (the plan's cm_grouped).
     ("zb-v", 2, 2, 2, 2, False, ["overlap.tp_comm=collective_matmul"]),
 ]

@@ -82,7 +82,26 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
     cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "model.attention=plain",
                                  "pipeline.microbatches=32"])
     plan = ParallelPlan.build(cfg, target=H100)
-    assert plan.microbatches == 32 and plan.remat == "save_dots"  # none: ~133 GB
+    # Pipelined on a GPU: every tick moves the stash, so auto stashes only block inputs.
+    assert plan.microbatches == 32 and plan.remat == "full"
+    assert plan.choices["model.remat"].why.startswith("pipelined on a GPU")
+    assert plan.schedule.paired and "pipeline.paired" in plan.choices
+    cpu = ParallelPlan.build(cfg)  # a CPU: nothing recomputed, unpaired
+    assert cpu.remat == "none" and not cpu.schedule.paired
+    assert cpu.choices["pipeline.paired"].value is False
+    latency2 = ParallelPlan.build(config.load(GPT_1P3B, [
+        "mesh.dp=2", "mesh.pp=4", "pipeline.transfer_latency=2"]), target=H100)
+    assert not latency2.schedule.paired
+    # ZB-V: W as only the weight GEMMs on a CPU; on a GPU under full remat the whole chunk's
+    # backward (stash slots every tick cost more); an explicit value wins.
+    zbv = ["mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"]
+    gpu = ParallelPlan.build(config.load(GPT_1P3B, zbv), target=H100)
+    assert gpu.remat == "full" and not gpu.split_backward
+    assert gpu.choices["pipeline.split_backward"].value is False
+    assert ParallelPlan.build(config.load(GPT_1P3B, zbv)).split_backward
+    forced = config.load(GPT_1P3B, zbv + ["pipeline.split_backward=true"])
+    assert ParallelPlan.build(forced, target=H100).split_backward
+    assert not ParallelPlan.build(cfg, target=H100).split_backward  # 1f1b: nothing to split
     huge = config.load(GPT_1P3B, ["model.attention=plain", "pipeline.microbatches=1"])
     plan = ParallelPlan.build(huge, target=H100)  # 32 sequences per microbatch
     assert plan.remat == "full" and "over it: none ~591 GB, save_dots ~160 GB" in \

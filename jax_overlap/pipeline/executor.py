@@ -1050,7 +1050,7 @@ def _chunk_split(pieces: StagePieces, w_chunk, x, program: TickProgram):
 
 
 def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickProgram,
-                    valid_vn=None):
+                    valid_vn=None, split_backward: bool = True):
     """The residual layouts of the embedding, chunk and head vjps (traced once on the first
     microbatch and chunk; the probe is dead code after tracing) and their empty slot pools."""
     w_chunk = jax.tree.map(lambda b: b[0], blocks_vn)
@@ -1058,7 +1058,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     ids, targets = mbs["inputs"][0], mbs["targets"][0]
     x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
                                             (params["embed"],), (params["embed"],))
-    cs = _chunk_split(pieces, w_chunk, x, program)
+    cs = _chunk_split(pieces, w_chunk, x, program) if split_backward else None
     n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `run_ticks`)
     z0 = extra = None
     if cs is None:
@@ -1100,7 +1100,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
 
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
-                remat: str = "none", stage_layers=()):
+                remat: str = "none", stage_layers=(), split_backward: bool = True):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
@@ -1130,7 +1130,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                     for u in chunk_buckets.units}
     pieces = stage_pieces(model, par, count, remat, _vocab_shards(program))
     valid_vn = _stage_validity(stage_layers, program)
-    found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn)
+    found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn, split_backward)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
@@ -1175,7 +1175,8 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
     body = partial(_per_device, model=model, program=program, par=plan.parallel(),
                    overlap=plan.overlap, axis_sizes=dict(mesh.shape),
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
-                   remat=plan.remat, stage_layers=plan.stage_layers)
+                   remat=plan.remat, stage_layers=plan.stage_layers,
+                   split_backward=plan.split_backward)
     batch_spec = data_spec(dict(mesh.shape))
     mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
                                  {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode,
