@@ -107,12 +107,14 @@ def test_pp1_minimal_keeps_what_full_keeps():
 
 PLAIN = ["train.global_batch=256", "train.precision=bf16", "overlap.grad_bucket_mb=0",
          "overlap.embed_before_first_layer=false", "overlap.xla_preset=none"]
+# The pipelines as measured: unpaired ticks, ZB-V's W as only the weight GEMMs.
+UNPAIRED = ["pipeline.paired=false", "pipeline.microbatches=32"]
 MESHES = {
     "dp8": ["pipeline.microbatches=8"],
     "dp2-tp4": ["mesh.dp=2", "mesh.tp=4", "pipeline.microbatches=32"],
-    "pp4-dp2-1f1b": ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=32"],
-    "pp4-dp2-zbv": ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=32", *ZBV],
-    "pp2-dp2-tp2": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.microbatches=32"],
+    "pp4-dp2-1f1b": ["mesh.dp=2", "mesh.pp=4", *UNPAIRED],
+    "pp4-dp2-zbv": ["mesh.dp=2", "mesh.pp=4", *UNPAIRED, *ZBV, "pipeline.split_backward=true"],
+    "pp2-dp2-tp2": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", *UNPAIRED],
 }
 NO_XLA_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
@@ -137,7 +139,9 @@ def _gpu_compile(overrides, options=None):
 def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
     """Measured (2026-12-02, jax 0.12.0.1, GiB estimate / XLA): dp8 92.8/92.3, 28.0/27.9;
     dp2 x tp4 24.3/24.5, 7.1/7.1; pp4 x dp2 1F1B 123.5/128.2, 12.0/12.0; ZB-V 114.0/111.7,
-    33.5/32.3; pp2 x dp2 x tp2 85.3/76.4, 9.0/9.1 (the plain attention path)."""
+    33.5/32.3; pp2 x dp2 x tp2 85.3/76.4, 9.0/9.1 (the plain attention path). Paired ticks
+    (not in the matrix): pp4 x dp2 1F1B 11.9/12.1 under full, 52.0/50.9 under none with the
+    fused kernel; ZB-V paired, full, W the whole chunk backward 12.2/13.7."""
     cfg, plan, xla = _gpu_compile(MESHES[mesh] + [f"model.remat={remat}",
                                                   "model.attention=plain"], NO_XLA_REMAT)
     est = memory.plan_step_memory(cfg.model, cfg.train.precision, plan).total

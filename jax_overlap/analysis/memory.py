@@ -289,7 +289,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     kept += (slots.first + 1) * 2.5 * act  # the embedding's residuals and its output
     if not vocab_parallel:
         kept += (slots.last + 1) * act  # the head's input
-    if slots.dz:
+    if slots.dz and split_backward:  # (the program counts them for any split schedule)
         dz = chunk_layers * tokens * a * (3 * d / tp + 2 * d + model.d_ff / tp)
         kept += (slots.dz + 1) * dz
     work += PIPELINE_SLOT_COPIES * stacked + (slots.stash + 1 + PIPELINE_INBOXES) * act
