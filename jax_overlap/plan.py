@@ -403,7 +403,7 @@ class ParallelPlan:
             costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
             schedule = (cached_schedule(pl.schedule, m.pp, microbatches, pl.virtual_stages,
                                         pl.transfer_latency, pl.paired, costs,
-                                        pl.pair_search) if m.pp > 1
+                                        pl.pair_search if pl.paired else 0) if m.pp > 1
                         else cached_schedule("1f1b", 1, microbatches))
         except ValueError as e:
             raise ConfigError([str(e)]) from None

@@ -692,7 +692,8 @@ def test_pairing_search_options_are_checked():
         schedule_command("zb-v", 4, 8, 2, pair_search=5)
     with pytest.raises(ValueError, match="--tick-costs: three positive numbers"):
         schedule_command("zb-v", 4, 8, 2, paired=True, tick_costs="1,x,2")
-    for bad, field in ((["pipeline.pair_search=5"], "pipeline.pair_search"),
+    for bad, field in ((["pipeline.pair_search=5", "pipeline.paired=false"],
+                        "pipeline.pair_search"),
                        (["pipeline.pair_search=-1", "pipeline.paired=true"],
                         "pipeline.pair_search"),
                        (["pipeline.tick_costs=[1,2]"], "pipeline.tick_costs"),
