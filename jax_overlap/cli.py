@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--hardware", default="cpu_here")
     p.add_argument("--measure", type=int, default=0)
+    p.add_argument("--estimate", type=_non_negative_int, default=0, metavar="K",
+                   help="compile the top K plans for --target GPUs (deviceless) and rank them "
+                        "by the estimate of their compiled step")
+    p.add_argument("--target", default="h100", choices=["a100", "h100", "h200"])
     p.add_argument("--out", default="")
     p.add_argument("--json", action="store_true")
     p.add_argument("--allow-stale", action="store_true",
@@ -250,7 +254,8 @@ def cmd_tune(args) -> int:
 
     print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
                             out=args.out, as_json=args.json,
-                            allow_stale=args.allow_stale))
+                            allow_stale=args.allow_stale, estimate=args.estimate,
+                            target=args.target))
     return 0
 
 

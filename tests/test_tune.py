@@ -130,11 +130,19 @@ def test_written_configs_validate_and_train(tiny, tmp_path):
 
 def test_tune_cli_json_writes_a_valid_config(tmp_path):
     out = tmp_path / "tuned.yaml"
+    from jax_overlap.analysis import deviceless
+
+    estimate = ["--estimate", "2"] if deviceless.plugin_available() else []
     proc = run_cli("tune", "--config", TINY, "--devices", "8", "--hardware", H100, "--json",
-                   "--out", str(out))
+                   "--out", str(out), *estimate)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["costs"] == "flops" and doc["devices"] == 8
+    if estimate:  # the top two plans compiled for 8 H100s, ranked by their step estimate
+        rows = doc["estimated"]
+        fitting = [p["plan"] for p in doc["plans"] if p["fits"]][:2]
+        assert sorted(r["plan"] for r in rows) == sorted(fitting)
+        assert rows[0]["step_ms"] <= rows[1]["step_ms"] and all(r["mfu"] > 0 for r in rows)
     plans = doc["plans"]
     assert len(plans) > 10 and plans[0]["plan"] == doc["best"]["plan"]
     times = [tune._sig(p["step_time_s"]) for p in plans if p["fits"]]

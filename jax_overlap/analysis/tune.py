@@ -867,6 +867,62 @@ def measure_top(result: TuneResult, k: int, steps: int = 6,
     return out
 
 
+@dataclass(frozen=True)
+class Estimated:
+    """A plan compiled for a GPU without one, and its compiled step's estimate
+    (`analysis.step_estimate`).
+
+    Attributes:
+      prediction: what the simulator predicted.
+      estimate: the compiled step's `StepEstimate` as JSON (`step_ms`, `mfu`, ...).
+    """
+
+    prediction: Prediction
+    estimate: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready row."""
+        return {"plan": self.prediction.candidate.label(),
+                "predicted_s": self.prediction.step_time_s, **self.estimate}
+
+
+def estimate_top(result: TuneResult, k: int, target: str) -> list[Estimated]:
+    """Compile the top ``k`` fitting plans for ``target`` GPUs (deviceless) and rank them by
+    the estimate of their compiled step, fastest first.
+
+    Args:
+      result: a :class:`TuneResult`.
+      k: plans to compile.
+      target: ``a100``, ``h100`` or ``h200``.
+
+    Returns:
+      One :class:`Estimated` per plan, fastest estimated step first.
+    """
+    from tqdm.auto import tqdm
+
+    from jax_overlap.analysis import analyze
+
+    out = []
+    plans = [p for p in result.plans if p.fits][:k]
+    for p in tqdm(plans, desc="compiling for " + target, unit="plan", leave=False):
+        built = analyze.build_plan(p.config, target)
+        texts: list[str] = []
+        analyze.analyze(p.config, target, built, texts)
+        est = analyze.step_estimate(p.config, built[1], built[0], target, texts[0])
+        out.append(Estimated(p, est.to_json()))
+    return sorted(out, key=lambda e: e.estimate["step_ms"])
+
+
+def format_estimated(rows: Sequence[Estimated], target: str) -> str:
+    """The plans ranked by their compiled step's estimate."""
+    lines = [f"{'plan':48s} {'predicted ms':>12s} {target + ' est. ms':>13s} {'MFU':>6s}"]
+    for r in rows:
+        lines.append(f"{r.prediction.candidate.label()[:48]:48s} "
+                     f"{r.prediction.step_time_s * 1e3:12.3f} {r.estimate['step_ms']:13.1f} "
+                     f"{r.estimate['mfu']:6.3f}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- output
 
 
@@ -936,6 +992,8 @@ def tune_command(
     out: str = "",
     as_json: bool = False,
     allow_stale: bool = False,
+    estimate: int = 0,
+    target: str = "h100",
 ) -> str:
     """What ``jax-overlap tune`` prints; writes the best plan's config to ``out``.
 
@@ -947,6 +1005,9 @@ def tune_command(
       out: where to write the best config (empty: ``runs/tuned.yaml``).
       as_json: print one JSON document (with a ``plans`` list) instead of tables.
       allow_stale: the best plan may be one that trains with stale gradients.
+      estimate: compile the top this many plans for ``target`` GPUs (deviceless) and rank
+        them by their compiled step's estimate (`estimate_top`).
+      target: the GPU ``estimate`` compiles for.
 
     Returns:
       The text to print.
@@ -967,6 +1028,7 @@ def tune_command(
         ],
     )
     measured = measure_top(result, measure) if measure else []
+    estimated = estimate_top(result, estimate, target) if estimate else []
     if as_json:
         doc = {
             "hardware": result.hardware,
@@ -977,6 +1039,7 @@ def tune_command(
             "plans": [p.to_dict() for p in result.plans],
             "pruned": result.pruned,
             "measured": [m.to_dict() for m in measured],
+            "estimated": [e.to_dict() for e in estimated],
         }
         if result.calibration is not None:
             doc["calibration"] = result.calibration.to_dict()
@@ -995,6 +1058,10 @@ def tune_command(
                  + format_slow_table(slow_rows)
                  + f"\nbest exact: {slow_best['mode']} (delay1 / diloco: opt-in, "
                    f"they change the optimisation)")
+    if estimated:
+        text += (f"\n\nranked by the estimate of the compiled step on one {target} "
+                 f"(analyze's roofline over the optimized HLO):\n")
+        text += format_estimated(estimated, target)
     if measured:
         text += "\n\npredicted vs measured (median step after compilation):\n"
         text += format_measured(measured)
