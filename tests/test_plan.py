@@ -210,6 +210,9 @@ def test_train_writes_the_resolved_config(tmp_path):
     assert written["overlap"]["collective_matmul_direction"] == "uni"
     assert written["pipeline"]["microbatches"] == 1
     assert np.isfinite(last_json_line(proc.stdout)["last_loss"])
+    # Every automatic choice is printed at the start, with its reason.
+    assert "auto pipeline.microbatches = 1: CPU" in proc.stdout
+    assert "auto model.remat = none: CPU" in proc.stdout
 
 
 def test_analyze_names_the_knobs_that_would_hide_more():
