@@ -42,9 +42,9 @@ def _check_tuning(nb) -> None:
     assert "valid plans for 8 devices on h100_8x_nvlink (flops costs)" in text
     assert "valid plans for 32 devices on h100_4x8_infiniband (flops costs)" in text
     # The winners the markdown explains (FLOP-based costs are deterministic).
-    assert "  1 dp8 tp1 pp1 m4 1f1b b64 repl" in text
-    assert "  1 dp16 tp2 pp1 m1 1f1b b16 repl" in text
-    assert "tuned winner dp8 tp1 pp1 m4 1f1b b64 repl" in text
+    assert "  1 dp8 tp1 pp1 m16 1f1b b64 repl" in text
+    assert "  1 dp8 tp2 pp2 m16 interleaved/v4 L2 split-4,4,3,3,3,3,3,1 b64 repl" in text
+    assert "tuned winner dp8 tp1 pp1 m16 1f1b b64 repl" in text
     for label in ("baseline 1F1B, reduce after bwd", "interleaved v3, 64 MB buckets",
                   "ZB-V, 64 MB buckets"):
         assert label in text
