@@ -340,6 +340,11 @@ class ParallelPlan:
                 getattr(out, section), **{name: choice.value})})
         return out
 
+    def choice_lines(self) -> list[str]:
+        """One line per `auto` knob the plan decided, with why (what `train` and `analyze`
+        print)."""
+        return [f"auto {key} = {c.value}: {c.why}" for key, c in self.choices.items()]
+
     def describe(self) -> dict[str, Any]:
         """Plain-data summary for reports: sizes, schedule and the automatic choices."""
         return {
@@ -567,7 +572,7 @@ def _resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
     value = cfg.pipeline.split_backward
     if not schedule.split_backward or value != "auto":
         return schedule.split_backward and value is not False
-    if target.accelerator and remat != "none":
+    if not _auto_splits_backward(target.accelerator, remat):
         choices["pipeline.split_backward"] = Choice(
             False, f"GPU, model.remat={remat}: W's operands and output gradients would go "
                    f"through stash slots every tick, which costs more than W recomputing the "
@@ -578,6 +583,12 @@ def _resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
         True, "W only the weight-gradient GEMMs, from operands and output gradients kept "
               "in stash slots" + ("" if target.accelerator else " (CPU: no recompute)"))
     return True
+
+
+def _auto_splits_backward(accelerator: bool, remat: str) -> bool:
+    """What `pipeline.split_backward: auto` becomes for a split-backward schedule: split,
+    but on a GPU under a remat policy that recomputes."""
+    return not accelerator or remat == "none"
 
 
 def _resolve_attention(cfg: Config, target: Target, choices: dict[str, Choice]) -> str:
@@ -621,8 +632,8 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
         except ValueError:  # no table for this count: the rough slot counts
             slots = PipelineSlots.rough(m.pp, count, pl.virtual_stages)
         # As `_resolve_split` decides it on a GPU (the only target with a memory estimate).
-        split = split and (pl.split_backward is True
-                           or (pl.split_backward == "auto" and remat == "none"))
+        split = split and (pl.split_backward is True or (
+            pl.split_backward == "auto" and _auto_splits_backward(True, remat)))
     return step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
                       zero1=overlap.zero1, fsdp=overlap.fsdp, remat=remat, attention=attention,
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
@@ -751,7 +762,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                                                     f"per device estimated; the step may "
                                                     f"still not fit the device's memory")
             return "full"
-        choices["model.remat"] = Choice(remat, _remat_why(remat, need, tried, target, m.pp > 1))
+        choices["model.remat"] = Choice(remat,
+                                        _remat_why(remat, need, tried, target, m.pp > 1))
         return remat
 
     if pl.microbatches != "auto":
@@ -787,7 +799,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
             if auto_remat and mo.kind not in ESTIMATED_KINDS:
                 return n, pick_remat(n)
             if auto_remat:
-                choices["model.remat"] = Choice(remat, _remat_why(remat, need, tried, target, m.pp > 1))
+                choices["model.remat"] = Choice(
+                    remat, _remat_why(remat, need, tried, target, m.pp > 1))
             return n, remat
     n = valid[-1]
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "

@@ -166,8 +166,7 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
              f"{cfg.model.d_model}) on {f'dcn={plan.dcn} ' if plan.dcn > 1 else ''}"
              f"dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
              f"{plan.microbatches} microbatches, compiled for {target}"]
-    for key, choice in plan.choices.items():
-        lines.append(f"auto {key} = {choice.value}: {choice.why}")
+    lines.extend(plan.choice_lines())
     lines.append(f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s}")
     for kind, s in sorted(data["collectives"].items()):
         lines.append(f"{kind:20s} {s['count']:>10.10g} {s['bytes'] / 2**20:10.2f}")

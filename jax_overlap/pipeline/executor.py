@@ -232,7 +232,8 @@ class ChunkSplit(NamedTuple):
         other = self.split.other_leaves(self.n_leaves)
         return [leaves[i] for i in self.split.dot_leaves], [leaves[i] for i in other]
 
-    def _layer(self, w_dot, w_other):
+    def layer(self, w_dot, w_other):
+        """One layer's parameter tree from W's and B's leaves (what `parts` splits)."""
         leaves = [None] * self.n_leaves
         for i, v in zip(self.split.dot_leaves, w_dot):
             leaves[i] = v
@@ -249,7 +250,7 @@ class ChunkSplit(NamedTuple):
         def run(x, z, w_other, w_dot, valid=None):
             def step(h, xs):
                 z_l, wo_l, wd_l, ok = xs
-                p_l = self._layer(wd_l, wo_l)
+                p_l = self.layer(wd_l, wo_l)
                 if ok is None:
                     return layer(p_l, h, list(z_l))
                 skipped = (h, [_vary(jnp.zeros(shape, dtype), axes)
@@ -263,7 +264,7 @@ class ChunkSplit(NamedTuple):
         """Every layer's weight matmuls on the saved activation operands (one batch of
         independent GEMMs: no layer waits for another)."""
         def one(wd_l, wo_l, acts_l):
-            return self.split.weight_matmuls(self._layer(wd_l, wo_l), list(acts_l))
+            return self.split.weight_matmuls(self.layer(wd_l, wo_l), list(acts_l))
         return jax.vmap(one)(w_dot, w_other, tuple(acts))
 
 
@@ -580,10 +581,7 @@ def _synced_weight_grads(ctx: StepContext, grads: dict, chunk, w_chunk, acts: li
     accumulated gradients -- earlier microbatches', and this microbatch's small parameters'
     from B -- to this W's weight gradients and reduces the bucket into `grads["synced"]`."""
     cs, plan, axis_sizes = ctx.chunk_split, ctx.chunk_buckets, ctx.axis_sizes
-    marked = (*data_axes(axis_sizes), PP, TP)
-    leaves = [_vary(leaf, marked) for leaf in jax.tree.leaves(w_chunk)]
-    acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
-                  for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+    marked, leaves, _, acc_leaves = _bucketed_chunk(ctx, grads, chunk, w_chunk)
     layers = ctx.layers_per_chunk
 
     def matmuls(sinks):
@@ -593,8 +591,8 @@ def _synced_weight_grads(ctx: StepContext, grads: dict, chunk, w_chunk, acts: li
         for layer in range(layers):
             hooks.enter(1 + layer)
             values = [hooks.value(i, layer) for i in range(cs.n_leaves)]
-            p_l = cs._layer([values[i] for i in cs.split.dot_leaves],
-                            [values[i] for i in cs.split.other_leaves(cs.n_leaves)])
+            p_l = cs.layer([values[i] for i in cs.split.dot_leaves],
+                           [values[i] for i in cs.split.other_leaves(cs.n_leaves)])
             outs.append(cs.split.weight_matmuls(p_l, [a[layer] for a in acts]))
         hooks.enter(layers + 1)  # buckets completing after the chunk's layers (none here)
         return outs
@@ -604,7 +602,30 @@ def _synced_weight_grads(ctx: StepContext, grads: dict, chunk, w_chunk, acts: li
     cts = [[_ct_like(o, z[layer], axis_sizes) for o, z in zip(layer_outs, dz)]
            for layer, layer_outs in enumerate(outs)]
     (reduced_flat,) = pull(cts)
-    reduced = buckets.assemble(plan, reduced_flat, axis_sizes)  # leaf -> (layers, ...)
+    return _store_synced(ctx, grads, chunk, reduced_flat)
+
+
+def _bucketed_chunk(ctx: StepContext, grads: dict, chunk, w_chunk):
+    """What a sync action's bucket hooks take: (the axes every parameter is marked varying
+    over, the chunk's marked parameter leaves, their treedef, the accumulated gradients).
+
+    Marked tp-varying too: TP-replicated leaves get partial gradients, which their buckets
+    sum over ('dp', 'tp') (autodiff would psum them over tp one by one). The other actions'
+    gradients of TP-replicated leaves are whole on every tp rank (autodiff summed them);
+    their bucket sums over tp again, so each rank adds 1/tp.
+    """
+    marked = (*data_axes(ctx.axis_sizes), PP, TP)
+    leaves, treedef = jax.tree.flatten(w_chunk)
+    acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
+                  for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+    return marked, [_vary(leaf, marked) for leaf in leaves], treedef, acc_leaves
+
+
+def _store_synced(ctx: StepContext, grads: dict, chunk, reduced_flat) -> dict:
+    """`grads` with the chunk's reduced buckets (the sinks' cotangents) filed into
+    `grads["synced"]` at `chunk`."""
+    reduced = buckets.assemble(ctx.chunk_buckets, reduced_flat,
+                               ctx.axis_sizes)  # leaf -> (layers, ...)
     synced, synced_def = jax.tree.flatten(grads["synced"])
     return {**grads, "synced": jax.tree.unflatten(synced_def, [
         acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
@@ -612,9 +633,9 @@ def _synced_weight_grads(ctx: StepContext, grads: dict, chunk, w_chunk, acts: li
 
 
 def _ct_like(y, ct, axis_sizes: dict[str, int]):
-    """A cotangent for `y` from `ct`: where `y` is typed varying over axes `ct` is not (its
-    weights were marked varying for the buckets while its values agree across them), each
-    rank takes its share, as the vjp sums the ranks' contributions."""
+    """A cotangent for `y` from `ct`. The bucket hooks' tp-marked weights make `y`'s *type*
+    vary over axes `ct` does not while its values agree across them; vjp then reads the
+    cotangent per rank and sums the ranks' contributions, so each rank takes its share."""
     extra = sorted(_varying_axes(y) - _varying_axes(ct))
     ct = ct.astype(y.dtype)
     if extra:
@@ -633,7 +654,6 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     meets.
     """
     want_x = kind == "B" and role != "first"
-    marked = (*data_axes(ctx.axis_sizes), PP, TP)
     plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
 
     def branch(inbox, res, grads, loss, row):
@@ -641,14 +661,8 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         w = ctx.weights(role, chunk)
         x = ctx.action_input(role, inbox, row)
         targets_bt = ctx.targets_mbt[mb]
-        chunk_leaves, chunk_def = jax.tree.flatten(w["chunk"])
-        # Marked tp-varying too: TP-replicated leaves get partial gradients, which their
-        # buckets sum over ('dp', 'tp') (autodiff would psum them over tp one by one).
-        chunk_leaves = [_vary(leaf, marked) for leaf in chunk_leaves]
-        # The other actions' gradients of TP-replicated leaves are whole on every tp rank
-        # (autodiff summed them); their bucket sums over tp again, so each rank adds 1/tp.
-        acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
-                      for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
+        marked, chunk_leaves, chunk_def, acc_leaves = _bucketed_chunk(ctx, grads, chunk,
+                                                                      w["chunk"])
         others = {k: w[k] for k in ("embed", "head") if k in w}
 
         def forward(sinks, others_, x_):
@@ -677,18 +691,8 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
         ct = (_vary(jnp.ones(y.shape, y.dtype), (*data_axes(axis_sizes), PP)) if role == "last"
               else inbox["g"])
-        # The tp-marked weights make the output's *type* tp-varying while its values are
-        # equal on every tp rank. vjp then reads the cotangent per rank and sums the ranks'
-        # contributions, so each rank takes 1/tp of the (replicated) cotangent.
-        extra = sorted(_varying_axes(y) - _varying_axes(ct))
-        if extra:
-            ct = _vary(ct, extra) / math.prod(axis_sizes[a] for a in extra)
-        cts = vjp(ct)
-        reduced = buckets.assemble(plan, cts[0], axis_sizes)  # leaf -> (layers, ...)
-        synced, synced_def = jax.tree.flatten(grads["synced"])
-        grads = {**grads, "synced": jax.tree.unflatten(synced_def, [
-            acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
-            for i, acc in enumerate(synced)])}
+        cts = vjp(_ct_like(y, ct, axis_sizes))
+        grads = _store_synced(ctx, grads, chunk, cts[0])
         for part, g in cts[1].items():
             grads[part] = jax.tree.map(jnp.add, grads[part], g)
         out = cts[2] if want_x else ctx.zeros_btd

@@ -264,8 +264,8 @@ class _Trainer:
         try:
             with _preemption_watcher() as self.watcher, self.watchdog:
                 try:
-                    for key, choice in self.plan.choices.items():  # every `auto`, and why
-                        self._say(f"auto {key} = {choice.value}: {choice.why}")
+                    for line in self.plan.choice_lines():  # every `auto`, and why
+                        self._say(line)
                     loop = self._start()
                     self._accept()
                     self.bar = _progress_bar(self.cfg.train.steps, int(self.resumed_from or 0),
