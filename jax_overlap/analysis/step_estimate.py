@@ -314,10 +314,9 @@ class _Walker:
 
     def branches(self, inst: Instruction, context: str) -> list[Tally]:
         calls = called_computations(inst)
+        # A predicate conditional's branch 0 is its false computation.
         names = calls.get("branch_computations") or (
-            calls.get("true_computation", []) + calls.get("false_computation", []))
-        if "branch_computations" not in calls and len(names) == 2:
-            names = names[::-1]  # branch 0 is the false computation
+            calls.get("false_computation", []) + calls.get("true_computation", []))
         return [self.tally(n, self.label(inst, b) or context) for b, n in enumerate(names)]
 
     def _instruction(self, comp: Computation, inst: Instruction, context: str,
