@@ -44,6 +44,12 @@ MICROBATCH_TOKENS = 8192
 # temporaries. (XLA's GPU scheduler itself plans for 80% of the device, and its
 # rematerialization pass starts cloning instructions -- GEMMs included -- near 95%.)
 MEMORY_BUDGET = 0.8
+# Why `model.remat: auto` recomputes a pipeline's forward on a CPU, where no memory needs
+# saving: its F files every residual into a stash slot that a later tick reads back, and that
+# traffic costs more than the recompute (bench/pipeline.py, p = 4, m = 8: 1F1B's CPU work is
+# about 0.8 of a pp = 1 step's under `full`, 1.5 under `none`).
+CPU_PIPELINE_REMAT_WHY = ("CPU pipeline: stashing each block's input and recomputing costs "
+                          "less work than moving every residual through the stash slots")
 # `model.remat` policies by how much of the forward the backward recomputes, least first:
 # `auto` takes the first whose estimated step fits.
 REMAT_ORDER = ("none", "save_dots", "minimal", "full")
@@ -581,7 +587,7 @@ def _resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
         return False
     choices["pipeline.split_backward"] = Choice(
         True, "W only the weight-gradient GEMMs, from operands and output gradients kept "
-              "in stash slots" + ("" if target.accelerator else " (CPU: no recompute)"))
+              "in stash slots")
     return True
 
 
@@ -661,10 +667,12 @@ def fits_memory(need: float, target: Target) -> bool:
 
 def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
     """The policies `model.remat` may take: the explicit one; `auto` on a CPU `none` (there
-    recomputing only adds work), on a GPU every policy, least recompute first (`none` for a
+    recomputing only adds work) but `full` for a pipeline, on a GPU every policy, least recompute first (`none` for a
     model the memory estimate does not describe: `ESTIMATED_KINDS`)."""
     if cfg.model.remat != "auto":
         return (cfg.model.remat,)
+    if not target.accelerator and cfg.mesh.pp > 1:
+        return ("full",)  # see CPU_PIPELINE_REMAT_WHY
     if target.accelerator and cfg.model.kind in ESTIMATED_KINDS:
         # A pipeline's F files its residuals into stash slots that every tick reads and
         # writes: stashing only each block's input costs less than the recompute it saves.
@@ -737,7 +745,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
     kept): on a GPU the fewest microbatches whose GEMMs stay within `MICROBATCH_TOKENS` rows
     and, for that count, the policy that recomputes least (`REMAT_ORDER`) whose estimated
-    step fits (`fits_memory`); on a CPU the fewest microbatches and no recompute."""
+    step fits (`fits_memory`); on a CPU the fewest microbatches and no recompute but in a
+    pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
     m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
     remats = _remat_candidates(cfg, target)
     auto_remat = mo.remat == "auto"
@@ -747,6 +756,9 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         """The remat policy for an explicit (or CPU) microbatch count."""
         if not auto_remat:
             return mo.remat
+        if not target.accelerator and m.pp > 1:
+            choices["model.remat"] = Choice("full", CPU_PIPELINE_REMAT_WHY)
+            return "full"
         if not target.accelerator:
             choices["model.remat"] = Choice("none", "CPU: no device memory to save, and "
                                                     "recomputing only adds work")

@@ -86,8 +86,9 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
     assert plan.microbatches == 32 and plan.remat == "full"
     assert plan.choices["model.remat"].why.startswith("pipelined on a GPU")
     assert plan.schedule.paired and "pipeline.paired" in plan.choices
-    cpu = ParallelPlan.build(cfg)  # a CPU: nothing recomputed, unpaired
-    assert cpu.remat == "none" and not cpu.schedule.paired
+    cpu = ParallelPlan.build(cfg)  # a CPU: unpaired; recomputing beats moving the stash
+    assert cpu.remat == "full" and not cpu.schedule.paired
+    assert cpu.choices["model.remat"].why.startswith("CPU pipeline")
     assert cpu.choices["pipeline.paired"].value is False
     latency2 = ParallelPlan.build(config.load(GPT_1P3B, [
         "mesh.dp=2", "mesh.pp=4", "pipeline.transfer_latency=2"]), target=H100)

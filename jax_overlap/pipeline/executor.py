@@ -111,7 +111,8 @@ from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
-from jax_overlap.pipeline.program import COL, HEAD_SCOPE, LANE_SCOPE, TickProgram
+from jax_overlap.pipeline.program import (COL, FILL_SCOPE, HEAD_SCOPE, LANE_SCOPE,
+                                          TickProgram)
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.training.grads import microbatched
 
@@ -738,7 +739,17 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     """
     stage = jax.lax.axis_index(PP)
     zeros = ctx.zeros_btd
-    writes = _pool_writes(program, res0)
+    fills = {name: program.fills(name) for name in res0}
+    writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
+    filing = [_reading_branch(fn, {name: flags[b] for name, flags in fills.items()})
+              for b, fn in enumerate(branches)]
+    # A lane whose actions never add to the gradients (a paired schedule's forward lane)
+    # does not hand them to its switch: passed through two conditionals a tick, XLA copies
+    # every accumulator in every branch.
+    adds = np.asarray([False] + [b.kind != "F" for b in program.branches])
+    grads_lanes = [bool(adds[program.column("branch")[:, :, lane]].any())
+                   for lane in range(program.lanes)]
+    forward_only = [_without_grads(fn, ctx.grads0) for fn in filing]
 
     def head_phase(pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring). The flag is read from stage
@@ -782,29 +793,38 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         return jax.lax.optimization_barrier((pool, slots(pool, row)))
 
     def act(pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
-        # An action sees only its (microbatch, chunk)'s residual slots, read here; what it
-        # returns is written back to the slots its branch fills and to each pool's trash
-        # slot otherwise. Handing the switch whole pools would copy them every tick.
+        # The switch gets the residual pools read-only: a branch reads its (microbatch,
+        # chunk)'s slots itself, so only the actions that use a slot read it. It returns
+        # what it made for the pools it fills (zeros for the others), and a conditional
+        # files them: only a filling action writes a pool. Pools handed through the switch
+        # and updated in place there would be copied every tick (XLA:CPU does; so did
+        # XLA:GPU in the full program), and reading or writing every slot outside it moved
+        # each pool's slot bytes twice a tick whatever the action.
         # Likewise the activation pool: the switch gets only the two slots an action can read
         # (its input and its output gradient). Handed the pool, it would hold it as an
         # operand while the other lane's arrivals are filed into it, and XLA would copy it.
         branch = row[COL["branch"]]
-        index = {name: row[COL[_POOL_SLOT[name]]] for name in res}
-        mine = {name: [p[index[name]] for p in leaves] for name, leaves in res.items()}
         if inbox is None:
             inbox = slots(pool, row)
         # The named scope marks the switch in the compiled HLO for `analysis.step_estimate`.
         with jax.named_scope(f"{LANE_SCOPE}{lane}"):
-            mine, grads, loss, out = jax.lax.switch(branch, branches, inbox, mine, grads,
-                                                    loss, row)
+            if grads_lanes[lane]:
+                made, grads, loss, out = jax.lax.switch(branch, filing, inbox, res, grads,
+                                                        loss, row)
+            else:
+                made, loss, out = jax.lax.switch(branch, forward_only, inbox, res, loss, row)
         if tie is not None:
             # Transfers that must be under this action: nothing that reads them may run
             # before the action's results exist, so their only cover is the action itself
             # (not the slot writes after it, which XLA's cost model would count as enough).
-            (mine, grads, loss, out), tie = jax.lax.optimization_barrier(
-                ((mine, grads, loss, out), tie))
-        res = {name: [p.at[jnp.where(writes[name][branch], index[name], p.shape[0] - 1)].set(v)
-                      for p, v in zip(res[name], mine[name])] for name in res}
+            # One of the switch's results suffices (it has them all at once); tied, the
+            # gradient accumulators would be copied in every branch that hands them on.
+            out, tie = jax.lax.optimization_barrier((out, tie))
+        for name in res:
+            # The named scope tells `analysis.step_estimate` which lane and pool it files.
+            with jax.named_scope(f"{FILL_SCOPE}{lane}_{name}"):
+                res = {**res, name: _filed(res[name], made[name], row[COL[_POOL_SLOT[name]]],
+                                           writes[name][branch])}
         return (res, grads, loss, out) if tie is None else (res, grads, loss, out, tie)
 
     def tick(carry, rows):
@@ -909,20 +929,38 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
 _POOL_SLOT = {"first": "e_slot", "last": "e_slot", "chunk": "r_slot", "dz": "z_slot"}
 
 
-def _pool_writes(program: TickProgram, pools: dict) -> dict:
-    """Per pool, per branch id (idle first): whether that branch fills its slot (F: the
-    chunk's and, on the first / last virtual stage, the embedding's / head's; a split B with
-    a B/W-split chunk: the matmuls' output gradients)."""
-    out = {}
-    for name in pools:
-        flags = [False]
-        for b in program.branches:
-            if name == "dz":
-                flags.append(b.kind == "B" and not b.sync)
-            else:
-                flags.append(b.kind == "F" and name in ("chunk", b.role))
-        out[name] = jnp.asarray(flags)
-    return out
+def _reading_branch(branch: Callable, fills: dict[str, bool]) -> Callable:
+    """`branch` (which takes and returns its slots of each residual pool) as a switch branch
+    over the whole pools: it reads its slots (unused reads are dead code) and returns
+    what it made for the pools it `fills`, zeros for the others."""
+
+    def run(inbox, pools, grads, loss, row):
+        mine = {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
+                       for p in leaves] for name, leaves in pools.items()}
+        res, grads, loss, out = branch(inbox, mine, grads, loss, row)
+        made = {name: res[name] if fills[name] else
+                [_like(jnp.zeros_like(v), v) for v in mine[name]] for name in mine}
+        return made, grads, loss, out
+
+    return run
+
+
+def _without_grads(branch: Callable, grads0) -> Callable:
+    """A `_reading_branch` for a lane that never adds to the gradients: neither takes nor
+    returns them."""
+
+    def run(inbox, pools, loss, row):
+        made, _, loss, out = branch(inbox, pools, grads0, loss, row)
+        return made, loss, out
+
+    return run
+
+
+def _filed(leaves: list, values: list, slot, write) -> list:
+    """`leaves` (one residual pool) with `values` filed at `slot` where `write`; in place."""
+    return jax.lax.cond(write, lambda ls, vs: [
+        jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0)
+        for p, v in zip(ls, vs)], lambda ls, vs: list(ls), leaves, values)
 
 
 def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) -> dict:

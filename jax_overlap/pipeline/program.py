@@ -30,6 +30,10 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 # `jax_overlap.analysis.step_estimate` finds the switches to replay the table on.
 LANE_SCOPE = "pp_lane"
 HEAD_SCOPE = "pp_head"
+# ... and around the conditional that files an action's residuals into a pool after lane L's
+# switch (`pp_fill0_chunk`: lane 0, the "chunk" pool), taken only where the branch `fills` it.
+FILL_SCOPE = "pp_fill"
+RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
 ROUTES = ("down", "up", "self")
 
 
@@ -121,6 +125,16 @@ class TickProgram:
         how often one device runs it per tick, on average over the stages."""
         counts = np.bincount(self.column("branch").ravel(), minlength=1 + len(self.branches))
         return (counts / counts.sum()).tolist()
+
+    def fills(self, pool: str) -> tuple[bool, ...]:
+        """Per switch branch (idle first), whether it fills its slot of a residual pool: an
+        F the chunk's pool and, on the first / last virtual stage, the embedding's /
+        head's; a split B (but a sync one, whose W is the whole backward) the "dz" pool of
+        its weight matmuls' output gradients."""
+        if pool == "dz":
+            return (False,) + tuple(b.kind == "B" and not b.sync for b in self.branches)
+        return (False,) + tuple(b.kind == "F" and pool in ("chunk", b.role)
+                                for b in self.branches)
 
     def residual_slots(self, pool: str) -> int:
         """Slots of a residual pool ("chunk", "first", "last"); at least 1."""
