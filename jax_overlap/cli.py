@@ -151,10 +151,21 @@ def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"  # no GPU here: don't probe CUDA plugins
     needed = devices_needed or cfg.num_devices
     force_host_devices(max(1, needed // max(1, cfg.distributed.num_processes)))
-    if cfg.overlap.xla_preset != "none":
+    _apply_xla_preset(cfg, accelerator=bool(glob.glob("/dev/nvidia[0-9]*"))
+                      and os.environ.get("JAX_PLATFORMS", "") != "cpu")
+
+
+def _apply_xla_preset(cfg: Config, accelerator: bool) -> None:
+    """`overlap.xla_preset` (`auto`: the plan's rule for the platform) into XLA_FLAGS."""
+    from jax_overlap.plan import auto_xla_preset
+
+    name = cfg.overlap.xla_preset
+    if name == "auto":
+        name = auto_xla_preset(accelerator)
+    if name != "none":
         from jax_overlap.overlap import xla_flags
 
-        xla_flags.apply_preset(cfg.overlap.xla_preset)
+        xla_flags.apply_preset(name)
 
 
 def check_train_request(cfg: Config, run_dir: str) -> None:
@@ -213,10 +224,7 @@ def prepare_deviceless(cfg: Config) -> None:
     """Before JAX starts, to compile for GPUs without one: the backend stays on CPU (no
     forced host devices: the mesh is built on the plugin's topology), the preset applies."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if cfg.overlap.xla_preset != "none":
-        from jax_overlap.overlap import xla_flags
-
-        xla_flags.apply_preset(cfg.overlap.xla_preset)
+    _apply_xla_preset(cfg, accelerator=True)
 
 
 def cmd_analyze(args) -> int:

@@ -159,12 +159,15 @@ class PipelineConfig:
 
 @dataclass
 class OverlapConfig:
-    grad_bucket_mb: float = 0.0  # 0: one reduction per gradient leaf, after the backward
+    # 0: one reduction per gradient leaf, after the backward. auto: the plan picks (64 MiB
+    # buckets issued during the backward on a GPU with dp > 1; 0 on a CPU).
+    grad_bucket_mb: float | Literal["auto"] = "auto"
     bucket_order: Literal["backward", "largest_first"] = "backward"
     # backward order: reduce the embedding's gradients before the first layer's, so the
     # first layer's weight-gradient GEMMs can hide them (see buckets.pack_units); pays off
-    # when the embedding's bucket is above XLA's combine threshold (configs/gpt_1p3b.yaml)
-    embed_before_first_layer: bool = False
+    # when the embedding's bucket is above XLA's combine threshold (configs/gpt_1p3b.yaml).
+    # auto: on where gradients go in buckets in backward order on a GPU.
+    embed_before_first_layer: bool | Literal["auto"] = "auto"
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     param_sharding: Literal["replicated", "fsdp"] = "replicated"
@@ -172,7 +175,9 @@ class OverlapConfig:
     # auto: the plan picks (collective_matmul with tp > 1 on a GPU, plain elsewhere)
     tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"
     collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
-    xla_preset: str = "none"
+    # XLA flag preset (overlap/xla_flags.py), applied before JAX starts. auto: gpu_overlap
+    # when the step runs on (or is compiled for) a GPU, none on a CPU.
+    xla_preset: str = "auto"
     # 1: the cross-dcn gradient reduction of step t runs under step t+1's compute and is
     # applied one step late (the dp reduction stays exact); needs mesh.dcn > 1. auto: the
     # plan picks 1 where a bucket's dcn transfer outlasts the compute it hides under even in
@@ -623,7 +628,7 @@ def validate(cfg: Config) -> None:
                  f"train.loss_scale_growth_interval >= 1 (got {t.loss_scale_growth_interval})")
     if not 1 <= ov.window <= 3 and ov.param_sharding == "fsdp":
         p.append(f"overlap.window: {ov.window} is outside 1..3; use 1, 2 or 3")
-    if ov.grad_bucket_mb < 0:
+    if ov.grad_bucket_mb != "auto" and ov.grad_bucket_mb < 0:
         p.append(f"overlap.grad_bucket_mb: must be >= 0, got {ov.grad_bucket_mb}")
     if cfg.data.source == "file" and not cfg.data.path:
         p.append("data.path: data.source=file needs a path; set data.path=/path/to/text.txt")

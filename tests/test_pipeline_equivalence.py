@@ -354,17 +354,37 @@ def _traced_tick(cfg):
 
 
 def _switch_branches(tick):
-    return next(e for e in tick.eqns if e.primitive.name == "cond").params["branches"]
+    """The branches of the tick's action switch (the conditional with the most branches;
+    the others file residuals into their pools)."""
+    conds = [e for e in tick.eqns if e.primitive.name == "cond"]
+    return max(conds, key=lambda e: len(e.params["branches"])).params["branches"]
 
 
 def test_a_tick_runs_one_action_through_a_switch():
-    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch."""
+    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch,
+    and each residual pool is written only by a conditional taken where the action fills it."""
     _, program, tick = _traced_tick(pipeline_cfg("zb-h1", 4, 2, 1, 4))
     outside = [e.primitive.name for e in tick.eqns]
-    assert outside.count("cond") == 1 and outside.count("ppermute") == 2
+    assert outside.count("ppermute") == 2
     assert "dot_general" not in outside and "scan" not in outside
+    # Outside a conditional only the arrivals are filed (into the activation pool); no
+    # residual pool is updated there (that would move its slot bytes every tick, whatever
+    # the action).
+    arrival = {tuple(e.invars[0].aval.shape) for e in tick.eqns if e.primitive.name == "ppermute"}
+    written = {tuple(e.invars[0].aval.shape)[1:] for e in tick.eqns
+               if e.primitive.name in ("scatter", "dynamic_update_slice")}
+    assert written and written <= arrival, (written, arrival)
     branches = _switch_branches(tick)
     assert len(branches) == 1 + len(program.branches)
+    fills = [e for e in tick.eqns if e.primitive.name == "cond"
+             and e.params["branches"] is not branches]
+    pools = [name for name in tick_program.RESIDUAL_POOLS if program.residual_slots(name) > 0]
+    assert outside.count("cond") == 1 + len(fills) and 0 < len(fills) <= len(pools)
+    for fill in fills:
+        skip, write = (b.jaxpr for b in fill.params["branches"])
+        assert "dynamic_update_slice" in _primitives(write)
+        assert "dot_general" not in _primitives(write)
+        assert "dynamic_update_slice" not in _primitives(skip)
     assert "dot_general" not in _primitives(branches[tick_program.IDLE].jaxpr)
     # Every action computes, a split B of virtual stage 0 too (it pulls back into the
     # embedding, so its W is only the weight GEMMs, as on the other chunks).

@@ -25,8 +25,14 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert (plan.overlap.tp_comm, plan.overlap.cm_direction) == ("plain", "uni")
     assert plan.microbatches == 1 and plan.micro_batch == 16 // 2
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
-                                 "pipeline.microbatches", "model.attention", "model.remat"}
+                                 "pipeline.microbatches", "model.attention", "model.remat",
+                                 "overlap.grad_bucket_mb", "overlap.embed_before_first_layer",
+                                 "overlap.xla_preset"}
     assert plan.remat == "none"  # CPU: recomputing only adds work
+    # CPU collectives are synchronous: one reduction after the backward, no XLA flags.
+    assert (plan.overlap.grad_bucket_bytes, plan.overlap.embed_before_first_layer,
+            plan.overlap.xla_preset) == (0, False, "none")
+    assert plan.choices["overlap.grad_bucket_mb"].why.startswith("CPU")
     piped = ParallelPlan.build(config.load(TINY, ["mesh.pp=2", "mesh.tp=2",
                                                   "pipeline.microbatches=auto"]))
     assert piped.microbatches == 4  # fills two stages twice
@@ -39,6 +45,30 @@ def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     assert (tp4.microbatches, tp4.micro_batch) == (32, 4)
     dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
     assert (dp8.overlap.tp_comm, dp8.microbatches) == ("plain", 8)
+
+
+def test_a_plain_gpu_config_gets_the_overlap_knobs():
+    """Model + batch + precision + mesh only: on a GPU the plan buckets the dp reduction into
+    the backward, issues the embedding's first and applies XLA's overlap flags; an explicit
+    value wins; FSDP (per-layer reduce-scatters) and dp = 1 get no buckets."""
+    plain = ["model.layers=24", "model.d_model=2048", "model.heads=16", "model.d_ff=8192",
+             "model.vocab=50304", "model.seq_len=2048", "train.global_batch=256",
+             "train.precision=bf16", "data.source=synthetic", "mesh.dp=8"]
+    plan = ParallelPlan.build(config.load(None, plain), target=H100)
+    ov = plan.overlap
+    assert (ov.grad_bucket_bytes, ov.embed_before_first_layer, ov.xla_preset) == (
+        64 * 2**20, True, "gpu_overlap")
+    assert all(plan.choices[k].why for k in ("overlap.grad_bucket_mb", "overlap.xla_preset",
+                                             "overlap.embed_before_first_layer"))
+    mine = ParallelPlan.build(config.load(None, plain + ["overlap.grad_bucket_mb=25",
+                                                         "overlap.xla_preset=none"]), target=H100)
+    assert (mine.overlap.grad_bucket_bytes, mine.overlap.xla_preset) == (25 * 2**20, "none")
+    assert "overlap.grad_bucket_mb" not in mine.choices
+    fsdp = ParallelPlan.build(config.load(None, plain + ["overlap.param_sharding=fsdp"]),
+                              target=H100)
+    assert fsdp.overlap.grad_bucket_bytes == 0 and not fsdp.overlap.embed_before_first_layer
+    one = ParallelPlan.build(config.load(None, plain[:-1] + ["mesh.dp=1"]), target=H100)
+    assert one.overlap.grad_bucket_bytes == 0
 
 
 def test_explicit_choices_win_and_resolved_config_holds_the_choices():

@@ -75,25 +75,27 @@ def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any
                                    steplib.lr_schedule(cfg.train)).lower(state, batch)
 
 
-def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
+def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
+            memory: dict | None = None):
     """HloReport of the configured train step compiled for `target` (`texts`, when given,
-    receives the compiled HLO text)."""
+    receives the compiled HLO text; `memory`, what XLA allocates per device)."""
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     model, plan = built = built or build_plan(cfg, target)
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
+    from jax_overlap.analysis import deviceless
+
     if target == "cpu":
         from jax_overlap.config import check_device_count
 
         check_device_count(cfg, jax.device_count())
-        text = lower_train_step(cfg, jax.devices(), target, built).compile().as_text()
+        text = deviceless.compile_lowered(lower_train_step(cfg, jax.devices(), target, built),
+                                          memory=memory)
         if texts is not None:
             texts.append(text)
         return analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
-    from jax_overlap.analysis import deviceless
-
     reason = deviceless.unavailable_reason()
     if reason:
         from jax_overlap.config import ConfigError
@@ -103,7 +105,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None):
     # compiled program is the multi-host one and its dcn collectives can be told apart.
     text = deviceless.compile_for(target, plan.num_devices,
                                   lambda devices: lower_train_step(cfg, devices, target, built),
-                                  num_hosts=plan.dcn)
+                                  num_hosts=plan.dcn, memory=memory)
     if texts is not None:
         texts.append(text)
     from jax_overlap.analysis.targets import get_target
@@ -160,7 +162,7 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
 
 
 def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
-                  estimate=None, top: int = 0) -> str:
+                  estimate=None, top: int = 0, memory: dict | None = None) -> str:
     data = {**report.to_json(), "dcn": dcn}
     lines = [f"train step of {cfg.model.kind} ({cfg.model.layers} layers, d_model "
              f"{cfg.model.d_model}) on {f'dcn={plan.dcn} ' if plan.dcn > 1 else ''}"
@@ -191,6 +193,14 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
         from jax_overlap.analysis.step_estimate import format_estimate
 
         lines.extend(format_estimate(estimate, top))
+    if memory and memory.get("peak_bytes"):
+        device = memory.get("device_bytes")
+        est = memory.get("estimated_bytes")
+        lines.append(f"memory per device (XLA):                  "
+                     f"{memory['peak_bytes'] / 1e9:.1f} GB"
+                     + (f" of {device / 1e9:.1f} GB" if device else "")
+                     + (f" (plan estimated {est / 1e9:.1f} GB)" if est else "")
+                     + ("" if memory.get("fits") is not False else ": DOES NOT FIT"))
     if data.get("note"):
         lines.append(f"note: {data['note']}")
     for hint in overlap_hints(cfg, plan, data["collective_bytes_under_gemm_fraction"]):
@@ -231,7 +241,8 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
     `top_kernels`)."""
     built = build_plan(cfg, target)
     texts: list = []
-    report = analyze(cfg, target, built, texts)
+    memory: dict = {}
+    report = analyze(cfg, target, built, texts, memory)
     model, plan = built
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
     estimate = step_estimate(cfg, plan, model, target, texts[0]) if target != "cpu" else None
@@ -245,7 +256,21 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
         if dcn is not None:
             out["dcn"] = dcn
         out["mesh"] = plan.axis_sizes
+        out["memory"] = memory_summary(plan, memory)
         out["plan"] = plan.describe()
         out["hints"] = overlap_hints(cfg, plan, out["collective_bytes_under_gemm_fraction"])
         return json.dumps(out, default=float)
-    return format_report(cfg, plan, target, report, dcn, estimate, top)
+    return format_report(cfg, plan, target, report, dcn, estimate, top,
+                         memory_summary(plan, memory))
+
+
+def memory_summary(plan, memory: dict) -> dict:
+    """What XLA allocates per device for the compiled step, beside the plan's estimate and
+    the device's memory (`fits`: the peak within it; None where either is unknown)."""
+    out = dict(memory)
+    device = plan.target.memory_bytes
+    out["device_bytes"] = device
+    out["estimated_bytes"] = plan.memory_estimate or None
+    peak = memory.get("peak_bytes")
+    out["fits"] = None if not (device and peak) else bool(peak <= device)
+    return out

@@ -139,24 +139,48 @@ def gpu_mesh(target: str, shape: Sequence[int], axis_names: Sequence[str], *,
     return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names))
 
 
-def compile_lowered(lowered: Any, compiler_options: Mapping[str, Any] | None = None) -> str:
+def compile_lowered(lowered: Any, compiler_options: Mapping[str, Any] | None = None,
+                    memory: dict | None = None) -> str:
     """Compile a ``jax.stages.Lowered`` and return the compiled HLO text.
 
     Args:
       lowered: result of ``jax.jit(f).lower(...)``.
       compiler_options: XLA ``DebugOptions`` overrides for this compile only.
+      memory: when given, receives :func:`memory_of` the compiled program.
 
     Returns:
       ``compiled.as_text()``.
     """
     options = dict(compiler_options) if compiler_options else None
-    return lowered.compile(compiler_options=options).as_text()
+    compiled = lowered.compile(compiler_options=options)
+    if memory is not None:
+        memory.update(memory_of(compiled))
+    return compiled.as_text()
+
+
+def memory_of(compiled: Any) -> dict[str, int]:
+    """What XLA allocates per device for a compiled program (``memory_analysis()``):
+    arguments, outputs, temporaries, and the peak (arguments + outputs - donated aliases +
+    temporaries, unless XLA reports its own peak). Empty where the backend does not say."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - optional on some backends
+        return {}
+    if stats is None:
+        return {}
+    out = {key: int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
+           for key in ("argument", "output", "alias", "temp")}
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    out["peak"] = peak or out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return {f"{key}_bytes": value for key, value in out.items()}
 
 
 def compile_for(target: str, num_devices: int, build: Callable[[list[Any]], Any], *,
                 num_hosts: int = 1,
-                compiler_options: Mapping[str, Any] | None = None) -> str:
-    """Compile a program for ``num_devices`` GPUs of ``target`` and return its HLO.
+                compiler_options: Mapping[str, Any] | None = None,
+                memory: dict | None = None) -> str:
+    """Compile a program for ``num_devices`` GPUs of ``target`` and return its HLO
+    (``memory``, when given, receives what XLA allocates per device: :func:`memory_of`).
 
     Args:
       target: ``a100``, ``h100`` or ``h200``.
@@ -171,7 +195,7 @@ def compile_for(target: str, num_devices: int, build: Callable[[list[Any]], Any]
       Compiled, scheduled HLO text.
     """
     devices = gpu_topology_devices(target, num_devices, num_hosts=num_hosts)
-    return compile_lowered(build(devices), compiler_options)
+    return compile_lowered(build(devices), compiler_options, memory)
 
 
 def analyze_for(target: str, num_devices: int, build: Callable[[list[Any]], Any], *,
