@@ -170,7 +170,9 @@ class OverlapConfig:
     embed_before_first_layer: bool | Literal["auto"] = "auto"
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
-    param_sharding: Literal["replicated", "fsdp"] = "replicated"
+    # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
+    # sequence per microbatch under remat full, replicated otherwise.
+    param_sharding: Literal["auto", "replicated", "fsdp"] = "auto"
     window: int = 2  # fsdp: all-gather block l+window while block l computes
     # auto: the plan picks (collective_matmul with tp > 1 on a GPU, plain elsewhere)
     tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"

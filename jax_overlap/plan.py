@@ -391,14 +391,15 @@ class ParallelPlan:
         m, pl, ov = cfg.mesh, cfg.pipeline, cfg.overlap
         tp_comm, direction = _resolve_tp(cfg, target, choices)
         attention = _resolve_attention(cfg, target, choices)
-        bucket_mb, embed_first, preset = _resolve_overlap(cfg, target, choices)
+        fsdp = _resolve_sharding(cfg, target, choices, tp_comm, attention)
+        bucket_mb, embed_first, preset = _resolve_overlap(cfg, target, choices, fsdp)
         overlap = OverlapPlan(
             grad_bucket_bytes=int(bucket_mb * MIB),
             bucket_order=ov.bucket_order,
             embed_before_first_layer=embed_first,
             zero1=ov.zero1,
             grad_comm_dtype=ov.grad_comm_dtype,
-            fsdp=ov.param_sharding == "fsdp",
+            fsdp=fsdp,
             window=ov.window,
             tp_comm=tp_comm,
             cm_direction=direction,
@@ -559,14 +560,46 @@ def auto_xla_preset(accelerator: bool) -> str:
     return "gpu_overlap" if accelerator else "none"
 
 
-def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice]
+def _resolve_sharding(cfg: Config, target: Target, choices: dict[str, Choice], tp_comm: str,
+                      attention: str) -> bool:
+    """`overlap.param_sharding`, `auto` resolved (True: fsdp): on a GPU with dp > 1, FSDP
+    where a replica's step does not fit even at its smallest (one sequence per microbatch,
+    remat full); replicated otherwise (its gradient reduction hides under the backward, and
+    nothing is gathered)."""
+    m, ov = cfg.mesh, cfg.overlap
+    if ov.param_sharding != "auto":
+        return ov.param_sharding == "fsdp"
+    if m.dp == 1 or not target.accelerator or cfg.model.kind not in ESTIMATED_KINDS:
+        choices["overlap.param_sharding"] = Choice("replicated", (
+            "dp = 1: nothing to shard over" if m.dp == 1 else
+            "CPU: sharding only adds all-gathers" if not target.accelerator else
+            f"no memory estimate for model.kind={cfg.model.kind}"))
+        return False
+    replica = OverlapPlan(zero1=ov.zero1, tp_comm=tp_comm)
+    need = estimated_step_bytes(cfg, 1, replica, "full", attention)
+    if fits_memory(need, target):
+        choices["overlap.param_sharding"] = Choice("replicated", (
+            f"a replica fits: ~{need / 1e9:.0f} GB per device at its smallest (1 sequence "
+            f"per microbatch, remat full; budget "
+            f"{MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB)"
+            if target.memory_bytes else "device memory unknown"))
+        return False
+    sharded = dataclasses.replace(replica, fsdp=True)
+    choices["overlap.param_sharding"] = Choice("fsdp", (
+        f"a replica needs ~{need / 1e9:.0f} GB per device even at 1 sequence per microbatch "
+        f"under remat full (budget {MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB); FSDP "
+        f"~{estimated_step_bytes(cfg, 1, sharded, 'full', attention) / 1e9:.0f} GB"))
+    return True
+
+
+def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fsdp: bool
                      ) -> tuple[float, bool, str]:
     """`overlap.grad_bucket_mb`, `embed_before_first_layer` and `xla_preset`, `auto`
     resolved: on a GPU with a data-parallel reduction, buckets issued during the backward,
     the embedding's first, and XLA's overlap flags; on a CPU (synchronous collectives, wall
     time follows total work) one reduction after the backward and no flags."""
     m, ov = cfg.mesh, cfg.overlap
-    reduces = m.dp * m.dcn > 1 and ov.param_sharding != "fsdp"
+    reduces = m.dp * m.dcn > 1 and not fsdp
     bucket_mb = ov.grad_bucket_mb
     if bucket_mb == "auto":
         if target.accelerator and reduces:
@@ -576,7 +609,7 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice]
                    "threshold under gpu_overlap)")
         elif target.accelerator:
             bucket_mb, why = 0.0, ("fsdp: gradients are reduce-scattered layer by layer "
-                                   "already" if ov.param_sharding == "fsdp" else
+                                   "already" if fsdp else
                                    "no data-parallel gradient reduction to bucket")
         else:
             bucket_mb, why = 0.0, ("CPU: collectives are synchronous; one reduction per "
@@ -722,8 +755,9 @@ def fits_memory(need: float, target: Target) -> bool:
 
 def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
     """The policies `model.remat` may take: the explicit one; `auto` on a CPU `none` (there
-    recomputing only adds work) but `full` for a pipeline, on a GPU every policy, least recompute first (`none` for a
-    model the memory estimate does not describe: `ESTIMATED_KINDS`)."""
+    recomputing only adds work) but `full` for a pipeline, on a GPU every policy, least
+    recompute first (`none` for a model the memory estimate does not describe:
+    `ESTIMATED_KINDS`)."""
     if cfg.model.remat != "auto":
         return (cfg.model.remat,)
     if not target.accelerator and cfg.mesh.pp > 1:

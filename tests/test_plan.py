@@ -27,7 +27,7 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
                                  "pipeline.microbatches", "model.attention", "model.remat",
                                  "overlap.grad_bucket_mb", "overlap.embed_before_first_layer",
-                                 "overlap.xla_preset"}
+                                 "overlap.xla_preset", "overlap.param_sharding"}
     assert plan.remat == "none"  # CPU: recomputing only adds work
     # CPU collectives are synchronous: one reduction after the backward, no XLA flags.
     assert (plan.overlap.grad_bucket_bytes, plan.overlap.embed_before_first_layer,
@@ -69,6 +69,21 @@ def test_a_plain_gpu_config_gets_the_overlap_knobs():
     assert fsdp.overlap.grad_bucket_bytes == 0 and not fsdp.overlap.embed_before_first_layer
     one = ParallelPlan.build(config.load(None, plain[:-1] + ["mesh.dp=1"]), target=H100)
     assert one.overlap.grad_bucket_bytes == 0
+
+
+def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
+    """Llama-3-8B's fp32 weights and Adam moments alone are 96 GB: at dp8 the plan shards
+    them (FSDP); at dp2 x tp4 a replica's quarter fits; on a CPU nothing is sharded."""
+    llama = f"{REPO}/configs/llama3_8b.yaml"
+    auto = ["overlap.param_sharding=auto", "overlap.grad_bucket_mb=auto"]
+    dp8 = ParallelPlan.build(config.load(llama, auto + ["mesh.dp=8", "mesh.tp=1"]), target=H100)
+    assert dp8.overlap.fsdp and dp8.choices["overlap.param_sharding"].value == "fsdp"
+    assert dp8.overlap.grad_bucket_bytes == 0  # FSDP reduce-scatters layer by layer
+    assert dp8.memory_estimate <= 0.8 * 80e9
+    tp4 = ParallelPlan.build(config.load(llama, auto), target=H100)
+    assert not tp4.overlap.fsdp and tp4.overlap.grad_bucket_bytes > 0
+    cpu = ParallelPlan.build(config.load(llama, auto + ["mesh.dp=8", "mesh.tp=1"]))
+    assert not cpu.overlap.fsdp and cpu.choices["overlap.param_sharding"].why.startswith("CPU")
 
 
 def test_explicit_choices_win_and_resolved_config_holds_the_choices():
