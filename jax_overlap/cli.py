@@ -158,16 +158,17 @@ def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
 
 
 def check_train_request(cfg: Config, run_dir: str) -> None:
-    """What can be refused before JAX starts: paths, a held run dir, memory (on CPU, where
-    the devices share the host's RAM; a GPU's memory is checked once JAX knows it)."""
+    """What can be refused before JAX starts: paths, a held run dir, a run dir holding another
+    run (`resilience/run_identity.py`), memory (on CPU, where the devices share the host's
+    RAM; a GPU's memory is checked once JAX knows it)."""
     from jax_overlap import plan as plan_lib
-    from jax_overlap.resilience import lock, preflight
+    from jax_overlap.resilience import lock, preflight, run_identity
 
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     problems = preflight.path_problems(run_dir, ckpt_dir, cfg.checkpoint.every_steps > 0)
     process_id = int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0)
     if not problems and process_id == 0:  # the others join process 0's lock
-        held = lock.holder_problem(run_dir)
+        held = lock.holder_problem(run_dir) or run_identity.another_run(run_dir, cfg.to_dict())
         problems = [held] if held else []
     if not problems and not glob.glob("/dev/nvidia[0-9]*"):
         plan = plan_lib.ParallelPlan.build(cfg)

@@ -51,7 +51,7 @@ from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
-from jax_overlap.resilience import run_guard
+from jax_overlap.resilience import run_guard, run_identity
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
     checkpoint_target,
@@ -252,6 +252,7 @@ class _Trainer:
         self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
                                     enabled=self.is_main, events_dir=self.run_dir)
         try:
+            self._refuse_run_dir(run_identity.another_run(self.run_dir, self.config_dict))
             self._check_checkpoint_layout()
         except ConfigError:
             if self.ckpt is not None:
@@ -267,6 +268,8 @@ class _Trainer:
                     for line in self.plan.choice_lines():  # every `auto`, and why
                         self._say(line)
                     loop = self._start()
+                    if self.resumed_from is None and not self._events:  # a fresh start
+                        self._refuse_run_dir(run_identity.fresh_start_refused(self.run_dir))
                     self._accept()
                     self.bar = _progress_bar(self.cfg.train.steps, int(self.resumed_from or 0),
                                              enabled=self.progress and self.is_main)
@@ -287,6 +290,17 @@ class _Trainer:
         return self._result(host, preempted)
 
     # ---- start: resume or initialise ----------------------------------------------------
+
+    def _refuse_run_dir(self, problem: str | None) -> None:
+        """A run-dir refusal process 0 found (it alone writes metrics.jsonl), on every process.
+
+        Raises:
+          ConfigError: `problem` here, or one on another process.
+        """
+        problem = problem if self.is_main else None
+        if not ckptlib.default_collectives().all_true(problem is None):
+            raise ConfigError([problem or "--run-dir: process 0 refused the run dir (see its "
+                                          "error line)"])
 
     def _check_checkpoint_layout(self) -> None:
         """Refuse a checkpoint dir written by a run this state cannot restore from.
