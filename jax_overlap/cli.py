@@ -103,11 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the top K plans for --target GPUs (deviceless) and rank them "
                         "by the estimate of their compiled step")
     p.add_argument("--target", default="h100", choices=["a100", "h100", "h200"])
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="write the best plan's config here (YAML); "
+                                              "nothing is written without it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--allow-stale", action="store_true",
                    help="the best plan may train with stale gradients (overlap.dcn_delay=1 "
                         "or Streaming DiLoCo across hosts)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
     p = sub.add_parser("convert", help="Hugging Face directory <-> run directory")
     src = p.add_mutually_exclusive_group(required=True)
@@ -256,7 +258,7 @@ def cmd_tune(args) -> int:
     print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
                             out=args.out, as_json=args.json,
                             allow_stale=args.allow_stale, estimate=args.estimate,
-                            target=args.target))
+                            target=args.target, progress=not args.no_progress))
     return 0
 
 

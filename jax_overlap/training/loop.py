@@ -268,8 +268,6 @@ class _Trainer:
                     for line in self.plan.choice_lines():  # every `auto`, and why
                         self._say(line)
                     loop = self._start()
-                    if self.resumed_from is None and not self._events:  # a fresh start
-                        self._refuse_run_dir(run_identity.fresh_start_refused(self.run_dir))
                     self._accept()
                     self.bar = _progress_bar(self.cfg.train.steps, int(self.resumed_from or 0),
                                              enabled=self.progress and self.is_main)
@@ -318,7 +316,8 @@ class _Trainer:
                 f"the config that saved it, or set checkpoint.dir to a fresh directory"])
 
     def _start(self) -> LoopState:
-        """Resume from the newest step that verifies in either tier, or start at step 0.
+        """Resume from the newest step that verifies in either tier, or start at step 0 (in a
+        run dir with no earlier run's metrics, or on purpose: `checkpoint.on_unreadable`).
 
         Nothing in the run dir changes here (a refusal leaves it as it was); `_accept`
         applies the decision (quarantine, events, config.json).
@@ -343,6 +342,8 @@ class _Trainer:
                                     f"from step 0 (checkpoint.on_unreadable=restart)")
                 self._events.append({"event": "restart", "step": 0, "skipped": [
                     [s, r] for s, r in found.skipped]})
+        if not self._events:  # not a restart on purpose: no earlier run's records to follow
+            self._refuse_run_dir(run_identity.fresh_start_refused(self.run_dir))
         return self._initial()
 
     def _accept(self) -> None:
