@@ -16,8 +16,9 @@ from jax_overlap import plan as plan_lib
 from jax_overlap.resilience import checkpoint as ckptlib
 
 DEFAULT = os.path.join(REPO, "configs", "default.yaml")
-# default.yaml as `make train` runs it, for a few steps on less of the corpus.
-SHORT = ["--set", "train.eval_every=0", "--set", "data.max_bytes=400000"]
+# default.yaml as `make train` runs it, for a few short steps on less of the corpus.
+SHORT = ["--set", "train.eval_every=0", "--set", "data.max_bytes=400000",
+         "--set", "train.global_batch=8", "--set", "model.seq_len=32"]
 
 
 def train(run_dir, *overrides, steps):
@@ -111,3 +112,22 @@ def test_pipeline_overrides_alone_train_from_default_yaml(tmp_path, overrides):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json_line(proc.stdout)
     assert summary["final_step"] == 2 and summary["last_loss"] < summary["first_loss"] + 0.5
+
+
+SHIPPED = sorted(name for name in os.listdir(os.path.join(REPO, "configs"))
+                 if name.endswith(".yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHIPPED)
+def test_tune_runs_on_every_shipped_config_that_fits_8_devices(name, tmp_path):
+    """`tune` (calibrated on this machine's forced devices) exits 0, shows progress on stderr
+    and writes nothing unasked; minutes per config."""
+    path = os.path.join(REPO, "configs", name)
+    if config.load(path).num_devices > 8:
+        pytest.skip(f"{name} needs more than 8 devices")
+    proc = run_cli("tune", "--config", path, "--devices", "8", timeout=3600,
+                   env_extra={"HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "best: " in proc.stdout and "calibrate" in proc.stderr
+    assert not os.path.exists(os.path.join(REPO, "runs", "tuned.yaml"))
