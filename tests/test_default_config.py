@@ -114,20 +114,34 @@ def test_pipeline_overrides_alone_train_from_default_yaml(tmp_path, overrides):
     assert summary["final_step"] == 2 and summary["last_loss"] < summary["first_loss"] + 0.5
 
 
+def test_tune_on_default_yaml_exits_0_shows_progress_and_writes_nothing_unasked():
+    """FLOP costs for 8 H100s (no calibration: seconds); the calibrated sweep of every shipped
+    config is the slow test below."""
+    unasked = os.path.join(REPO, "runs", "tuned.yaml")  # where tune used to write
+    there = os.path.exists(unasked) and os.path.getmtime(unasked)
+    proc = run_cli("tune", "--config", DEFAULT, "--devices", "8", "--hardware", "h100_8x_nvlink")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = [line for line in proc.stdout.splitlines() if line.startswith("best: ")]
+    assert len(best) == 1 and "--out FILE writes its config" in best[0]
+    assert "plans: 100%" in proc.stderr  # the progress bar over the candidates
+    assert (os.path.exists(unasked) and os.path.getmtime(unasked)) == there
+
+
 SHIPPED = sorted(name for name in os.listdir(os.path.join(REPO, "configs"))
                  if name.endswith(".yaml"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
-def test_tune_runs_on_every_shipped_config_that_fits_8_devices(name, tmp_path):
+def test_tune_runs_on_every_shipped_config_that_fits_8_devices(name):
     """`tune` (calibrated on this machine's forced devices) exits 0, shows progress on stderr
     and writes nothing unasked; minutes per config."""
     path = os.path.join(REPO, "configs", name)
     if config.load(path).num_devices > 8:
         pytest.skip(f"{name} needs more than 8 devices")
-    proc = run_cli("tune", "--config", path, "--devices", "8", timeout=3600,
-                   env_extra={"HOME": str(tmp_path)})
+    unasked = os.path.join(REPO, "runs", "tuned.yaml")  # where tune used to write
+    there = os.path.exists(unasked) and os.path.getmtime(unasked)
+    proc = run_cli("tune", "--config", path, "--devices", "8", timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "best: " in proc.stdout and "calibrate" in proc.stderr
-    assert not os.path.exists(os.path.join(REPO, "runs", "tuned.yaml"))
+    assert (os.path.exists(unasked) and os.path.getmtime(unasked)) == there
