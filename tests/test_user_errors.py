@@ -266,7 +266,7 @@ def test_refused_resume_leaves_config_json(trained, tmp_path):
     shutil.copytree(trained, run)
     before = tree_hash(run)
     proc = run_cli(*TRAIN, "--run-dir", run, *CKPT, "--set", "model.d_ff=128", timeout=600)
-    assert_user_error(proc, "--run-dir", "holds another run", "model.d_ff 512 -> 128")
+    assert_user_error(proc, "--run-dir", "holds another run", "model.d_ff 64 -> 128")
     assert tree_hash(run) == before
 
 
