@@ -803,7 +803,8 @@ def calibrate(
         if whole not in base:
             base.append(whole)
     tps = sorted({k for _, k in shapes})
-    link_groups = [g for g in sorted(set(groups)) if 1 < g <= len(devices) and len(devices) % g == 0]
+    link_groups = [g for g in sorted(set(groups))
+                   if 1 < g <= len(devices) and len(devices) % g == 0]
     # Pieces, split pieces, optimizer updates, two psums per link, two capacity timings.
     cal.expect(len(shapes) * len(base) + len(split) + len(tps) + 2 * len(link_groups) + 2)
     samples = cal.time_shapes(shapes, base)

@@ -1002,8 +1002,8 @@ def format_table(result: TuneResult, rows: int = TABLE_ROWS) -> str:
     fallback = [p for p in result.plans if p.flop_fallback]
     if fallback:
         pieces = sorted({q for p in fallback for q in p.flop_fallback})
-        lines.append(f"    note: {len(fallback)} plans priced by FLOPs, ranked after the calibrated "
-                     f"ones: their calibrated {', '.join(pieces)} came out <= 0 at their shapes")
+        lines.append(f"    note: {len(fallback)} plans priced by FLOPs, ranked after the "
+                     f"calibrated ones: their calibrated {', '.join(pieces)} came out <= 0 at their shapes")
     if result.pruned:
         lines.append(f"    ({result.pruned} more layouts not simulated in full: one host's share "
                      f"of the step alone is slower than plan {rows})")
