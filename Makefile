@@ -3,6 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
+RUN    ?= runs/default
 ARGS   ?=
 
 .PHONY: train test test-slow test-gpu test-hf bench setup clean
@@ -18,7 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/jax-overlap train --config $(CONFIG) --run-dir runs/default $(ARGS)
+	$(VENV)/bin/jax-overlap train --config $(CONFIG) --run-dir $(RUN) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 $(ARGS)

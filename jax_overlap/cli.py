@@ -103,11 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the top K plans for --target GPUs (deviceless) and rank them "
                         "by the estimate of their compiled step")
     p.add_argument("--target", default="h100", choices=["a100", "h100", "h200"])
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="write the best plan's config here (YAML); "
+                                              "nothing is written without it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--allow-stale", action="store_true",
                    help="the best plan may train with stale gradients (overlap.dcn_delay=1 "
                         "or Streaming DiLoCo across hosts)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
     p = sub.add_parser("convert", help="Hugging Face directory <-> run directory")
     src = p.add_mutually_exclusive_group(required=True)
@@ -169,16 +171,17 @@ def _apply_xla_preset(cfg: Config, accelerator: bool) -> None:
 
 
 def check_train_request(cfg: Config, run_dir: str) -> None:
-    """What can be refused before JAX starts: paths, a held run dir, memory (on CPU, where
-    the devices share the host's RAM; a GPU's memory is checked once JAX knows it)."""
+    """What can be refused before JAX starts: paths, a held run dir, a run dir holding another
+    run (`resilience/run_identity.py`), memory (on CPU, where the devices share the host's
+    RAM; a GPU's memory is checked once JAX knows it)."""
     from jax_overlap import plan as plan_lib
-    from jax_overlap.resilience import lock, preflight
+    from jax_overlap.resilience import lock, preflight, run_identity
 
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     problems = preflight.path_problems(run_dir, ckpt_dir, cfg.checkpoint.every_steps > 0)
     process_id = int(os.environ.get("JAX_PROCESS_ID", cfg.distributed.process_id) or 0)
     if not problems and process_id == 0:  # the others join process 0's lock
-        held = lock.holder_problem(run_dir)
+        held = lock.holder_problem(run_dir) or run_identity.another_run(run_dir, cfg.to_dict())
         problems = [held] if held else []
     if not problems and not glob.glob("/dev/nvidia[0-9]*"):
         plan = plan_lib.ParallelPlan.build(cfg)
@@ -263,7 +266,7 @@ def cmd_tune(args) -> int:
     print(tune.tune_command(cfg, args.devices, args.hardware, measure=args.measure,
                             out=args.out, as_json=args.json,
                             allow_stale=args.allow_stale, estimate=args.estimate,
-                            target=args.target))
+                            target=args.target, progress=not args.no_progress))
     return 0
 
 

@@ -121,7 +121,9 @@ class PipelineConfig:
     # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
     # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
     microbatches: int | Literal["auto"] = "auto"
-    virtual_stages: int = 1  # chunks per pipeline stage (interleaved / zb-v)
+    # Chunks per pipeline stage. auto follows the schedule when the config is loaded
+    # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1.
+    virtual_stages: int | Literal["auto"] = "auto"
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
     # at the price of a longer ramp (bubble L(p-1)/(m+L(p-1)) for 1F1B) and more activations.
@@ -422,9 +424,20 @@ def from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "", problems)
     if problems:
         raise ConfigError(problems)
+    cfg = resolve_virtual_stages(cfg)
     cfg = resolve_vocab(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_virtual_stages(cfg: Config) -> Config:
+    """`pipeline.virtual_stages: auto` -> what the schedule places per stage: 2 for zb-v (its
+    only value) and interleaved (the fewest it runs) at mesh.pp > 1, else 1."""
+    pl = cfg.pipeline
+    if pl.virtual_stages != "auto":
+        return cfg
+    v = 2 if cfg.mesh.pp > 1 and pl.schedule in ("interleaved", "zb-v") else 1
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, virtual_stages=v))
 
 
 def _data_vocab(cfg: Config) -> tuple[int, str]:

@@ -91,6 +91,29 @@ def test_calibrated_ranking_is_deterministic(tiny, calibration):
     assert all(p.optimizer_s > 0 for p in a.plans)
 
 
+def test_pieces_fitted_to_zero_fall_back_to_flops(tiny, calibration):
+    """A calibration whose split pieces come out 0 (what crashed `tune` on default.yaml with
+    a ZeroDivisionError): those plans are priced by FLOPs, ranked after the calibrated ones,
+    and the table says so."""
+    split = set(cal_lib.SPLIT_QUANTITIES)
+    zero = dataclasses.replace(
+        calibration, split_ratios={q: 0.0 for q in split},
+        samples=tuple(s for s in calibration.samples if s.quantity not in split))
+    result = tune.tune(tiny, 8, "cpu_here", calibration=zero)
+    fell = [p for p in result.plans if p.flop_fallback]
+    split_plans = [p for p in result.plans if p.candidate.pp > 1
+                   and tune.plan_of(p.config).schedule.split_backward]
+    assert split_plans and {id(p) for p in fell} == {id(p) for p in split_plans}
+    assert all(set(p.flop_fallback) <= split and len(p.flop_fallback) == 2 for p in fell)
+    assert all(p.step_time_s > 0 for p in fell)
+    fitting = [p for p in result.plans if p.fits]
+    assert [bool(p.flop_fallback) for p in fitting] == sorted(
+        bool(p.flop_fallback) for p in fitting)  # calibrated first
+    assert not result.best.flop_fallback
+    table = tune.format_table(result)
+    assert f"note: {len(fell)} plans priced by FLOPs" in table and "block" in table
+
+
 def test_calibration_is_checked_against_the_model(tiny, calibration):
     other = config.load(TINY, ["model.d_model=64"])
     with pytest.raises(ValueError, match="calibration"):

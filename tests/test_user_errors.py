@@ -266,7 +266,29 @@ def test_refused_resume_leaves_config_json(trained, tmp_path):
     shutil.copytree(trained, run)
     before = tree_hash(run)
     proc = run_cli(*TRAIN, "--run-dir", run, *CKPT, "--set", "model.d_ff=128", timeout=600)
+    assert_user_error(proc, "--run-dir", "holds another run", "model.d_ff 64 -> 128")
+    assert tree_hash(run) == before
+
+
+def test_checkpoint_dir_of_another_model_is_refused(trained, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(trained, "checkpoints"), ckpt)
+    before = tree_hash(ckpt)
+    proc = run_cli(*TRAIN, "--run-dir", str(tmp_path / "run"), *CKPT, "--set",
+                   f"checkpoint.dir={ckpt}", "--set", "model.d_ff=128", timeout=600)
     assert_user_error(proc, "checkpoint.dir")
+    assert tree_hash(ckpt) == before and not os.path.exists(tmp_path / "run")
+
+
+def test_fresh_start_over_an_earlier_runs_metrics_is_refused(trained, tmp_path):
+    """A run dir whose run left metrics but no checkpoint: a new start would append a second
+    step 1 to them."""
+    run = str(tmp_path / "run")
+    shutil.copytree(trained, run)
+    shutil.rmtree(os.path.join(run, "checkpoints"))
+    before = tree_hash(run)
+    proc = run_cli(*TRAIN, "--run-dir", run, *CKPT, timeout=600)
+    assert_user_error(proc, "--run-dir", "no checkpoint to resume from", "fresh --run-dir")
     assert tree_hash(run) == before
 
 

@@ -470,11 +470,15 @@ class Calibrator:
       cfg: the config whose model, precision and optimizer are measured.
       devices: the devices that run every measurement together.
       repeats: timed calls per measurement (the median counts).
+      progress: a progress bar (`tqdm`-like: ``update(n)``, ``total``, ``refresh()``)
+        advanced once per timed measurement; :func:`calibrate` and :func:`extend` add what
+        they will measure to its total. None: silent.
     """
 
     cfg: Config
     devices: list
     repeats: int = 5
+    progress: Any = field(default=None, repr=False)
     _compiled: dict = field(default_factory=dict, repr=False)
     _warm: set = field(default_factory=set, repr=False)
     _measured: dict = field(default_factory=dict, repr=False)
@@ -495,7 +499,15 @@ class Calibrator:
         fn, args = self._compiled[key]
         seconds = _median_time(fn, args, self.repeats, warmup=key not in self._warm)
         self._warm.add(key)
+        if self.progress is not None:
+            self.progress.update(1)
         return seconds
+
+    def expect(self, measurements: int) -> None:
+        """Add `measurements` timed calls to come to the progress bar's total."""
+        if self.progress is not None:
+            self.progress.total = (self.progress.total or 0) + measurements
+            self.progress.refresh()
 
     def _params_at(self, tp: int) -> Any:
         if tp not in self._params:
@@ -715,8 +727,9 @@ def extend(calibrator: Calibrator, calibration: Calibration,
       A new :class:`Calibration` fitted over all samples.
     """
     have = {(s.quantity, s.micro_batch, s.tp) for s in calibration.samples}
-    new = [calibrator.time_piece(q, b, k) for q, b, k in sorted(set(points))
-           if (q, b, k) not in have]
+    todo = [(q, b, k) for q, b, k in sorted(set(points)) if (q, b, k) not in have]
+    calibrator.expect(len(todo))
+    new = [calibrator.time_piece(q, b, k) for q, b, k in todo]
     return calibrator.calibration(list(calibration.samples) + new, calibration.parallel_capacity,
                                   calibration.links)
 
@@ -789,13 +802,17 @@ def calibrate(
         whole = q.rsplit("_", 1)[0] + "_fb"
         if whole not in base:
             base.append(whole)
+    tps = sorted({k for _, k in shapes})
+    link_groups = [g for g in sorted(set(groups))
+                   if 1 < g <= len(devices) and len(devices) % g == 0]
+    # Pieces, split pieces, optimizer updates, two psums per link, two capacity timings.
+    cal.expect(len(shapes) * len(base) + len(split) + len(tps) + 2 * len(link_groups) + 2)
     samples = cal.time_shapes(shapes, base)
     b_ref = max(b for b, _ in shapes)
     k_ref = min(k for b, k in shapes if b == b_ref)
     samples += cal.time_shapes([(b_ref, k_ref)], split)
-    samples += [cal.time_optimizer(k) for k in sorted({k for _, k in shapes})]
-    links = {g: cal.time_link(g) for g in sorted(set(groups))
-             if 1 < g <= len(devices) and len(devices) % g == 0}
+    samples += [cal.time_optimizer(k) for k in tps]
+    links = {g: cal.time_link(g) for g in link_groups}
     return cal.calibration(samples, cal.parallel_capacity(b_ref, k_ref), links)
 
 
@@ -1132,7 +1149,11 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             # head's backward runs half in each (its pullback gives the input gradient in B,
             # the weights' in W). Virtual stage 0's B also pulls back into the embedding.
             back = max(s[f"{blk}_fb"] - s[f"{blk}_f"], 0.0)
-            share = s[f"{blk}_fbx"] / (s[f"{blk}_fbx"] + s[f"{blk}_fbw"])
+            pieces = s[f"{blk}_fbx"] + s[f"{blk}_fbw"]
+            if pieces <= 0:  # the tuner prices such a plan by FLOPs (`nonpositive_pieces`)
+                raise ValueError(f"calibration: {blk}_fbx and {blk}_fbw are both 0 at micro-batch "
+                                 f"{b}, tp {k}; price this plan by FLOPs")
+            share = s[f"{blk}_fbx"] / pieces
             block_b, block_w = back * share, back * (1.0 - share)
             head = last * max(s["head_fb"] - s["head_f"], 0.0) / 2
             fwd.append(f)
@@ -1140,6 +1161,18 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             bwd.append(n * (block_b + redo) + head + embed)
             wgt.append(n * block_w + head)
     return [x * scale for x in fwd], [x * scale for x in bwd], [x * scale for x in wgt]
+
+
+def nonpositive_pieces(cal: Calibration, cfg: Config, plan) -> list[str]:
+    """The pieces of `plan`'s costs whose calibrated time at its shape is <= 0.
+
+    A fit extrapolated far from the measured shapes can reach zero (`Fit.at` clamps it
+    there), e.g. both split pieces of a small block at a small micro-batch: a cost of zero
+    is no cost at all, so the tuner prices such a plan by FLOPs instead and says so.
+    """
+    b, k = micro_batch_size(cfg, plan), plan.tp
+    split = plan.pp > 1 and plan.schedule.split_backward
+    return [q for q in quantities_for(cfg, plan, split) if cal.seconds(q, b, k) <= 0]
 
 
 def costs_for_config(cal: Calibration, cfg: Config, plan, hw: HardwareProfile) -> Costs:

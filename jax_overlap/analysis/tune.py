@@ -47,7 +47,6 @@ CALIBRATED_PROFILE = "cpu_here"
 # not a measurement; it scales every compute time alike, so it moves the balance between
 # compute and communication, not the order of plans with equal communication.
 FLOP_EFFICIENCY = 0.5
-DEFAULT_OUT = os.path.join("runs", "tuned.yaml")
 DEFAULT_BUCKETS_MB: tuple[float, ...] = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
 # Bucket sizes that cut one stage's gradients into more pieces than this are skipped:
 # per-bucket latency dominates there, and each bucket is an event to simulate.
@@ -422,6 +421,9 @@ class Prediction:
       exposed_comm_s: communication not under compute.
       memory_bytes: peak memory per device.
       fits: whether ``memory_bytes`` fits the device's budget.
+      flop_fallback: the calibrated pieces that came out <= 0 at this plan's shape
+        (`calibrate.nonpositive_pieces`), for which the plan was priced by FLOPs instead;
+        such plans rank after the calibrated ones (their times are not comparable).
     """
 
     candidate: Candidate
@@ -435,10 +437,13 @@ class Prediction:
     exposed_comm_s: float
     memory_bytes: float
     fits: bool
+    flop_fallback: tuple[str, ...] = ()
 
     def sort_key(self) -> tuple:
-        """Fitting plans first, then step time, CCOR (higher first), plan key."""
-        return (not self.fits, _sig(self.step_time_s), -round(self.ccor, 3), self.candidate.key())
+        """Fitting plans first, calibrated before FLOP-priced ones, then step time, CCOR
+        (higher first), plan key."""
+        return (not self.fits, bool(self.flop_fallback), _sig(self.step_time_s),
+                -round(self.ccor, 3), self.candidate.key())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready row."""
@@ -454,6 +459,7 @@ class Prediction:
             "exposed_comm_s": self.exposed_comm_s,
             "memory_bytes": self.memory_bytes,
             "fits": self.fits,
+            "flop_fallback": list(self.flop_fallback),
         }
 
 
@@ -512,7 +518,9 @@ def predict(
       The :class:`Prediction`.
     """
     plan = plan_of(cfg)
-    if calibration is not None:
+    fallback = (tuple(cal_lib.nonpositive_pieces(calibration, cfg, plan))
+                if calibration is not None else ())
+    if calibration is not None and not fallback:
         hw = calibration.profile(hw, plan)  # links measured with the compute
         costs = cal_lib.costs_for_config(calibration, cfg, plan, hw)
         # The update and the one launch of the whole step, outside the simulated part.
@@ -538,6 +546,7 @@ def predict(
         exposed_comm_s=r.exposed_comm_s,
         memory_bytes=memory,
         fits=memory <= memory_budget(hw),
+        flop_fallback=fallback,
     )
 
 
@@ -645,6 +654,7 @@ def tune(
     windows: Sequence[int] = DEFAULT_WINDOWS,
     max_microbatches: int = MAX_MICROBATCHES,
     allow_stale: bool = False,
+    progress: bool = False,
 ) -> TuneResult:
     """Enumerate, predict and rank every valid plan of ``cfg`` for ``devices`` devices.
 
@@ -663,6 +673,8 @@ def tune(
       max_microbatches: most microbatches swept.
       allow_stale: the best plan may train with stale gradients (overlap.dcn_delay = 1 or
         Streaming DiLoCo); they are ranked either way.
+      progress: progress bars on stderr over the calibration's measurements and over the
+        plans predicted.
 
     Returns:
       The :class:`TuneResult`. Plans whose TP group would span more devices than one
@@ -698,13 +710,25 @@ def tune(
 
         chosen = list(jax_devices) if jax_devices is not None else jax.devices()[:devices]
         refine_with = cal_lib.Calibrator(cfg, chosen)
-        calibration = calibration_for(cfg, candidates, calibrator=refine_with)
+        with _bar("calibrate", "measurement", progress) as refine_with.progress:
+            calibration = calibration_for(cfg, candidates, calibrator=refine_with)
     if calibration is not None and not calibration.matches(cfg):
         raise ValueError("calibration: it was measured for another model, precision or optimizer")
-    preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+
+    def predict_all(desc: str) -> list[Prediction]:
+        with _bar(desc, "plan", progress, total=len(candidates)) as bar:
+            out = []
+            for c, conf in candidates:
+                out.append(predict(c, conf, hw, calibration, efficiency))
+                bar.update(1)
+        return rank(out)
+
+    preds = predict_all("plans")
     if refine_with is not None:
-        calibration = refine(refine_with, calibration, preds)
-        preds = rank([predict(c, conf, hw, calibration, efficiency) for c, conf in candidates])
+        with _bar("measure leaders", "measurement", progress) as refine_with.progress:
+            calibration = refine(refine_with, calibration, preds)  # the leaders' exact shapes
+        refine_with.progress = None
+        preds = predict_all("plans (refined)")
     preds = _with_searched_splits(preds, hw, calibration, efficiency)
     return TuneResult(
         hardware=hw.name,
@@ -714,6 +738,14 @@ def tune(
         calibration=calibration,
         allow_stale=allow_stale,
     )
+
+
+def _bar(desc: str, unit: str, enabled: bool, total: int | None = None):
+    """A progress bar on stderr (`tqdm`); a silent one when not `enabled`."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=False,
+                dynamic_ncols=True)
 
 
 # ------------------------------------------------------------------------ stage splits
@@ -967,6 +999,11 @@ def format_table(result: TuneResult, rows: int = TABLE_ROWS) -> str:
         )
     if len(result.plans) > rows:
         lines.append(f"    ... {len(result.plans) - rows} more (--json lists all)")
+    fallback = [p for p in result.plans if p.flop_fallback]
+    if fallback:
+        pieces = sorted({q for p in fallback for q in p.flop_fallback})
+        lines.append(f"    note: {len(fallback)} plans priced by FLOPs, ranked after the "
+                     f"calibrated ones: their calibrated {', '.join(pieces)} came out <= 0 at their shapes")
     if result.pruned:
         lines.append(f"    ({result.pruned} more layouts not simulated in full: one host's share "
                      f"of the step alone is slower than plan {rows})")
@@ -994,39 +1031,43 @@ def tune_command(
     allow_stale: bool = False,
     estimate: int = 0,
     target: str = "h100",
+    progress: bool = False,
 ) -> str:
-    """What ``jax-overlap tune`` prints; writes the best plan's config to ``out``.
+    """What ``jax-overlap tune`` prints; writes the best plan's config to ``out`` if given.
 
     Args:
       cfg: the base config (the CLI has forced at least ``devices`` host devices).
       devices: devices to plan for.
       hardware: profile name or path.
       measure: run the top this many plans for real and compare.
-      out: where to write the best config (empty: ``runs/tuned.yaml``).
+      out: where to write the best config (empty: nowhere; the text says how).
       as_json: print one JSON document (with a ``plans`` list) instead of tables.
       allow_stale: the best plan may be one that trains with stale gradients.
       estimate: compile the top this many plans for ``target`` GPUs (deviceless) and rank
         them by their compiled step's estimate (`estimate_top`).
       target: the GPU ``estimate`` compiles for.
+      progress: progress bars on stderr (`tune`).
 
     Returns:
       The text to print.
     """
     if measure < 0:
         raise ValueError(f"--measure: must be >= 0, got {measure}")
-    result = tune(cfg, devices, hardware, allow_stale=allow_stale)
+    result = tune(cfg, devices, hardware, allow_stale=allow_stale, progress=progress)
     best = result.best
     slow_rows, slow_best, best_cfg = slow_axis_search(best.config, hardware)
-    path = write_config(
-        best_cfg,
-        out or DEFAULT_OUT,
-        header=[
-            f"Written by `jax-overlap tune --devices {devices} --hardware {hardware}`: best of "
-            f"{len(result.plans)} plans ({result.costs} costs).",
-            f"Plan: {best.candidate.label()}; predicted step {best.step_time_s * 1e3:.3f} ms, "
-            f"CCOR {best.ccor * 100:.1f}%, bubble {best.bubble_rate * 100:.1f}%.",
-        ],
-    )
+    path = None
+    if out:
+        path = write_config(
+            best_cfg,
+            out,
+            header=[
+                f"Written by `jax-overlap tune --devices {devices} --hardware {hardware}`: "
+                f"best of {len(result.plans)} plans ({result.costs} costs).",
+                f"Plan: {best.candidate.label()}; predicted step {best.step_time_s * 1e3:.3f} "
+                f"ms, CCOR {best.ccor * 100:.1f}%, bubble {best.bubble_rate * 100:.1f}%.",
+            ],
+        )
     measured = measure_top(result, measure) if measure else []
     estimated = estimate_top(result, estimate, target) if estimate else []
     if as_json:
@@ -1047,7 +1088,8 @@ def tune_command(
             doc["slow_axis"] = {"modes": slow_rows, "best": slow_best["mode"]}
         return json.dumps(doc, sort_keys=True)
     text = format_table(result)
-    text += f"\nbest: {best.candidate.label()} -> {path}"
+    text += (f"\nbest: {best.candidate.label()} -> {path}" if path else
+             f"\nbest: {best.candidate.label()} (--out FILE writes its config)")
     stale = next((p for p in result.plans if p.fits and p.candidate.stale), None)
     if not allow_stale and stale is not None and stale.step_time_s < best.step_time_s:
         text += (f"\nfaster with stale gradients: {stale.candidate.label()} "

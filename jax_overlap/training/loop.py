@@ -51,7 +51,7 @@ from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
-from jax_overlap.resilience import run_guard
+from jax_overlap.resilience import run_guard, run_identity
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
     checkpoint_target,
@@ -252,6 +252,7 @@ class _Trainer:
         self.writer = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"),
                                     enabled=self.is_main, events_dir=self.run_dir)
         try:
+            self._refuse_run_dir(run_identity.another_run(self.run_dir, self.config_dict))
             self._check_checkpoint_layout()
         except ConfigError:
             if self.ckpt is not None:
@@ -288,6 +289,17 @@ class _Trainer:
 
     # ---- start: resume or initialise ----------------------------------------------------
 
+    def _refuse_run_dir(self, problem: str | None) -> None:
+        """A run-dir refusal process 0 found (it alone writes metrics.jsonl), on every process.
+
+        Raises:
+          ConfigError: `problem` here, or one on another process.
+        """
+        problem = problem if self.is_main else None
+        if not ckptlib.default_collectives().all_true(problem is None):
+            raise ConfigError([problem or "--run-dir: process 0 refused the run dir (see its "
+                                          "error line)"])
+
     def _check_checkpoint_layout(self) -> None:
         """Refuse a checkpoint dir written by a run this state cannot restore from.
 
@@ -304,7 +316,8 @@ class _Trainer:
                 f"the config that saved it, or set checkpoint.dir to a fresh directory"])
 
     def _start(self) -> LoopState:
-        """Resume from the newest step that verifies in either tier, or start at step 0.
+        """Resume from the newest step that verifies in either tier, or start at step 0 (in a
+        run dir with no earlier run's metrics, or on purpose: `checkpoint.on_unreadable`).
 
         Nothing in the run dir changes here (a refusal leaves it as it was); `_accept`
         applies the decision (quarantine, events, config.json).
@@ -329,6 +342,8 @@ class _Trainer:
                                     f"from step 0 (checkpoint.on_unreadable=restart)")
                 self._events.append({"event": "restart", "step": 0, "skipped": [
                     [s, r] for s, r in found.skipped]})
+        if not self._events:  # not a restart on purpose: no earlier run's records to follow
+            self._refuse_run_dir(run_identity.fresh_start_refused(self.run_dir))
         return self._initial()
 
     def _accept(self) -> None:
