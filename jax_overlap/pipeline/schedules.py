@@ -964,7 +964,7 @@ MAX_SCHEDULE_CELLS = 1 << 20
 def make_schedule(
     name: str, stages: int, microbatches: int, virtual_stages: int = 1,
     transfer_latency: int = 1, paired: bool = False, cost: dict[str, float] | None = None,
-    search: int = 0,
+    search: int = 0, transfer: float | None = None,
 ) -> Schedule:
     """Build a named schedule.
 
@@ -983,6 +983,10 @@ def make_schedule(
       cost: F/B/W times the paired generator balances lockstep ticks for (default equal).
       search: paired only: steps of :func:`search_pairings` from the best pairing quorum's
         table (0: that table).
+      transfer: paired only: the time of one stage-to-stage transfer, in `cost`'s unit. Given,
+        tables are ranked by the bubble the executor's ticks give at these costs
+        (:func:`jax_overlap.pipeline.ticks.executed_bubble`: ring neighbours wait for each
+        other, one transfer per lane); None: by the global lockstep bubble at `cost`.
 
     Returns:
       The schedule.
@@ -1008,10 +1012,10 @@ def make_schedule(
         # pairs (most transfers hidden under the other lane).
         tables = [_build(base.name, stages, microbatches, virtual_stages, 1, True, caps, q)
                   for q in PAIR_QUORUMS]
-        best = min(range(len(tables)), key=lambda i: _pairing_key(tables[i], cost))
+        best = min(range(len(tables)), key=lambda i: _pairing_key(tables[i], cost, transfer))
         if search:
             return search_pairings(base.name, stages, microbatches, virtual_stages, caps, cost,
-                                   PAIR_QUORUMS[best], search)
+                                   PAIR_QUORUMS[best], search, transfer=transfer)
         return tables[best]
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
@@ -1089,16 +1093,22 @@ def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: i
     return builder(stages, microbatches, lat, paired, caps, quorum)
 
 
-def _pairing_key(schedule: Schedule, cost: dict[str, float] | None) -> tuple:
-    """How a paired table ranks: least lockstep waste at `cost`, then most pairs (most
-    transfers hidden under the other lane)."""
+def _pairing_key(schedule: Schedule, cost: dict[str, float] | None,
+                 transfer: float | None = None) -> tuple:
+    """How a paired table ranks: least waste at `cost` (the executor's ticks with `transfer`
+    per lane, or, without one, the global lockstep), then most pairs (most transfers hidden
+    under the other lane)."""
     pairs = sum(isinstance(c, Pair) for row in schedule.grid for c in row)
-    return round(weighted_bubble_fraction(schedule, cost), 9), -pairs
+    if transfer is None:
+        return round(weighted_bubble_fraction(schedule, cost), 9), -pairs
+    from jax_overlap.pipeline.ticks import executed_bubble  # ticks imports this module
+
+    return round(executed_bubble(schedule, cost, transfer), 9), -pairs
 
 
 def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: int,
                     caps: Sequence[int], cost: dict[str, float] | None, start: float,
-                    steps: int, seed: int = 0) -> Schedule:
+                    steps: int, seed: int = 0, transfer: float | None = None) -> Schedule:
     """A paired table whose ticks cost alike at `cost`, by hill climbing on where pairs run.
 
     One pairing quorum for the whole step is a compromise: in the ramp pairs must run
@@ -1120,6 +1130,8 @@ def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: i
       start: the quorum every tick starts from (the best single quorum's).
       steps: tables to try.
       seed: the draws' seed.
+      transfer: rank tables by the executor's tick timing with this transfer time (see
+        :func:`make_schedule`); None: by the global lockstep bubble.
 
     Returns:
       The best table found (the start table if no step improves on it).
@@ -1127,9 +1139,9 @@ def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: i
     first = _build(name, stages, microbatches, virtual_stages, 1, True, caps, (start,))
     climbs = [_climb(name, stages, microbatches, virtual_stages, caps, cost, start, first,
                      steps // PAIR_SEARCH_RESTARTS + (r < steps % PAIR_SEARCH_RESTARTS),
-                     seed * PAIR_SEARCH_RESTARTS + r)
+                     seed * PAIR_SEARCH_RESTARTS + r, transfer)
               for r in range(PAIR_SEARCH_RESTARTS)]
-    return min(climbs, key=lambda t: _pairing_key(t, cost))
+    return min(climbs, key=lambda t: _pairing_key(t, cost, transfer))
 
 
 # Independent climbs `search_pairings` splits its steps into: the landscape is rugged (at
@@ -1140,7 +1152,8 @@ PAIR_SEARCH_RESTARTS = 4
 
 def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
            caps: Sequence[int], cost: dict[str, float] | None, start: float,
-           first: Schedule, steps: int, seed: int) -> Schedule:
+           first: Schedule, steps: int, seed: int,
+           transfer: float | None = None) -> Schedule:
     """One hill climb of :func:`search_pairings` from `first` (every tick at `start`)."""
     import random
 
@@ -1151,7 +1164,7 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
         floor = sum(waste) / len(waste) / 10 + 1e-9
         return [w + floor for w in waste]
 
-    best, key = first, _pairing_key(first, cost)
+    best, key = first, _pairing_key(first, cost, transfer)
     shares, weights = [start] * best.ticks, draw_weights(first)
     for _ in range(steps):
         trial = list(shares)
@@ -1165,7 +1178,7 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
                            tuple(trial))
         except RuntimeError:  # this pairing deadlocks the greedy: keep the last table
             continue
-        trial_key = _pairing_key(table, cost)
+        trial_key = _pairing_key(table, cost, transfer)
         if trial_key <= key:
             best, key = table, trial_key
             shares = (trial + [trial[-1]] * table.ticks)[:max(table.ticks, 1)]
@@ -1196,6 +1209,7 @@ def schedule_command(
     paired: bool = False,
     tick_costs: str | None = None,
     pair_search: int = 0,
+    costs: str | None = None,
 ) -> str:
     """What ``jax-overlap schedule`` prints.
 
@@ -1209,6 +1223,10 @@ def schedule_command(
       paired: ``--paired``: paired F+B ticks.
       tick_costs: ``--tick-costs``: ``"F,B,W"`` tick times the pairing balances.
       pair_search: ``--pair-search``: steps of :func:`search_pairings`.
+      costs: ``--costs``: ``"F,B,W,C"``, the action times and one stage-to-stage transfer's:
+        the output adds ``weighted_bubble``, the bubble of the executor's ticks at these costs
+        (:func:`jax_overlap.pipeline.ticks.executed_bubble`), and a paired table is chosen
+        (and searched) for it.
 
     Returns:
       The text grid and a summary line, or the JSON document.
@@ -1226,15 +1244,38 @@ def schedule_command(
             raise ValueError(f"--tick-costs: three positive numbers F,B,W, e.g. "
                              f"15.2,18.8,18.6; got {tick_costs!r}")
         cost = dict(zip(KINDS, values))
+    transfer = None
+    if costs is not None:
+        if tick_costs is not None:
+            raise ValueError("--tick-costs: --costs F,B,W,C already gives the action times; "
+                             "drop --tick-costs")
+        try:
+            values = [float(v) for v in costs.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 4 or min(values[:3]) <= 0 or values[3] < 0:
+            raise ValueError(f"--costs: four numbers F,B,W,C (F, B, W > 0, transfer C >= 0), "
+                             f"e.g. 18.5,18.1,9.3,0.6; got {costs!r}")
+        cost, transfer = dict(zip(KINDS, values[:3])), values[3]
     if pair_search and not paired:
         raise ValueError("--pair-search: searches where paired ticks run; add --paired")
     if pair_search < 0:
         raise ValueError(f"--pair-search: must be >= 0, got {pair_search}")
     s = make_schedule(schedule, stages, microbatches, virtual, transfer_latency, paired, cost,
-                      pair_search)
+                      pair_search, transfer)
+    weighted = None
+    if transfer is not None:
+        from jax_overlap.pipeline.ticks import executed_bubble  # ticks imports this module
+
+        weighted = executed_bubble(s, cost, transfer)
     if as_json:
-        return json.dumps(s.to_json())
-    return s.to_text() + "\n" + summary_line(s)
+        out = s.to_json()
+        if weighted is not None:
+            out["costs"] = {**cost, "C": transfer}
+            out["weighted_bubble"] = weighted
+        return json.dumps(out)
+    extra = "" if weighted is None else f" weighted_bubble={weighted:.4f}"
+    return s.to_text() + "\n" + summary_line(s) + extra
 
 
 def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
