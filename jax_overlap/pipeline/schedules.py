@@ -1007,16 +1007,26 @@ def make_schedule(
         base = make_schedule(name, stages, microbatches, virtual_stages, 1)
         caps = [min(2 * peak, microbatches * base.virtual_stages)
                 for peak in peak_activations(base)]
-        # Cost-aware: of the pairing quorums, the table whose lockstep ticks waste least at
-        # `cost` (default: F = B = W, so a non-split B costs two), then the one with most
-        # pairs (most transfers hidden under the other lane).
-        tables = [_build(base.name, stages, microbatches, virtual_stages, 1, True, caps, q)
-                  for q in PAIR_QUORUMS]
-        best = min(range(len(tables)), key=lambda i: _pairing_key(tables[i], cost, transfer))
+        # Cost-aware: of the pairing quorums, the table whose ticks waste least at `cost`
+        # (default: F = B = W, so a non-split B costs two), then the one with most pairs (most
+        # transfers hidden under the other lane). Timed as the executor runs it (`transfer`
+        # given), the unpaired table's own caps are tried too.
+        cap_sets = [caps]
+        if transfer is not None:
+            cap_sets.append(peak_activations(base))
+        candidates = []
+        for these in cap_sets:
+            for q in PAIR_QUORUMS:
+                try:
+                    candidates.append((_build(base.name, stages, microbatches, virtual_stages,
+                                              1, True, these, q), these, q))
+                except RuntimeError:  # a tighter cap can deadlock the greedy
+                    continue
+        table, caps, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
         if search:
             return search_pairings(base.name, stages, microbatches, virtual_stages, caps, cost,
-                                   PAIR_QUORUMS[best], search, transfer=transfer)
-        return tables[best]
+                                   quorum, search, transfer=transfer)
+        return table
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:

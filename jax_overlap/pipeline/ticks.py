@@ -120,18 +120,20 @@ def tick_clocks(schedule: Schedule, cost: dict[str, float] | None = None,
     near = permute_partners(s)
     skew = skewed(s)
     lanes = len(near)
+    seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
+    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane.
+    work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
+    for d, row in enumerate(s.grid):
+        for t, cell in enumerate(row):
+            for a in cell_actions(cell):
+                work[lane_of(a.kind, s.paired)][d][t] += seconds[a.kind]
     clock = [0.0] * s.stages
+    stages = range(s.stages)
     for t in range(s.ticks):
         for lane in range(lanes):
-            begin = clock
-            done = list(clock)
-            for d in range(s.stages):
-                for a in cell_actions(s.grid[d][t]):
-                    if lane_of(a.kind, s.paired) == lane:
-                        done[d] += action_cost(a.kind, s.split_backward, cost)
-            meet = lane_meet(begin, done, near[lane], transfer, skew)
-            clock = [done[d] if meet[d] is None else max(done[d], meet[d])
-                     for d in range(s.stages)]
+            done = [clock[d] + work[lane][d][t] for d in stages]
+            meet = lane_meet(clock, done, near[lane], transfer, skew)
+            clock = [done[d] if meet[d] is None else max(done[d], meet[d]) for d in stages]
     return clock
 
 
