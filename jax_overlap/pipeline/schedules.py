@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
+from jax_overlap.pipeline.ticks import action_cost, executed_bubble
+
 KINDS: tuple[str, ...] = ("F", "B", "W")
 
 
@@ -883,13 +885,6 @@ def peak_activations(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
-    """Time one action takes: a non-split ``B`` also does the ``W`` work."""
-    if kind == "B" and not split_backward:
-        return cost["B"] + cost["W"]
-    return cost[kind]
-
-
 def tick_waste(schedule: Schedule, cost: dict[str, float] | None = None) -> list[float]:
     """Per tick, the device-time the lockstep executor idles: each stage's gap to the tick's
     slowest entry (see :func:`weighted_bubble_fraction`; ``cost`` defaults to 1 each)."""
@@ -1111,8 +1106,6 @@ def _pairing_key(schedule: Schedule, cost: dict[str, float] | None,
     pairs = sum(isinstance(c, Pair) for row in schedule.grid for c in row)
     if transfer is None:
         return round(weighted_bubble_fraction(schedule, cost), 9), -pairs
-    from jax_overlap.pipeline.ticks import executed_bubble  # ticks imports this module
-
     return round(executed_bubble(schedule, cost, transfer), 9), -pairs
 
 
@@ -1275,8 +1268,6 @@ def schedule_command(
                       pair_search, transfer)
     weighted = None
     if transfer is not None:
-        from jax_overlap.pipeline.ticks import executed_bubble  # ticks imports this module
-
         weighted = executed_bubble(s, cost, transfer)
     if as_json:
         out = s.to_json()

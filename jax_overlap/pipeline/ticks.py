@@ -15,14 +15,28 @@ the stage it receives from have both reached it:
 One implementation: :func:`lane_partners` and :func:`lane_meet` are the rule
 :func:`jax_overlap.analysis.simulate.simulate` applies with TP collectives, head phases and
 FSDP gathers around it; :func:`executed_bubble` applies it to bare action costs (what
-``jax-overlap schedule --costs F,B,W,C`` reports as ``weighted_bubble``). Pure Python.
+``jax-overlap schedule --costs F,B,W,C`` reports as ``weighted_bubble``). Pure Python, and
+below :mod:`jax_overlap.pipeline.schedules` (which ranks tables with it): a ``schedule`` here is
+anything shaped like its ``Schedule``.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-from jax_overlap.pipeline.schedules import Schedule, action_cost, cell_actions
+
+def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
+    """Time one action takes: a non-split ``B`` also does the ``W`` work."""
+    if kind == "B" and not split_backward:
+        return cost["B"] + cost["W"]
+    return cost[kind]
+
+
+def _cell_actions(cell: Any) -> tuple:
+    """A table entry's actions: none (idle), one action (a 3-field tuple) or a pair's two."""
+    if cell is None:
+        return ()
+    return tuple(cell) if len(cell) == 2 else (cell,)
 
 
 def lane_of(kind: str, paired: bool) -> int:
@@ -30,7 +44,7 @@ def lane_of(kind: str, paired: bool) -> int:
     return int(paired and kind != "F")
 
 
-def lane_partners(schedule: Schedule) -> tuple[tuple[frozenset[int], ...], ...]:
+def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     """Per lane, per stage: the stages it exchanges data with on that lane's rings.
 
     A lane's rings are the (sender, receiver) stage pairs its actions use anywhere in the step
@@ -65,7 +79,7 @@ def lane_partners(schedule: Schedule) -> tuple[tuple[frozenset[int], ...], ...]:
     return tuple(tuple(frozenset(x) for x in lane) for lane in out)
 
 
-def permute_partners(schedule: Schedule) -> tuple[tuple[frozenset[int], ...], ...]:
+def permute_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     """Per lane, per stage: whom the lane's permute waits for. A paired lane's half-tick
     carries the other lane's last output (the executor's skewed lanes), so it is on the other
     lane's rings."""
@@ -75,7 +89,7 @@ def permute_partners(schedule: Schedule) -> tuple[tuple[frozenset[int], ...], ..
     return rings
 
 
-def skewed(schedule: Schedule) -> bool:
+def skewed(schedule: Any) -> bool:
     """Whether each lane's permute is issued before its action (paired, or latency 2)."""
     return schedule.paired or schedule.transfer_latency == 2
 
@@ -102,7 +116,7 @@ def lane_meet(begin: Sequence[float], done: Sequence[float],
             for d in range(len(done))]
 
 
-def tick_clocks(schedule: Schedule, cost: dict[str, float] | None = None,
+def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
                 transfer: float = 0.0) -> list[float]:
     """Per stage, when it finishes the step's last lane.
 
@@ -125,7 +139,7 @@ def tick_clocks(schedule: Schedule, cost: dict[str, float] | None = None,
     work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
     for d, row in enumerate(s.grid):
         for t, cell in enumerate(row):
-            for a in cell_actions(cell):
+            for a in _cell_actions(cell):
                 work[lane_of(a.kind, s.paired)][d][t] += seconds[a.kind]
     clock = [0.0] * s.stages
     stages = range(s.stages)
@@ -137,7 +151,7 @@ def tick_clocks(schedule: Schedule, cost: dict[str, float] | None = None,
     return clock
 
 
-def executed_bubble(schedule: Schedule, cost: dict[str, float] | None = None,
+def executed_bubble(schedule: Any, cost: dict[str, float] | None = None,
                     transfer: float = 0.0) -> float:
     """Idle share of ``stages x step time`` when the executor runs the table at these costs
     (the zero-bubble paper's bubble rate: 1 - work / (stages x step time)).
