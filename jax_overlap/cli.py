@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --paired: steps of the search over which ticks run pairs")
     p.add_argument("--tick-costs", default=None,
                    help="with --paired: F,B,W tick times the pairing balances, e.g. 15.2,18.8,18.6")
+    p.add_argument("--costs", default=None, metavar="F,B,W,C",
+                   help="action times and one transfer's, e.g. 18.5,18.1,9.3,0.6: report "
+                        "weighted_bubble, the executor's bubble at these costs (and choose "
+                        "a --paired table for them)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
@@ -219,7 +223,7 @@ def cmd_schedule(args) -> int:
     print(schedule_command(args.schedule, args.stages, args.microbatches, args.virtual,
                            as_json=args.json, transfer_latency=args.transfer_latency,
                            paired=args.paired, tick_costs=args.tick_costs,
-                           pair_search=args.pair_search))
+                           pair_search=args.pair_search, costs=args.costs))
     return 0
 
 

@@ -40,6 +40,7 @@ TESTED = {
     "slow_axis_methods.py": "test_slow_axis_methods_quick",
     "stage_balance.py": "test_stage_balance_quick",
     "step_time.py": "test_step_time_quick",
+    "zero_bubble.py": "test_zero_bubble_quick",
 }
 WRITABLE = ("bench/results", "docs", "runs/profile_gpu")  # what the full runs write
 
@@ -332,3 +333,17 @@ def test_loader_quick():
     assert ratio == pytest.approx(by_name["loader (Grain, place)"] / by_name["train step"],
                                   rel=0.01)
     assert ratio >= 10  # the loader is never the bottleneck
+
+
+def test_zero_bubble_quick():
+    """The paper's rows beside ours (small sizes): our executed bubbles are fractions, pairing
+    for the costs never does worse than the plain table here, and the build timings print."""
+    doc = json.loads(run_bench("zero_bubble.py", "--json").strip().splitlines()[-1])
+    assert [(r["schedule"], r["stages"]) for r in doc["rows"]] == [
+        ("1f1b", 4), ("zb-h1", 4), ("zb-v", 4)]
+    for r in doc["rows"]:
+        fraction(r["table"]), fraction(r["paired"]), fraction(r["search"])
+        assert r["paired"] < r["table"] and r["search"] <= r["paired"] + 1e-12
+        assert r["best"] == min(r["table"], r["paired"], r["search"])
+    assert len(doc["timings"]) == 5 and all(t["seconds"] >= 0 and t["ticks"] > 0
+                                            for t in doc["timings"])

@@ -134,6 +134,28 @@ def test_paired_ticks_match_single_device(references, name, pp, dp, tp, m, tied,
     check_equivalence(references, name, pp, dp, tp, m, tied, [*extra, f"model.remat={remat}"])
 
 
+def test_cost_aware_table_matches_single_device(references):
+    """A paired ZB-V table chosen and searched at the paper's costs with a transfer
+    (`schedule --paired --costs 14.4,14.4,9.7,1.6 --pair-search 20`) runs exactly."""
+    name, pp, dp, tp, m, tied = "zb-v", 4, 2, 1, 8, True
+    table = schedules.make_schedule(name, pp, m, 2, 1, True, {"F": 14.4, "B": 14.4, "W": 9.7},
+                                    20, 1.6)
+    assert table.grid != schedules.make_schedule(name, pp, m, 2, 1, True).grid
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["pipeline.paired=true"])
+    model, params, batch, ref_loss, ref_grads = references(tied)
+    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
+    plan = ParallelPlan.build(cfg, model)
+    plan = plan.with_program(tick_program.compile_program(table, plan.overlap.buckets_in_loop,
+                                                          plan.vocab_parallel))
+    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
+    shardings = steplib.param_shardings(model, mesh, plan.layout)
+    staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings)
+    loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
+    assert loss_and_grads.program.schedule.grid == table.grid
+    assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
+    assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_SWEEP)
 def test_paired_ticks_match_single_device_sweep(references, name, pp, dp, tp, m, tied, remat):

@@ -113,7 +113,7 @@ CASES = [
      ["model.layers", "GiB"]),
     ("schedule_unbounded", lambda f, run: ["schedule", "--schedule", "1f1b", "--stages", "2",
                                            "--microbatches", "100000000"],
-     ["microbatches", "4096"]),
+     ["microbatches", str(1 << 20)]),
     ("tune_unbounded", lambda f, run: ["tune", "--config", TINY, "--devices", "100000000"],
      ["--devices"]),
 ]

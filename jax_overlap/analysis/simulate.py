@@ -33,7 +33,6 @@ interval arithmetic as the measured-trace metrics, over the window ``[0, step en
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from typing import Any
 from jax_overlap.analysis.costs import collective_seconds
 from jax_overlap.analysis.machine import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
+from jax_overlap.pipeline import ticks
 from jax_overlap.pipeline.schedules import Schedule, Task, cell_actions, dependencies
 
 TP_COMM_MODES: tuple[str, ...] = ("plain", "collective_matmul")
@@ -758,15 +758,6 @@ def _play_events(plan: Plan, costs: Costs, rows, heads: dict[int, int], tl: _Tim
             )
 
 
-@functools.lru_cache(maxsize=256)
-def _program(schedule: Schedule, vocab_parallel: bool):
-    """The executor's tick program of a table (which rings each lane's permutes use); the
-    tuner simulates thousands of plans over a few hundred tables."""
-    from jax_overlap.pipeline.program import compile_program
-
-    return compile_program(schedule, vocab_parallel=vocab_parallel)
-
-
 def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                 link: dict[str, Link], starts, ends, held) -> None:
     """Plays the table the way the executor's SPMD program runs it on a GPU.
@@ -793,21 +784,11 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
     """
     s = plan.schedule
     p = s.stages
-    program = _program(s, plan.vocab_parallel)
     xfer = p2p_time(costs.act_bytes, link["pp"])
-    lanes = program.lanes
-
-    def partners(lane: int) -> list[set[int]]:
-        down, up, _ = program.lane_rings[lane]
-        out = [set() for _ in range(p)]
-        for src, dst in (*down, *up):
-            out[src].add(dst)
-            out[dst].add(src)
-        return out
-
-    # A paired lane's half-tick carries the other lane's last output (the executor's
-    # `paired_tick`): its permutes are on the other lane's rings.
-    near = [partners(1 - lane if s.paired else lane) for lane in range(lanes)]
+    # The ring partners each lane's permute waits for, and the rendezvous rule, are
+    # `jax_overlap.pipeline.ticks`' (what `schedule --costs` reports as weighted_bubble).
+    near = ticks.permute_partners(s)
+    lanes = len(near)
     clock = [0.0] * p
     if plan.fsdp and plan.dp > 1:
         for d in range(p):
@@ -825,18 +806,17 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                     if not s.paired or (a.kind == "F") == (lane == 0):
                         done[d] = _place_action(tl, plan, costs, link, d, s.task(d, a),
                                                 done[d], starts, ends, held)
-            skewed = (s.paired or s.transfer_latency == 2) and not tl.synchronous
+            # Synchronous collectives (a CPU) cannot run under the action: the permute
+            # waits for it, as an unskewed one does.
+            skew = ticks.skewed(s) and not tl.synchronous
+            meet = ticks.lane_meet(begin, done, near[lane], xfer, skew)
             for d in range(p):
-                if not near[lane][d]:
+                if meet[d] is None:
                     clock[d] = done[d]
                     continue
-                # Synchronous collectives (a CPU) cannot run under the action: the permute
-                # waits for it, as an unskewed one does.
-                ref = begin if skewed else done
-                meet = max([ref[d], *(ref[e] for e in near[lane][d])]) + xfer
                 # The wait for the partners is idle; the transfer is the last `xfer` of it.
-                tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet - xfer, meet)
-                clock[d] = max(done[d], meet)
+                tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet[d] - xfer, meet[d])
+                clock[d] = max(done[d], meet[d])
             if lane == 0 and t in heads:
                 clock = [_place_head(tl, costs, link, heads[t], max(clock), starts, ends)] * p
     for d in range(p):

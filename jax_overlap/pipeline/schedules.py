@@ -48,11 +48,14 @@ construction.
 from __future__ import annotations
 
 import difflib
+import heapq
 import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
+
+from jax_overlap.pipeline.ticks import action_cost, executed_bubble
 
 KINDS: tuple[str, ...] = ("F", "B", "W")
 
@@ -406,11 +409,14 @@ class _Policy:
         stage's program, as Megatron and the zero-bubble paper define their
         schedules), idling until the next one is ready; otherwise run the best
         ready task.
+      programs: with ``in_order``, each stage's program itself (its order is the
+        priority), so the scheduler need not sort.
     """
 
     priority: Callable[[Task, int], tuple]
     cap: Callable[[int], int]
     in_order: bool = False
+    programs: Sequence[Sequence[Task]] | None = None
 
 
 def _list_schedule(
@@ -446,69 +452,149 @@ def _list_schedule(
 
     Raises:
       RuntimeError: if the policy deadlocks (no stage can run anything).
+
+    Each stage's tasks are ranked once; a task enters its stage's ready heaps (one for
+    forwards, one for B/W) at the tick its last input arrives, so a tick costs a few heap
+    operations per stage: p = 64, m = 1024 builds in seconds (scanning every pending task
+    each tick took minutes). Tasks are ints inside: ``(vs * m + mb) * 3 + kind``.
     """
-    n_vs = len(placement)
+    n_vs, m, lat = len(placement), microbatches, transfer_latency
     kinds = ("F", "B", "W") if split_backward else ("F", "B")
-    release = kinds[-1]
-    pending: list[set[Task]] = [set() for _ in range(stages)]
-    for vs, (stage, _) in enumerate(placement):
-        for mb in range(microbatches):
-            pending[stage].update(Task(k, mb, vs) for k in kinds)
+    release = len(kinds) - 1
+    stage_of = [pos[0] for pos in placement]
     caps = [policy.cap(d) for d in range(stages)]
-    done: dict[Task, int] = {}
+    # Every stage's task ids in rank order; heaps and program pointers hold ranks (positions
+    # in that order). The task itself breaks ties so the result never depends on set order.
+    order: list[list[int]] = []
+    for d in range(stages):
+        if policy.programs is not None:
+            mine = policy.programs[d]
+        else:
+            mine = [Task(kinds[k], mb, vs) for vs in range(n_vs) if stage_of[vs] == d
+                    for mb in range(m) for k in range(len(kinds))]
+            mine.sort(key=lambda t, d=d: (policy.priority(t, d), t))
+        order.append([(t.virtual_stage * m + t.microbatch) * 3 + KINDS.index(t.kind)
+                      for t in mine])
+    rank = [0] * (n_vs * m * 3)
+    for row in order:
+        for i, tid in enumerate(row):
+            rank[tid] = i
+    # In-order programs run each lane's tasks front to back (one lane unless paired).
+    lane_of = [0, int(paired), int(paired)]
+    lanes = 2 if paired else 1
+    programs = [[[i for i, tid in enumerate(order[d]) if lane_of[tid % 3] == lane]
+                 for lane in range(lanes)] for d in range(stages)]
+    cursor = [[0] * lanes for _ in range(stages)]
+    ready_f: list[list[int]] = [[] for _ in range(stages)]
+    ready_o: list[list[int]] = [[] for _ in range(stages)]
+    future: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+    never = 1 << 62
+    arrive = [never] * (n_vs * m * 3)
+    done = [-1] * (n_vs * m * 3)
+    for mb in range(m):  # the first forwards need nothing
+        arrive[mb * 3] = 0
+        heapq.heappush(future[stage_of[0]], (0, rank[mb * 3]))
+    in_order = policy.in_order
     held = [0] * stages
     rows: list[list[Cell]] = [[] for _ in range(stages)]
+    remaining = sum(len(row) for row in order)
+    actions: dict[tuple[int, int, int], Action] = {}
 
-    def rank(task: Task, stage: int) -> tuple:
-        # The task itself breaks ties so the result never depends on set order.
-        return (policy.priority(task, stage), task)
+    def action(tid: int) -> Action:
+        vs, mb = divmod(tid // 3, m)
+        key = (tid % 3, mb, placement[vs][1])
+        a = actions.get(key)
+        if a is None:
+            a = actions[key] = Action(KINDS[key[0]], mb, key[2])
+        return a
 
-    def arrived(dep: Task, stage: int, tick: int) -> bool:
-        if dep not in done:
-            return False
-        gap = dependency_gap(placement[dep.virtual_stage][0], stage, transfer_latency)
-        return done[dep] + gap <= tick
+    def became_ready(tid: int, tick: int) -> None:
+        vs = tid // 3 // m
+        dst = stage_of[vs]
+        arrive[tid] = tick
+        heapq.heappush(future[dst], (tick, rank[tid]))
 
-    def pick(candidates, d: int, tick: int) -> Task | None:
-        if policy.in_order and candidates:
-            candidates = [min(candidates, key=lambda t: rank(t, d))]
-        ready = [
-            task
-            for task in candidates
-            if (task.kind != "F" or held[d] < caps[d])
-            and all(arrived(dep, d, tick) for dep in dependencies(task, n_vs))
-        ]
-        return min(ready, key=lambda t: rank(t, d)) if ready else None
+    def finish(tid: int, tick: int) -> None:
+        """Marks `tid` done at `tick`; its dependents whose inputs are all done get their
+        arrival tick (the last input's tick plus its gap)."""
+        done[tid] = tick
+        kind, vs = tid % 3, tid // 3 // m
+        src = stage_of[vs]
+        if kind == 0:  # F: the next forward, and this stage's own B
+            if vs + 1 < n_vs:
+                became_ready(tid + 3 * m, tick + (1 if stage_of[vs + 1] == src else lat))
+            if vs == n_vs - 1:
+                became_ready(tid + 1, tick + 1)
+            elif done[tid + 1 + 3 * m] >= 0:  # B of the next virtual stage already ran
+                later = done[tid + 1 + 3 * m] + (1 if stage_of[vs + 1] == src else lat)
+                became_ready(tid + 1, max(tick + 1, later))
+        elif kind == 1:  # B: the previous virtual stage's B, and this one's W
+            if split_backward:
+                became_ready(tid + 1, tick + 1)
+            if vs > 0 and done[tid - 3 * m - 1] >= 0:  # F of the previous virtual stage ran
+                gap = 1 if stage_of[vs - 1] == src else lat
+                became_ready(tid - 3 * m, max(tick + gap, done[tid - 3 * m - 1] + 1))
+
+    def head(d: int, lane: int, tick: int) -> int | None:
+        """The next task of an in-order lane, if its inputs are here and the cap allows."""
+        program, k = programs[d][lane], cursor[d][lane]
+        if k == len(program):
+            return None
+        i = program[k]
+        tid = order[d][i]
+        if arrive[tid] > tick or (tid % 3 == 0 and held[d] >= caps[d]):
+            return None
+        return i
 
     tick, stalled = 0, 0
-    while any(pending):
-        chosen: list[tuple[Task, ...]] = []
+    while remaining:
+        chosen: list[tuple[int, ...]] = []
         for d in range(stages):
-            if paired:
-                # One forward and one backward per tick: each lane keeps its own order.
-                lanes = ([t for t in pending[d] if t.kind == "F"],
-                         [t for t in pending[d] if t.kind != "F"])
-                picks = tuple(t for t in (pick(c, d, tick) for c in lanes) if t is not None)
+            if in_order:
+                i = head(d, 0, tick)
+                picks = () if i is None else (i,)
+                if paired and (j := head(d, 1, tick)) is not None:
+                    picks = (*picks, j)
             else:
-                one = pick(pending[d], d, tick)
-                picks = (one,) if one is not None else ()
+                fut = future[d]
+                while fut and fut[0][0] <= tick:
+                    i = heapq.heappop(fut)[1]
+                    heapq.heappush(ready_f[d] if order[d][i] % 3 == 0 else ready_o[d], i)
+                f = ready_f[d][0] if ready_f[d] and held[d] < caps[d] else None
+                o = ready_o[d][0] if ready_o[d] else None
+                if paired:  # one forward and one backward per tick, forward first
+                    picks = (f, o) if f is not None and o is not None else (
+                        (f,) if f is not None else (o,) if o is not None else ())
+                elif f is None:
+                    picks = () if o is None else (o,)
+                else:
+                    picks = (f,) if o is None or f < o else (o,)
             chosen.append(picks)
         share = quorum if isinstance(quorum, (int, float)) else quorum[min(tick, len(quorum) - 1)]
         if paired and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
             # Too few stages can pair: a pair would make the whole lockstep tick two actions
             # long while most stages run one. Each stage runs its better-ranked task instead.
-            chosen = [tuple(sorted(c, key=lambda t, d=d: rank(t, d))[:1])
-                      for d, c in enumerate(chosen)]
+            chosen = [(min(c),) if len(c) == 2 else c for c in chosen]
         stalled = stalled + 1 if not any(chosen) else 0
         if stalled >= transfer_latency:  # nothing in flight can make a task ready
             raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
         for d, picks in enumerate(chosen):
-            cell = [Action(t.kind, t.microbatch, placement[t.virtual_stage][1]) for t in picks]
-            for task in picks:
-                pending[d].discard(task)
-                done[task] = tick
-                held[d] += (task.kind == "F") - (task.kind == release)
-            rows[d].append(None if not cell else cell[0] if len(cell) == 1 else Pair(*cell))
+            if not picks:
+                rows[d].append(None)
+                continue
+            cell = []
+            for i in picks:
+                tid = order[d][i]
+                kind = tid % 3
+                if in_order:
+                    cursor[d][lane_of[kind]] += 1
+                else:
+                    heapq.heappop(ready_f[d] if kind == 0 else ready_o[d])
+                finish(tid, tick)
+                held[d] += (kind == 0) - (kind == release)
+                cell.append(action(tid))
+            remaining -= len(picks)
+            rows[d].append(cell[0] if len(cell) == 1 else Pair(*cell))
         tick += 1
     return Schedule(
         name=name,
@@ -524,11 +610,11 @@ def _list_schedule(
 
 def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
     """An in-order policy that runs ``programs[stage]`` front to back."""
-    position = [{task: i for i, task in enumerate(program)} for program in programs]
-    return _Policy(
-        priority=lambda t, d: (position[d][t],),
+    return _Policy(  # the scheduler runs `programs` as they are; `priority` says the same
+        priority=lambda t, d: (programs[d].index(t),),
         cap=lambda d: len(programs[d]),
         in_order=True,
+        programs=programs,
     )
 
 
@@ -542,7 +628,7 @@ def _capped(policy: _Policy, caps: Sequence[int] | None) -> _Policy:
     """``policy`` with per-stage activation caps replaced by ``caps`` (None: unchanged)."""
     if caps is None:
         return policy
-    return _Policy(policy.priority, lambda d: caps[d], policy.in_order)
+    return _Policy(policy.priority, lambda d: caps[d], policy.in_order, policy.programs)
 
 
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}
@@ -659,8 +745,8 @@ def interleaved(stages: int, microbatches: int, virtual_stages: int,
     backwards = [Task("B", mb, (v - 1 - c) * p) for mb, c in order]
     programs = []
     for d in range(p):
-        fwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in forwards]
-        bwd = [t._replace(virtual_stage=t.virtual_stage + d) for t in backwards]
+        fwd = [Task(k, mb, vs + d) for k, mb, vs in forwards]
+        bwd = [Task(k, mb, vs + d) for k, mb, vs in backwards]
         warmup = min(lat * (2 * (p - d - 1) + (v - 1) * p), m * v)
         program = fwd[:warmup]
         for k in range(m * v - warmup):
@@ -799,13 +885,6 @@ def peak_activations(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
-    """Time one action takes: a non-split ``B`` also does the ``W`` work."""
-    if kind == "B" and not split_backward:
-        return cost["B"] + cost["W"]
-    return cost[kind]
-
-
 def tick_waste(schedule: Schedule, cost: dict[str, float] | None = None) -> list[float]:
     """Per tick, the device-time the lockstep executor idles: each stage's gap to the tick's
     slowest entry (see :func:`weighted_bubble_fraction`; ``cost`` defaults to 1 each)."""
@@ -868,17 +947,19 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-# Bounds on what `make_schedule` builds: the list scheduler's time grows with the square of
-# the microbatch count (2 stages x 1000 microbatches: ~4 s; the table prints
-# stages x ticks cells), so a request past these is refused in one line, not run for minutes.
+# Bounds on what `make_schedule` builds in bounded time and memory. Building takes time and
+# memory linear in the tasks (stages x microbatches x virtual stages x 3) and the table
+# (stages x ticks): p = 64, m = 1024, v = 4 (262,144 stage-microbatch-chunks) builds in about
+# 5 s on one core; past four times that (about 20 s, some hundred MB) a request is refused in
+# one line instead.
 MAX_STAGES = 512
-MAX_SCHEDULE_CELLS = 4096
+MAX_SCHEDULE_CELLS = 1 << 20
 
 
 def make_schedule(
     name: str, stages: int, microbatches: int, virtual_stages: int = 1,
     transfer_latency: int = 1, paired: bool = False, cost: dict[str, float] | None = None,
-    search: int = 0,
+    search: int = 0, transfer: float | None = None,
 ) -> Schedule:
     """Build a named schedule.
 
@@ -897,6 +978,10 @@ def make_schedule(
       cost: F/B/W times the paired generator balances lockstep ticks for (default equal).
       search: paired only: steps of :func:`search_pairings` from the best pairing quorum's
         table (0: that table).
+      transfer: paired only: the time of one stage-to-stage transfer, in `cost`'s unit. Given,
+        tables are ranked by the bubble the executor's ticks give at these costs
+        (:func:`jax_overlap.pipeline.ticks.executed_bubble`: ring neighbours wait for each
+        other, one transfer per lane); None: by the global lockstep bubble at `cost`.
 
     Returns:
       The schedule.
@@ -917,16 +1002,26 @@ def make_schedule(
         base = make_schedule(name, stages, microbatches, virtual_stages, 1)
         caps = [min(2 * peak, microbatches * base.virtual_stages)
                 for peak in peak_activations(base)]
-        # Cost-aware: of the pairing quorums, the table whose lockstep ticks waste least at
-        # `cost` (default: F = B = W, so a non-split B costs two), then the one with most
-        # pairs (most transfers hidden under the other lane).
-        tables = [_build(base.name, stages, microbatches, virtual_stages, 1, True, caps, q)
-                  for q in PAIR_QUORUMS]
-        best = min(range(len(tables)), key=lambda i: _pairing_key(tables[i], cost))
+        # Cost-aware: of the pairing quorums, the table whose ticks waste least at `cost`
+        # (default: F = B = W, so a non-split B costs two), then the one with most pairs (most
+        # transfers hidden under the other lane). Timed as the executor runs it (`transfer`
+        # given), the unpaired table's own caps are tried too.
+        cap_sets = [caps]
+        if transfer is not None:
+            cap_sets.append(peak_activations(base))
+        candidates = []
+        for these in cap_sets:
+            for q in PAIR_QUORUMS:
+                try:
+                    candidates.append((_build(base.name, stages, microbatches, virtual_stages,
+                                              1, True, these, q), these, q))
+                except RuntimeError:  # a tighter cap can deadlock the greedy
+                    continue
+        table, caps, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
         if search:
             return search_pairings(base.name, stages, microbatches, virtual_stages, caps, cost,
-                                   PAIR_QUORUMS[best], search)
-        return tables[best]
+                                   quorum, search, transfer=transfer)
+        return table
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -950,12 +1045,12 @@ def make_schedule(
         f"for; use fewer stages",
     )
     cells = stages * microbatches * max(1, virtual_stages if isinstance(virtual_stages, int) else 1)
+    most = max(1, MAX_SCHEDULE_CELLS // (stages * max(1, virtual_stages)))
     _require(
         cells <= MAX_SCHEDULE_CELLS,
         f"pipeline.microbatches: stages x microbatches x virtual stages = {cells} is more than "
-        f"{MAX_SCHEDULE_CELLS}, the most a schedule is built for (building takes time quadratic "
-        f"in microbatches); use at most {max(1, MAX_SCHEDULE_CELLS // (stages * max(1, virtual_stages)))} "
-        f"microbatches (the bubble barely shrinks past 8 per stage)",
+        f"{MAX_SCHEDULE_CELLS}, the most a schedule is built for in bounded time and memory; "
+        f"use at most {most} microbatches",
     )
     _require(
         lat in (1, 2),
@@ -1003,16 +1098,20 @@ def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: i
     return builder(stages, microbatches, lat, paired, caps, quorum)
 
 
-def _pairing_key(schedule: Schedule, cost: dict[str, float] | None) -> tuple:
-    """How a paired table ranks: least lockstep waste at `cost`, then most pairs (most
-    transfers hidden under the other lane)."""
+def _pairing_key(schedule: Schedule, cost: dict[str, float] | None,
+                 transfer: float | None = None) -> tuple:
+    """How a paired table ranks: least waste at `cost` (the executor's ticks with `transfer`
+    per lane, or, without one, the global lockstep), then most pairs (most transfers hidden
+    under the other lane)."""
     pairs = sum(isinstance(c, Pair) for row in schedule.grid for c in row)
-    return round(weighted_bubble_fraction(schedule, cost), 9), -pairs
+    if transfer is None:
+        return round(weighted_bubble_fraction(schedule, cost), 9), -pairs
+    return round(executed_bubble(schedule, cost, transfer), 9), -pairs
 
 
 def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: int,
                     caps: Sequence[int], cost: dict[str, float] | None, start: float,
-                    steps: int, seed: int = 0) -> Schedule:
+                    steps: int, seed: int = 0, transfer: float | None = None) -> Schedule:
     """A paired table whose ticks cost alike at `cost`, by hill climbing on where pairs run.
 
     One pairing quorum for the whole step is a compromise: in the ramp pairs must run
@@ -1034,6 +1133,8 @@ def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: i
       start: the quorum every tick starts from (the best single quorum's).
       steps: tables to try.
       seed: the draws' seed.
+      transfer: rank tables by the executor's tick timing with this transfer time (see
+        :func:`make_schedule`); None: by the global lockstep bubble.
 
     Returns:
       The best table found (the start table if no step improves on it).
@@ -1041,9 +1142,9 @@ def search_pairings(name: str, stages: int, microbatches: int, virtual_stages: i
     first = _build(name, stages, microbatches, virtual_stages, 1, True, caps, (start,))
     climbs = [_climb(name, stages, microbatches, virtual_stages, caps, cost, start, first,
                      steps // PAIR_SEARCH_RESTARTS + (r < steps % PAIR_SEARCH_RESTARTS),
-                     seed * PAIR_SEARCH_RESTARTS + r)
+                     seed * PAIR_SEARCH_RESTARTS + r, transfer)
               for r in range(PAIR_SEARCH_RESTARTS)]
-    return min(climbs, key=lambda t: _pairing_key(t, cost))
+    return min(climbs, key=lambda t: _pairing_key(t, cost, transfer))
 
 
 # Independent climbs `search_pairings` splits its steps into: the landscape is rugged (at
@@ -1054,7 +1155,8 @@ PAIR_SEARCH_RESTARTS = 4
 
 def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
            caps: Sequence[int], cost: dict[str, float] | None, start: float,
-           first: Schedule, steps: int, seed: int) -> Schedule:
+           first: Schedule, steps: int, seed: int,
+           transfer: float | None = None) -> Schedule:
     """One hill climb of :func:`search_pairings` from `first` (every tick at `start`)."""
     import random
 
@@ -1065,7 +1167,7 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
         floor = sum(waste) / len(waste) / 10 + 1e-9
         return [w + floor for w in waste]
 
-    best, key = first, _pairing_key(first, cost)
+    best, key = first, _pairing_key(first, cost, transfer)
     shares, weights = [start] * best.ticks, draw_weights(first)
     for _ in range(steps):
         trial = list(shares)
@@ -1079,7 +1181,7 @@ def _climb(name: str, stages: int, microbatches: int, virtual_stages: int,
                            tuple(trial))
         except RuntimeError:  # this pairing deadlocks the greedy: keep the last table
             continue
-        trial_key = _pairing_key(table, cost)
+        trial_key = _pairing_key(table, cost, transfer)
         if trial_key <= key:
             best, key = table, trial_key
             shares = (trial + [trial[-1]] * table.ticks)[:max(table.ticks, 1)]
@@ -1110,6 +1212,7 @@ def schedule_command(
     paired: bool = False,
     tick_costs: str | None = None,
     pair_search: int = 0,
+    costs: str | None = None,
 ) -> str:
     """What ``jax-overlap schedule`` prints.
 
@@ -1123,6 +1226,10 @@ def schedule_command(
       paired: ``--paired``: paired F+B ticks.
       tick_costs: ``--tick-costs``: ``"F,B,W"`` tick times the pairing balances.
       pair_search: ``--pair-search``: steps of :func:`search_pairings`.
+      costs: ``--costs``: ``"F,B,W,C"``, the action times and one stage-to-stage transfer's:
+        the output adds ``weighted_bubble``, the bubble of the executor's ticks at these costs
+        (:func:`jax_overlap.pipeline.ticks.executed_bubble`), and a paired table is chosen
+        (and searched) for it.
 
     Returns:
       The text grid and a summary line, or the JSON document.
@@ -1140,15 +1247,36 @@ def schedule_command(
             raise ValueError(f"--tick-costs: three positive numbers F,B,W, e.g. "
                              f"15.2,18.8,18.6; got {tick_costs!r}")
         cost = dict(zip(KINDS, values))
+    transfer = None
+    if costs is not None:
+        if tick_costs is not None:
+            raise ValueError("--tick-costs: --costs F,B,W,C already gives the action times; "
+                             "drop --tick-costs")
+        try:
+            values = [float(v) for v in costs.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 4 or min(values[:3]) <= 0 or values[3] < 0:
+            raise ValueError(f"--costs: four numbers F,B,W,C (F, B, W > 0, transfer C >= 0), "
+                             f"e.g. 18.5,18.1,9.3,0.6; got {costs!r}")
+        cost, transfer = dict(zip(KINDS, values[:3])), values[3]
     if pair_search and not paired:
         raise ValueError("--pair-search: searches where paired ticks run; add --paired")
     if pair_search < 0:
         raise ValueError(f"--pair-search: must be >= 0, got {pair_search}")
     s = make_schedule(schedule, stages, microbatches, virtual, transfer_latency, paired, cost,
-                      pair_search)
+                      pair_search, transfer)
+    weighted = None
+    if transfer is not None:
+        weighted = executed_bubble(s, cost, transfer)
     if as_json:
-        return json.dumps(s.to_json())
-    return s.to_text() + "\n" + summary_line(s)
+        out = s.to_json()
+        if weighted is not None:
+            out["costs"] = {**cost, "C": transfer}
+            out["weighted_bubble"] = weighted
+        return json.dumps(out)
+    extra = "" if weighted is None else f" weighted_bubble={weighted:.4f}"
+    return s.to_text() + "\n" + summary_line(s) + extra
 
 
 def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -1,0 +1,171 @@
+"""How long the executor takes to run a schedule table when actions cost F, B, W and a
+stage-to-stage transfer costs C: the tick timing the simulator's ``timing="ticks"`` plays.
+
+The executor is a loop over ticks; in a tick each stage runs its entry (a paired entry: the
+forward lane, then the backward lane) and the stages exchange activations and gradients with
+permutes on the +1 / -1 rings. A permute completes on a stage once the stage it sends to and
+the stage it receives from have both reached it:
+
+* unpaired at latency 1: a tick's permute follows its action, so a stage's tick ends at the
+  latest action end among itself and its ring partners, plus the transfer;
+* latency 2, and each lane of a paired tick: the permute carrying the previous (half-)tick's
+  output is issued before the action, so a stage's lane ends at its own action's end or, if
+  later, its partners' start plus the transfer.
+
+One implementation: :func:`lane_partners` and :func:`lane_meet` are the rule
+:func:`jax_overlap.analysis.simulate.simulate` applies with TP collectives, head phases and
+FSDP gathers around it; :func:`executed_bubble` applies it to bare action costs (what
+``jax-overlap schedule --costs F,B,W,C`` reports as ``weighted_bubble``). Pure Python, and
+below :mod:`jax_overlap.pipeline.schedules` (which ranks tables with it): a ``schedule`` here is
+anything shaped like its ``Schedule``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
+    """Time one action takes: a non-split ``B`` also does the ``W`` work."""
+    if kind == "B" and not split_backward:
+        return cost["B"] + cost["W"]
+    return cost[kind]
+
+
+def _cell_actions(cell: Any) -> tuple:
+    """A table entry's actions: none (idle), one action (a 3-field tuple) or a pair's two."""
+    if cell is None:
+        return ()
+    return tuple(cell) if len(cell) == 2 else (cell,)
+
+
+def lane_of(kind: str, paired: bool) -> int:
+    """The lane an action runs in: paired tables run forwards in lane 0 and B / W in lane 1."""
+    return int(paired and kind != "F")
+
+
+def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
+    """Per lane, per stage: the stages it exchanges data with on that lane's rings.
+
+    A lane's rings are the (sender, receiver) stage pairs its actions use anywhere in the step
+    (an ``F`` sends to the next virtual stage's stage, a ``B`` to the previous one's; a hand-off
+    on the same stage uses no ring), as the executor's program compiles them
+    (``TickProgram.lane_rings``).
+
+    Args:
+      schedule: the table.
+
+    Returns:
+      ``partners[lane][stage]``: one lane, or two for a paired table.
+    """
+    s = schedule
+    lanes = 2 if s.paired else 1
+    n_vs = s.stages * s.virtual_stages
+    stage_of = [pos[0] for pos in s.placement]
+    out = [[set() for _ in range(s.stages)] for _ in range(lanes)]
+    seen = set()
+    for d, _, a in s.actions():
+        key = (d, a.kind, a.chunk)
+        if key in seen:
+            continue
+        seen.add(key)
+        vs = s.virtual_stage(d, a.chunk)
+        target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
+        if target is None or not 0 <= target < n_vs or stage_of[target] == d:
+            continue
+        lane = lane_of(a.kind, s.paired)
+        out[lane][d].add(stage_of[target])
+        out[lane][stage_of[target]].add(d)
+    return tuple(tuple(frozenset(x) for x in lane) for lane in out)
+
+
+def permute_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
+    """Per lane, per stage: whom the lane's permute waits for. A paired lane's half-tick
+    carries the other lane's last output (the executor's skewed lanes), so it is on the other
+    lane's rings."""
+    rings = lane_partners(schedule)
+    if schedule.paired:
+        return (rings[1], rings[0])
+    return rings
+
+
+def skewed(schedule: Any) -> bool:
+    """Whether each lane's permute is issued before its action (paired, or latency 2)."""
+    return schedule.paired or schedule.transfer_latency == 2
+
+
+def lane_meet(begin: Sequence[float], done: Sequence[float],
+              partners: Sequence[frozenset[int]], transfer: float,
+              skew: bool) -> list[float | None]:
+    """When each stage's permute at the end of one lane completes.
+
+    Args:
+      begin: per stage, when the lane started.
+      done: per stage, when its action (if any) ended.
+      partners: per stage, the ring partners it exchanges with in this lane.
+      transfer: seconds of one transfer.
+      skew: the permute was issued before the action (it waits for the partners' starts)
+        rather than after it (their ends).
+
+    Returns:
+      Per stage, the completion time, or ``None`` for a stage with no partner (no permute).
+      The stage's lane then ends at ``max(done, meet)``.
+    """
+    ref = begin if skew else done
+    return [max(ref[d], *(ref[e] for e in partners[d])) + transfer if partners[d] else None
+            for d in range(len(done))]
+
+
+def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
+                transfer: float = 0.0) -> list[float]:
+    """Per stage, when it finishes the step's last lane.
+
+    Args:
+      schedule: the table.
+      cost: seconds of ``F``, ``B`` and ``W`` (a non-split ``B`` costs ``B + W``); default 1
+        each.
+      transfer: seconds of one stage-to-stage transfer.
+
+    Returns:
+      One end time per stage.
+    """
+    s = schedule
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    near = permute_partners(s)
+    skew = skewed(s)
+    lanes = len(near)
+    seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
+    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane.
+    work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
+    for d, row in enumerate(s.grid):
+        for t, cell in enumerate(row):
+            for a in _cell_actions(cell):
+                work[lane_of(a.kind, s.paired)][d][t] += seconds[a.kind]
+    clock = [0.0] * s.stages
+    stages = range(s.stages)
+    for t in range(s.ticks):
+        for lane in range(lanes):
+            done = [clock[d] + work[lane][d][t] for d in stages]
+            meet = lane_meet(clock, done, near[lane], transfer, skew)
+            clock = [done[d] if meet[d] is None else max(done[d], meet[d]) for d in stages]
+    return clock
+
+
+def executed_bubble(schedule: Any, cost: dict[str, float] | None = None,
+                    transfer: float = 0.0) -> float:
+    """Idle share of ``stages x step time`` when the executor runs the table at these costs
+    (the zero-bubble paper's bubble rate: 1 - work / (stages x step time)).
+
+    Args:
+      schedule: the table.
+      cost: seconds of ``F``, ``B``, ``W`` (default 1 each).
+      transfer: seconds of one stage-to-stage transfer.
+
+    Returns:
+      A fraction in ``[0, 1)``; 0 for an empty table.
+    """
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    span = max(tick_clocks(schedule, cost, transfer), default=0.0) * schedule.stages
+    work = sum(action_cost(a.kind, schedule.split_backward, cost)
+               for _, _, a in schedule.actions())
+    return (span - work) / span if span else 0.0

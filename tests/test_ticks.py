@@ -1,0 +1,120 @@
+"""The executor's tick timing at given action and transfer costs (`schedule --costs`), and
+schedules at real pipeline sizes."""
+
+import json
+import time
+
+import pytest
+
+from helpers import run_cli
+from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
+from jax_overlap.analysis.simulate import Costs, Plan, simulate
+from jax_overlap.pipeline.program import compile_program
+from jax_overlap.pipeline.schedules import (
+    bubble_fraction,
+    make_schedule,
+    schedule_command,
+)
+from jax_overlap.pipeline.ticks import executed_bubble, lane_partners, tick_clocks
+from jax_overlap.pipeline.validate import validate
+
+PAPER_1P5B = {"F": 18.5, "B": 18.1, "W": 9.3}  # zero-bubble paper, Table 9, ms
+
+
+def _hw() -> HardwareProfile:
+    """A pp link whose transfer of `act_bytes` bytes takes `act_bytes` seconds."""
+    link = Link("l", 1.0, 0.0)
+    return HardwareProfile("t", "", "chip", 1e12, 1e12, 8, 1, {"l": link},
+                           {a: AxisLink("l", False) for a in ("dp", "pp", "tp")})
+
+
+CASES = [("1f1b", 4, 8, 1, False), ("zb-h1", 4, 8, 1, False), ("zb-h1", 4, 8, 1, True),
+         ("zb-v", 4, 8, 2, False), ("zb-v", 4, 8, 2, True), ("interleaved", 4, 8, 2, False)]
+
+
+@pytest.mark.parametrize("name,p,m,v,paired", CASES)
+def test_executed_bubble_is_the_simulators_tick_timing(name, p, m, v, paired):
+    """One implementation: the bare tick timing ends every stage where the simulator's
+    `timing="ticks"` does, for the same action and transfer costs."""
+    s = make_schedule(name, p, m, v, 1, paired)
+    costs = Costs.uniform(p * v, 1.3, 1.7, 0.6, act_bytes=0.25)
+    sim = simulate(Plan(s), costs, _hw(), timing="ticks")
+    ends = tick_clocks(s, {"F": 1.3, "B": 1.7, "W": 0.6}, 0.25)
+    assert max(ends) == pytest.approx(sim.step_time_s, rel=1e-12)
+    work = sum(1.3 if a.kind == "F" else 1.7 if a.kind == "B" else 0.6
+               for _, _, a in s.actions()) + (0 if s.split_backward else 0.6 * m * p * v)
+    assert executed_bubble(s, {"F": 1.3, "B": 1.7, "W": 0.6}, 0.25) == pytest.approx(
+        1 - work / (p * max(ends)))
+
+
+def test_equal_costs_without_transfer_give_the_tables_bubble():
+    for name, p, m, v in [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("zb-v", 4, 8, 2)]:
+        s = make_schedule(name, p, m, v)
+        one = {"F": 1.0, "B": 1.0, "W": 1.0}
+        if s.split_backward:
+            assert executed_bubble(s, one, 0.0) == pytest.approx(bubble_fraction(s))
+        # A transfer adds one per tick (unpaired): ticks x (1 + C) per stage.
+        assert max(tick_clocks(s, one, 0.5)) >= s.ticks * 1.5 - 1e-9
+
+
+@pytest.mark.parametrize("name,p,m,v,paired", CASES)
+def test_lane_partners_are_the_programs_rings(name, p, m, v, paired):
+    s = make_schedule(name, p, m, v, 1, paired)
+    rings = compile_program(s).lane_rings
+    for lane, partners in enumerate(lane_partners(s)):
+        down, up, _ = rings[lane]
+        want = [set() for _ in range(p)]
+        for src, dst in (*down, *up):
+            want[src].add(dst)
+            want[dst].add(src)
+        assert [set(x) for x in partners] == want
+
+
+def test_schedule_costs_reports_weighted_bubble():
+    """`--costs F,B,W,C` adds `weighted_bubble`; a paired table is chosen for those costs
+    and runs with less bubble than the unpaired one (ZB-H1 at the paper's 1.5B costs)."""
+    plain = json.loads(schedule_command("zb-h1", 8, 32, as_json=True,
+                                        costs="18.5,18.1,9.3,0.6"))
+    paired = json.loads(schedule_command("zb-h1", 8, 32, as_json=True, paired=True,
+                                         costs="18.5,18.1,9.3,0.6"))
+    assert plain["costs"] == {**PAPER_1P5B, "C": 0.6}
+    assert plain["weighted_bubble"] == pytest.approx(
+        executed_bubble(make_schedule("zb-h1", 8, 32), PAPER_1P5B, 0.6))
+    assert paired["paired"] and paired["weighted_bubble"] < plain["weighted_bubble"] - 0.05
+    # The transfer is exposed once per tick: a dearer one can only cost more.
+    dearer = json.loads(schedule_command("zb-h1", 8, 32, as_json=True,
+                                         costs="18.5,18.1,9.3,3"))
+    assert dearer["weighted_bubble"] > plain["weighted_bubble"]
+
+
+def test_schedule_costs_cli_and_bad_values():
+    proc = run_cli("schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                   "--costs", "1,2,1,0.1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert 0 < json.loads(proc.stdout)["weighted_bubble"] < 1
+    for bad in ("1,2,1", "1,2,x,0", "1,0,1,0", "1,1,1,-1"):
+        proc = run_cli("schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches",
+                       "8", "--costs", bad)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "--costs" in proc.stderr
+
+
+def test_real_sizes_build_and_the_bound_refuses_only_past_them():
+    """The paper's 14.6B ZB-V setting (p = 24, m = 96) builds, valid, in seconds; the bound is
+    on what cannot be built in bounded time, in one line."""
+    start = time.perf_counter()
+    s = make_schedule("zb-v", 24, 96, 2)
+    assert time.perf_counter() - start < 10
+    validate(s)
+    with pytest.raises(ValueError, match=r"^pipeline.microbatches: .* 1048576"):
+        make_schedule("1f1b", 2, 1 << 20)
+
+
+@pytest.mark.slow
+def test_largest_tables_build_in_ten_seconds():
+    """p = 64, m = 1024 (v = 4 interleaved, ZB-V, ZB-H1) build in <= 10 s each."""
+    for name, v in (("interleaved", 4), ("zb-v", 2), ("zb-h1", 1), ("1f1b", 1)):
+        start = time.perf_counter()
+        s = make_schedule(name, 64, 1024, v)
+        assert time.perf_counter() - start < 10, name
+        assert s.ticks >= 3 * 1024 * v if s.split_backward else 2 * 1024 * v
