@@ -88,6 +88,11 @@ class DataConfig:
     # bytes, or a Hugging Face tokenizer.json for stdlib/file (tokens: the shards' own; a path
     # given here must be the one they were made with)
     tokenizer: str = "bytes"
+    # Written by train into a run's config.json (a config need not set them): the kind
+    # (bytes, tokenizers, synthetic) and sha256 of the tokenizer the run's tokens were made
+    # with; the run dir keeps that tokenizer.json (jax_overlap/data/run_tokenizer.py).
+    tokenizer_kind: Literal["", "bytes", "tokenizers", "synthetic"] = ""
+    tokenizer_sha256: str = ""
     # stdlib/file/synthetic: the corpus's last fraction, held out for train.eval_every
     # (tokens: the split prepare-data --val-fraction wrote)
     val_fraction: float = 0.05
