@@ -833,13 +833,18 @@ def _tokenizer_mismatch(cfg: Config) -> list[str]:
 
 def _split_problems(cfg: Config) -> list[str]:
     """Each split the run reads must hold at least one window of model.seq_len + 1 tokens."""
+    from jax_overlap.data.shards import index_problem
     from jax_overlap.data.tokenizer import read_index
 
     d, need = cfg.data, cfg.model.seq_len + 1
     try:
-        split = read_index(d.path)["split"]
+        index = read_index(d.path)
     except ValueError as e:
         return [str(e)]
+    problem = index_problem(d.path, index)  # missing or truncated shards, a lying index
+    if problem:
+        return [f"data.path: {d.path}: {problem}; run prepare-data again"]
+    split = index["split"]
     out = []
     if split["train_tokens"] < need:
         out.append(f"data.path: {d.path}: the train split has {split['train_tokens']} tokens, "
