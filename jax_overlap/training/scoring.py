@@ -130,6 +130,8 @@ def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
         cfg = convert.hf_run_config(hf_dir, overrides)
         tok = run_tokenizer.for_hf(hf_dir)
     w, scored = data_windows(data, tok, cfg.model.seq_len)
+    if hf_dir:  # a corrupt file is refused before any device work
+        logical = convert.load_hf_params(hf_dir, cfg.model)
     mesh = plan_lib.mesh_from_config(cfg)
     model = model_api.build_model(cfg)
     plan = plan_lib.ParallelPlan.build(cfg, model)
@@ -140,7 +142,6 @@ def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
         from jax_overlap.pipeline import layout
         from jax_overlap.training import step as steplib
 
-        logical = convert.load_hf_params(hf_dir, cfg.model)
         params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
                                 steplib.param_shardings(model, mesh, plan.layout))
         source = {"from_hf": hf_dir}
