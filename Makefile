@@ -11,9 +11,11 @@ ARGS   ?=
 $(PY):
 	@base=$$(scripts/find_python.sh) && echo "creating $(VENV) with $$base" && "$$base" -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml scripts/jax_overlap_no_gpu.pth
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# Without a GPU, keeps the CUDA plugin's failed version check off stderr (jax_overlap/__init__.py)
+	cp scripts/jax_overlap_no_gpu.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -30,6 +30,28 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line and exit 2, like every other user error (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(USER_ERROR, f"error: {message}; see `{self.prog} --help`\n")
+
+
+def _positive(kind):
+    """argparse type: a number > 0 of `kind` (int or float); one line and exit 2 otherwise."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun} > 0 (leave the flag out "
+                                             f"for the default)")
+        return value
+    noun = "an integer" if kind is int else "a number"
+    return parse
+
+
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="YAML file, e.g. configs/tiny.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -43,7 +65,7 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jax-overlap", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="jax-overlap", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a config")
@@ -91,11 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="shard directory (data.path)")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", default="bytes", help="`bytes` or a tokenizer.json")
-    tok.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
-                     help="train a byte-level BPE of VOCAB tokens on the input first")
+    tok.add_argument("--train-tokenizer", type=_positive(int), default=0, metavar="VOCAB",
+                     help="train a byte-level BPE of VOCAB (257..1048576) tokens on the input "
+                          "first")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
-    p.add_argument("--max-bytes", type=int, default=0, help="read at most this much (0: all)")
+    p.add_argument("--max-bytes", type=_positive(int), default=0,
+                   help="read at most this many bytes (default: all)")
     p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("tune", help="rank parallel plans with the calibrated simulator")
@@ -121,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--to-hf", metavar="RUN_DIR", help="a run's newest verified checkpoint")
     p.add_argument("--out", required=True, help="the run directory / HF directory to write")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="--to-hf weights")
-    p.add_argument("--shard-mb", type=float, default=0.0,
-                   help="--to-hf: shards of at most this many MiB with an index (0: one file)")
+    p.add_argument("--shard-mb", type=_positive(float), default=0.0,
+                   help="--to-hf: shards of at most this many MiB with an index (default: "
+                        "one file)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
 
@@ -130,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="score the run's newest verified checkpoint")
     src.add_argument("--from-hf", metavar="DIR", help="score a Hugging Face directory")
-    p.add_argument("--data", required=True, help="text file (bytes are the tokens)")
+    p.add_argument("--data", required=True,
+                   help="a text file (tokenized with the model's tokenizer), or a "
+                        "prepare-data directory (its held-out split is scored)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     return parser

@@ -88,6 +88,11 @@ class DataConfig:
     # bytes, or a Hugging Face tokenizer.json for stdlib/file (tokens: the shards' own; a path
     # given here must be the one they were made with)
     tokenizer: str = "bytes"
+    # Written by train into a run's config.json (a config need not set them): the kind
+    # (bytes, tokenizers, synthetic) and sha256 of the tokenizer the run's tokens were made
+    # with; the run dir keeps that tokenizer.json (jax_overlap/data/run_tokenizer.py).
+    tokenizer_kind: Literal["", "bytes", "tokenizers", "synthetic"] = ""
+    tokenizer_sha256: str = ""
     # stdlib/file/synthetic: the corpus's last fraction, held out for train.eval_every
     # (tokens: the split prepare-data --val-fraction wrote)
     val_fraction: float = 0.05
@@ -848,13 +853,18 @@ def _tokenizer_mismatch(cfg: Config) -> list[str]:
 
 def _split_problems(cfg: Config) -> list[str]:
     """Each split the run reads must hold at least one window of model.seq_len + 1 tokens."""
+    from jax_overlap.data.shards import index_problem
     from jax_overlap.data.tokenizer import read_index
 
     d, need = cfg.data, cfg.model.seq_len + 1
     try:
-        split = read_index(d.path)["split"]
+        index = read_index(d.path)
     except ValueError as e:
         return [str(e)]
+    problem = index_problem(d.path, index)  # missing or truncated shards, a lying index
+    if problem:
+        return [f"data.path: {d.path}: {problem}; run prepare-data again"]
+    split = index["split"]
     out = []
     if split["train_tokens"] < need:
         out.append(f"data.path: {d.path}: the train split has {split['train_tokens']} tokens, "

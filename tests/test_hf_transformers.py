@@ -109,3 +109,49 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, over, shard
     assert layouts.model_fields_from_hf(reread) == layouts.model_fields_from_hf(
         json.load(open(out / "config.json")))
     assert build_model(convert.hf_run_config(str(out))) == model
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenized round trip (issue 28): prepare-data BPE -> train a Llama -> evaluate ->
+# convert --to-hf -> transformers loads the tokenizer and the model and scores the same text.
+
+from test_tokenized_run import first_devices, text_file, trained  # noqa: E402,F401
+
+
+def test_exported_tokenizer_and_model_score_like_evaluate(trained, tmp_path):  # noqa: F811
+    from jax_overlap.data import tokenizer as toklib
+    from jax_overlap.training import scoring
+
+    data = text_file(tmp_path)
+    text = open(data, "rb").read()
+    ours = scoring.evaluate_command(trained["run"], None, data)
+    export = str(tmp_path / "export")
+    convert.to_hf(trained["run"], export)
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    ids = hf_tok(text.decode())["input_ids"]
+    want = toklib.load(f"{trained['run']}/tokenizer.json").encode(text)
+    assert ids == want.tolist()
+    assert hf_tok.model_max_length == 16
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    windows = scoring.windows(np.asarray(ids), 16)
+    assert len(windows) == ours["windows"]
+    with torch.no_grad():
+        logits = model(torch.tensor(windows[:, :-1])).logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.tensor(windows[:, 1:]).reshape(-1))
+    assert abs(float(loss) - ours["loss"]) / ours["loss"] <= 1e-4
+    gen = transformers.GenerationConfig.from_pretrained(export)
+    assert gen.max_length == 16
+
+
+def test_a_byte_level_export_tokenizes_bytes(tmp_path):
+    from jax_overlap.data import tokenizer as toklib
+    from jax_overlap.hf import tokenizer_files
+
+    tokenizer_files.write_export(str(tmp_path), toklib.byte_tokenizer(), 64)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "héllo wörld\n\ttabs € 日本"
+    assert hf_tok(text)["input_ids"] == list(text.encode())
+    assert hf_tok.decode(list(text.encode())) == text

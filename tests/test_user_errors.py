@@ -324,3 +324,162 @@ def test_a_bug_is_one_line_naming_the_traceback_file(monkeypatch, capsys):
     text = open(path).read()
     os.remove(path)
     assert "Traceback" in text and "second line" in text
+
+
+# --------------------------------------------------------------------------------------------
+# Data, tokenizers and Hugging Face files (issue 28): in-process through `cli.main` (no JAX
+# computation happens before any of these refusals), so many cases stay cheap.
+
+
+def _data_files(tmp) -> dict[str, str]:
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models
+
+    from jax_overlap import config
+    from jax_overlap.data import prepare
+    from jax_overlap.hf import layouts
+
+    f = {k: str(tmp / k) for k in ("text", "a_file", "empty_dir", "small_tok.json")}
+    (tmp / "text").write_text("def f(x):\n    return x + 1\n" * 40)
+    (tmp / "a_file").write_text("not a directory\n")
+    (tmp / "empty_dir").mkdir()
+    Tokenizer(models.WordLevel({str(i): i for i in range(10)}, unk_token="0")).save(
+        f["small_tok.json"])
+    hf_cfg = layouts.hf_config(config.load(TINY, ["model.kind=llama"]).model)
+    for name in ("hf_trunc", "hf_garbage", "hf_badindex"):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(hf_cfg))
+        f[name] = str(tmp / name)
+    save_file({"model.embed_tokens.weight": np.ones((256, 32), np.float32)},
+              f["hf_trunc"] + "/model.safetensors")
+    os.truncate(f["hf_trunc"] + "/model.safetensors", 5000)
+    (tmp / "hf_garbage" / "model.safetensors").write_bytes(bytes(range(256)) * 8)
+    (tmp / "hf_badindex" / "model.safetensors.index.json").write_text("{not json")
+    for name, vocab in (("shards", 0), ("bpe_shards", 300)):
+        f[name] = str(tmp / name)
+        prepare.prepare(["stdlib"], f[name], train_vocab=vocab, max_bytes=20_000,
+                        val_fraction=0.1, progress=False)
+    for name in ("shards_trunc", "shards_lie", "shards_missing"):
+        shutil.copytree(f["shards"], tmp / name)
+        f[name] = str(tmp / name)
+    os.truncate(f["shards_trunc"] + "/shard_00000.bin", 1000)
+    index = json.load(open(f["shards_lie"] + "/index.json"))
+    index["split"]["val_tokens"] += 10_000
+    json.dump(index, open(f["shards_lie"] + "/index.json", "w"))
+    os.remove(f["shards_missing"] + "/shard_00000.bin")
+    (tmp / "fake_run").mkdir()
+    (tmp / "fake_run" / "config.json").write_text(json.dumps(config.load(TINY).to_dict()))
+    f["fake_run"] = str(tmp / "fake_run")
+    return f
+
+
+def _tokens(path):
+    return ["--set", "data.source=tokens", "--set", f"data.path={path}"]
+
+
+DATA_CASES = [
+    # corrupt or truncated safetensors
+    ("from_hf_truncated_safetensors", lambda f, new: [
+        "convert", "--from-hf", f["hf_trunc"], "--out", new], ["--from-hf", "safetensors"]),
+    ("from_hf_garbage_safetensors", lambda f, new: [
+        "convert", "--from-hf", f["hf_garbage"], "--out", new], ["--from-hf", "safetensors"]),
+    ("from_hf_index_not_json", lambda f, new: [
+        "convert", "--from-hf", f["hf_badindex"], "--out", new], ["--from-hf", "index"]),
+    ("evaluate_truncated_safetensors", lambda f, new: [
+        "evaluate", "--from-hf", f["hf_trunc"], "--data", f["text"]],
+     ["--from-hf", "truncated"]),
+    # corrupt or truncated shards, an index that lies
+    ("train_truncated_shard", lambda f, new: TRAIN + ["--run-dir", new, *_tokens(
+        f["shards_trunc"])], ["data.path", "shard_00000.bin", "prepare-data"]),
+    ("train_missing_shard", lambda f, new: TRAIN + ["--run-dir", new, *_tokens(
+        f["shards_missing"])], ["data.path", "missing"]),
+    ("train_index_lies_about_split", lambda f, new: TRAIN + ["--run-dir", new, *_tokens(
+        f["shards_lie"])], ["data.path", "split"]),
+    ("evaluate_truncated_shard", lambda f, new: [
+        "evaluate", "--from-hf", f["hf_trunc"], "--data", f["shards_trunc"]],
+     ["--data", "shard_00000.bin"]),
+    ("evaluate_dir_without_index", lambda f, new: [
+        "evaluate", "--from-hf", f["hf_trunc"], "--data", f["empty_dir"]],
+     ["--data", "index.json"]),
+    ("evaluate_shards_of_another_tokenizer", lambda f, new: [
+        "evaluate", "--from-hf", f["hf_trunc"], "--data", f["bpe_shards"]],
+     ["--data", "another tokenizer"]),
+    ("evaluate_missing_run", lambda f, new: [
+        "evaluate", "--run-dir", new, "--data", f["text"]], ["--run-dir", "config.json"]),
+    # a file where a directory goes
+    ("to_hf_out_is_a_file", lambda f, new: [
+        "convert", "--to-hf", f["fake_run"], "--out", f["a_file"]], ["--out", "not a directory"]),
+    ("from_hf_out_is_a_file", lambda f, new: [
+        "convert", "--from-hf", f["hf_trunc"], "--out", f["a_file"]], ["--out", "not a directory"]),
+    ("prepare_out_is_a_file", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", f["a_file"]], ["--out", "not a directory"]),
+    ("tune_out_under_a_file", lambda f, new: [
+        "tune", "--config", TINY, "--devices", "8", "--out", f["a_file"] + "/tuned.yaml"],
+     ["a_file", "directory"]),
+    # negative or zero sizes
+    ("shard_mb_negative", lambda f, new: [
+        "convert", "--to-hf", f["fake_run"], "--out", new, "--shard-mb", "-1"], ["--shard-mb"]),
+    ("shard_mb_zero", lambda f, new: [
+        "convert", "--to-hf", f["fake_run"], "--out", new, "--shard-mb", "0"], ["--shard-mb"]),
+    ("max_bytes_negative", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--max-bytes", "-1"], ["--max-bytes"]),
+    ("max_bytes_zero", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--max-bytes", "0"], ["--max-bytes"]),
+    ("train_tokenizer_zero", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--train-tokenizer", "0"],
+     ["--train-tokenizer"]),
+    ("train_tokenizer_below_bytes", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--train-tokenizer", "100"],
+     ["--train-tokenizer", "257"]),
+    # tokenizer vocabularies that do not fit
+    ("tokenizer_smaller_than_bytes", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--tokenizer", f["small_tok.json"]],
+     ["--tokenizer", "256"]),
+    ("tokenizer_not_json", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--tokenizer", f["text"]],
+     ["--tokenizer", "tokenizer.json"]),
+    # careless inputs
+    ("prepare_no_such_input", lambda f, new: [
+        "prepare-data", "--input", new + "/nothing.txt", "--out", new], ["--input"]),
+    ("prepare_val_fraction_one", lambda f, new: [
+        "prepare-data", "--input", f["text"], "--out", new, "--val-fraction", "1"],
+     ["--val-fraction"]),
+    ("convert_both_directions", lambda f, new: [
+        "convert", "--from-hf", f["hf_trunc"], "--to-hf", f["fake_run"], "--out", new],
+     ["--to-hf", "--from-hf"]),
+    ("convert_from_a_file", lambda f, new: [
+        "convert", "--from-hf", f["text"], "--out", new], ["--from-hf", "not a directory"]),
+    ("evaluate_without_data", lambda f, new: [
+        "evaluate", "--from-hf", f["hf_trunc"]], ["--data"]),
+    ("schedule_stages_not_a_number", lambda f, new: [
+        "schedule", "--schedule", "1f1b", "--stages", "two", "--microbatches", "4"],
+     ["--stages"]),
+    ("schedule_no_stages", lambda f, new: [
+        "schedule", "--schedule", "1f1b", "--stages", "0", "--microbatches", "4"],
+     ["stages"]),
+    ("tune_measure_negative", lambda f, new: [
+        "tune", "--config", TINY, "--devices", "8", "--measure", "-1"], ["--measure"]),
+]
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_data_and_hf_user_error_is_one_line_and_changes_nothing(case, tmp_path_factory,
+                                                                 capsys):
+    from jax_overlap import cli
+
+    _, argv, named = case
+    root = tmp_path_factory.mktemp("data_errors")
+    files = _data_files(root)
+    new = str(root / "new")
+    before = tree_hash(str(root))
+    capsys.readouterr()
+    try:
+        rc = cli.main(argv(files, new))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), (rc, err)
+    for word in named:
+        assert word in err[0], (word, err[0])
+    assert tree_hash(str(root)) == before

@@ -135,13 +135,16 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes", train_vocab: 
     if total_bytes == 0:
         raise ValueError(f"--input {' '.join(inputs)}: the corpus is empty (0 bytes); pass "
                          f"files with text in them")
+    given = None if train_vocab else toklib.load(tokenizer, field="--tokenizer")
+    if given is not None:
+        dtype = shardlib.dtype_for(given.vocab_size, dtype)  # refused before --out changes
     _prepare_out_dir(out)
     t0 = time.perf_counter()
     if train_vocab:
         texts = (c.decode("utf-8", errors="replace") for c in read_chunks(paths, max_bytes))
         tok = toklib.train_bpe(texts, train_vocab, os.path.join(out, toklib.TOKENIZER_FILE))
     else:
-        tok = toklib.load(tokenizer, field="--tokenizer")
+        tok = given
         if tok.hf is not None:
             shutil.copyfile(tokenizer, os.path.join(out, toklib.TOKENIZER_FILE))
     dtype = shardlib.dtype_for(tok.vocab_size, dtype)

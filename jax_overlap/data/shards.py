@@ -78,6 +78,42 @@ def split_of(total: int, val_fraction: float) -> dict:
             "val_tokens": val}
 
 
+def index_problem(directory: str, index: dict) -> str:
+    """What is wrong with a prepare-data index against its files ("" when nothing): every
+    shard present with exactly the bytes its count says, the counts adding up to `tokens`,
+    the split inside the stream, the dtype holding the vocabulary."""
+    try:
+        dtype = index["dtype"]
+        if dtype not in DTYPES:
+            return f"{INDEX_FILE} names dtype {dtype!r}, not one of {', '.join(DTYPES)}"
+        vocab = int(index["vocab_size"])
+        if not 0 < vocab <= np.iinfo(DTYPES[dtype]).max + 1:
+            return f"{INDEX_FILE}: vocab_size {vocab} does not fit {dtype}"
+        total = 0
+        for shard in index["shards"]:
+            name, n = str(shard["file"]), int(shard["tokens"])
+            path = os.path.join(directory, name)
+            if os.path.basename(name) != name or n < 0:
+                return f"{INDEX_FILE} lists a bad shard entry {shard!r}"
+            if not os.path.isfile(path):
+                return f"{name}, listed in {INDEX_FILE}, is missing"
+            size = os.path.getsize(path)
+            if size != n * np.dtype(DTYPES[dtype]).itemsize:
+                return (f"{name} holds {size} bytes, not the {n} {dtype} tokens "
+                        f"{INDEX_FILE} lists")
+            total += n
+        sp = index["split"]
+        train, start, val = int(sp["train_tokens"]), int(sp["val_start"]), int(sp["val_tokens"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"{INDEX_FILE} is not a prepare-data index ({type(e).__name__}: {e})"
+    if total != int(index.get("tokens", total)):
+        return f"{INDEX_FILE} says {index['tokens']} tokens, its shards hold {total}"
+    if min(train, start, val) < 0 or train > total or start + val > total:
+        return (f"{INDEX_FILE}'s split (train {train}, val {start}..{start + val}) is outside "
+                f"its {total} tokens")
+    return ""
+
+
 def write_index(out_dir: str, index: dict) -> None:
     """Written last and atomically: a directory with an index holds complete shards."""
     tmp = os.path.join(out_dir, INDEX_FILE + ".tmp")
@@ -87,18 +123,23 @@ def write_index(out_dir: str, index: dict) -> None:
 
 
 class TokenArray:
-    """The shards of an index as one read-only token array, memory-mapped shard by shard."""
+    """The shards of an index as one read-only token array, memory-mapped shard by shard.
 
-    def __init__(self, directory: str, index: dict):
+    Raises:
+      ValueError: naming `field` when the index does not describe the files (a missing or
+        truncated shard, counts or a split that do not add up, an unknown dtype).
+    """
+
+    def __init__(self, directory: str, index: dict, field: str = "data.path"):
+        problem = index_problem(directory, index)
+        if problem:
+            raise ValueError(f"{field}: {directory}: {problem}; run prepare-data again")
         dtype = DTYPES[index["dtype"]]
         self._maps = []
         self._starts = [0]
         for shard in index["shards"]:
             path = os.path.join(directory, shard["file"])
             n = int(shard["tokens"])
-            if os.path.getsize(path) != n * np.dtype(dtype).itemsize:
-                raise ValueError(f"data.path: {path} holds {os.path.getsize(path)} bytes, not "
-                                 f"the {n} tokens its index lists; run prepare-data again")
             self._maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else
                               np.zeros(0, dtype))
             self._starts.append(self._starts[-1] + n)

@@ -73,7 +73,39 @@ def load(spec: str, field: str = "data.tokenizer") -> Tokenizer:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{field}: {spec} is not a tokenizer.json the `tokenizers` library "
                          f"reads ({first}); pass `bytes` or a valid tokenizer.json") from None
-    return Tokenizer(spec, hf.get_vocab_size(), file_sha256(spec), hf)
+    size = hf.get_vocab_size()
+    if size < 256:
+        raise ValueError(f"{field}: {spec} has {size} tokens, fewer than the 256 byte values; "
+                         f"pass `bytes` or a tokenizer with at least 256 tokens")
+    return Tokenizer(spec, size, file_sha256(spec), hf)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable character for each byte (what the ByteLevel pre-tokenizer emits)."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def write_byte_tokenizer(path: str) -> None:
+    """The byte tokenizer as a Hugging Face tokenizer.json: token id = byte value (a
+    byte-level BPE with the 256 bytes as its vocabulary and no merges), so an exported
+    byte-level model loads with `AutoTokenizer` and encodes UTF-8 text as we do."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    hf = HF(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.save(path)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, path: str) -> Tokenizer:
@@ -100,8 +132,15 @@ def read_index(directory: str, field: str = "data.path") -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"{field}: {directory} has no {INDEX_FILE}; point it at a "
                          f"`jax-overlap prepare-data --out DIR` directory")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{field}: {path} cannot be read as JSON ({type(e).__name__}); run "
+                         f"prepare-data again") from None
+    if not isinstance(index, dict) or "vocab_size" not in index:
+        raise ValueError(f"{field}: {path} is not a prepare-data index; run prepare-data again")
+    return index
 
 
 def data_vocab_size(source: str, path: str, tokenizer: str) -> tuple[int, str]:
@@ -110,8 +149,11 @@ def data_vocab_size(source: str, path: str, tokenizer: str) -> tuple[int, str]:
     Raises ValueError naming the field when the shards or the tokenizer cannot be read.
     """
     if source == "tokens":
-        index = read_index(path)
-        return int(index["vocab_size"]), f"the tokenizer of {path}"
+        size = read_index(path)["vocab_size"]
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"data.path: {path}/{INDEX_FILE} has vocab_size {size!r}, not a "
+                             f"positive integer; run prepare-data again")
+        return size, f"the tokenizer of {path}"
     if source in ("stdlib", "file") and tokenizer not in ("", BYTES):
         return load(tokenizer).vocab_size, f"data.tokenizer {tokenizer}"
     return 256, "the byte tokenizer"

@@ -6,7 +6,8 @@
   --run-dir RUN_DIR` continues from it, `evaluate --run-dir RUN_DIR` scores it.
 * `--to-hf RUN_DIR --out DIR`: the run's newest verified checkpoint as `config.json` +
   `model.safetensors` (or shards + `model.safetensors.index.json` with `--shard-mb`), fp32 or
-  bf16, loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
+  bf16, loadable by `transformers.AutoModelForCausalLM.from_pretrained`, with the run's
+  tokenizer files (`hf.tokenizer_files`), all mode 0644.
 
 Layouts are in `hf.layouts`; every bad input is one line (`ConfigError`).
 """
@@ -21,7 +22,8 @@ import numpy as np
 
 from jax_overlap import config as config_lib
 from jax_overlap.config import Config, ConfigError
-from jax_overlap.hf import layouts, safetensors_io
+from jax_overlap.data import run_tokenizer
+from jax_overlap.hf import layouts, safetensors_io, tokenizer_files
 
 DTYPES = {"fp32": ("float32", np.float32), "bf16": ("bfloat16", None)}
 
@@ -75,6 +77,19 @@ def export_params(model_cfg, params: Any, out_dir: str, dtype: str = "fp32",
     return files
 
 
+def check_out_dir(out_dir: str) -> None:
+    """`--out` must be a directory path (new or existing), not a file."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError([f"--out {out_dir}: exists and is not a directory; pick a new "
+                           f"directory path"])
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError([f"--out {out_dir}: {parent} is a file, not a directory; pick "
+                           f"another path"])
+
+
 def _to_numpy(tree):
     import jax
 
@@ -82,8 +97,11 @@ def _to_numpy(tree):
 
 
 def from_hf(hf_dir: str, run_dir: str, overrides: list[str] = ()) -> dict:
-    """`convert --from-hf`: the run directory with config.json and a step-0 checkpoint."""
+    """`convert --from-hf`: the run directory with config.json and a step-0 checkpoint, and
+    the HF directory's tokenizer (`data.tokenizer`, so training on text continues with it)."""
+    check_out_dir(run_dir)
     cfg = hf_run_config(hf_dir, overrides)
+    tokenizer_files.check_hf_tokenizer(hf_dir, cfg.model.vocab)
     if cfg.checkpoint.every_steps == 0:  # so that `train --run-dir` resumes from step 0
         cfg = config_lib.from_dict(config_lib.apply_overrides(cfg.to_dict(),
                                                               ["checkpoint.every_steps=100"]))
@@ -114,6 +132,10 @@ def from_hf(hf_dir: str, run_dir: str, overrides: list[str] = ()) -> dict:
     loop = loop._replace(train=loop.train._replace(params=staged))
     config_dict = plan.resolved_config(cfg).to_dict()
     os.makedirs(run_dir, exist_ok=True)
+    tok = tokenizer_files.import_into_run(hf_dir, run_dir, cfg.model.vocab)
+    if tok is not None:
+        config_dict["data"].update(tokenizer=os.path.join(run_dir, tokenizer_files.TOKENIZER),
+                                   **run_tokenizer.record(tok))
     ckpt = ckptlib.Checkpointer(ckptlib.CheckpointOptions(dir=ckpt_dir, async_save=False), mesh)
     ckpt.maybe_save(to_checkpoint(loop, plan.layer_perm, shardings), config_dict, force=True,
                     step=0)
@@ -122,7 +144,8 @@ def from_hf(hf_dir: str, run_dir: str, overrides: list[str] = ()) -> dict:
         f.write(json.dumps(config_dict, indent=2, sort_keys=True))
     return {"run_dir": run_dir, "checkpoint_dir": ckpt_dir, "step": 0,
             "model": cfg.model.kind, "params": int(sum(np.size(a) for a in
-                                                       jax.tree.leaves(params)))}
+                                                       jax.tree.leaves(params))),
+            "tokenizer": run_tokenizer.kind_of(tok) if tok is not None else "none"}
 
 
 def check_params_match(params: Any, abstract: Any, where: str) -> None:
@@ -151,9 +174,14 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
     if cfg.model.kind not in ("llama", "gpt"):
         raise ConfigError([f"--to-hf {run_dir}: model.kind {cfg.model.kind} has no Hugging "
                            f"Face layout (llama, gpt)"])
+    check_out_dir(out_dir)
     if os.path.exists(os.path.join(out_dir, "config.json")):
         raise ConfigError([f"--out {out_dir}: already holds a config.json; pick a new "
                            f"directory"])
+    tok = run_tokenizer.for_run(run_dir, cfg)
+    if tok is not None and tok.vocab_size > cfg.model.vocab:
+        raise ConfigError([f"--to-hf {run_dir}: its tokenizer has {tok.vocab_size} tokens, more "
+                           f"than model.vocab {cfg.model.vocab}"])
     from jax_overlap import model_api
     from jax_overlap import plan as plan_lib
 
@@ -162,7 +190,11 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
     plan = plan_lib.ParallelPlan.build(cfg, model)
     params, step = run_state.newest_params(cfg, run_dir, model, plan, mesh, flag="--to-hf")
     files = export_params(cfg.model, params, out_dir, dtype, int(shard_mb * 2**20))
+    files += tokenizer_files.write_export(out_dir, tok, cfg.model.seq_len, run_dir)
+    for name in os.listdir(out_dir):  # readable by everyone, like any model download
+        os.chmod(os.path.join(out_dir, name), 0o644)
     return {"out": out_dir, "step": step, "files": files, "dtype": dtype,
+            "tokenizer": run_tokenizer.kind_of(tok),
             "architecture": layouts.ARCHITECTURES["llama" if cfg.model.kind == "llama"
                                                   else "gpt2"]}
 

@@ -20,23 +20,49 @@ INDEX = "model.safetensors.index.json"
 
 
 def read_tensors(directory: str, flag: str = "--from-hf") -> dict[str, np.ndarray]:
-    """Every tensor of the directory's single file or of all its indexed shards."""
+    """Every tensor of the directory's single file or of all its indexed shards.
+
+    Raises:
+      ConfigError: one line for a missing, truncated or corrupt file, or an index that
+        places tensors in a shard that does not hold them.
+    """
     single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index) as f:
+                data = json.load(f)
+            weight_map = dict(data.get("weight_map", {}))
+        except (OSError, ValueError, TypeError, AttributeError):
+            raise ConfigError([f"{flag} {index}: not a safetensors index (JSON with a "
+                               f"weight_map); copy it again"]) from None
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
-            path = os.path.join(directory, shard)
-            if not os.path.exists(path):
+            path = os.path.join(directory, str(shard))
+            if not os.path.isfile(path):
                 raise ConfigError([f"{flag} {directory}: {INDEX} lists {shard}, which is "
                                    f"missing; copy the whole directory"])
-            tensors.update(load_file(path))
+            got = _load(path, flag)
+            listed = {n for n, f in weight_map.items() if f == shard}
+            if not listed <= set(got):
+                missing = sorted(listed - set(got))[:3]
+                raise ConfigError([f"{flag} {directory}: {INDEX} places {missing} in {shard}, "
+                                   f"which does not hold them; copy the whole directory"])
+            tensors.update(got)
         return tensors
     if os.path.exists(single):
-        return load_file(single)
+        return _load(single, flag)
     raise ConfigError([f"{flag} {directory}: no {SINGLE} or {INDEX}; point it at a Hugging "
                        f"Face model directory"])
+
+
+def _load(path: str, flag: str) -> dict[str, np.ndarray]:
+    """One safetensors file; a truncated or corrupt one is a ConfigError."""
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, numpy's ValueError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise ConfigError([f"{flag} {path}: not a readable safetensors file ({first}); "
+                           f"it may be truncated or corrupt, copy it again"]) from None
 
 
 def write_tensors(directory: str, tensors: dict[str, np.ndarray],

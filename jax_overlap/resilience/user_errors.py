@@ -63,6 +63,8 @@ def user_error_line(exc: BaseException) -> Optional[str]:
             return f"{name}: file not found"
         if isinstance(exc, IsADirectoryError):
             return f"{name}: is a directory, a file is needed here"
+        if isinstance(exc, FileExistsError):  # os.makedirs over a file
+            return f"{name}: a file is in the way where a directory is needed; pick another path"
         if isinstance(exc, NotADirectoryError):
             return f"{name}: a part of this path is a file, a directory is needed"
         if exc.errno in _DENIED:

@@ -49,6 +49,7 @@ from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
 from jax_overlap.analysis.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
+from jax_overlap.data import run_tokenizer
 from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience import run_guard, run_identity
@@ -212,8 +213,13 @@ class _Trainer:
         self.ckpt_shardings = shardings_of(self.ckpt_abstract)
         self.policy = RollbackPolicy(cfg.guard.max_skips, cfg.guard.skip_batches,
                                      cfg.guard.lr_scale_on_rollback)
-        # What the run trains with: the config with every `auto` knob resolved by the plan.
+        # What the run trains with: the config with every `auto` knob resolved by the plan,
+        # and the tokenizer its tokens come from (kept in the run dir).
         self.config_dict = self.plan.resolved_config(cfg).to_dict()
+        self.tokenizer = None
+        if not hasattr(self.model, "data_stream"):
+            self.tokenizer = run_tokenizer.of_data(cfg.data)
+            self.config_dict["data"].update(run_tokenizer.config_fields(cfg.data, self.tokenizer))
         ck = cfg.checkpoint
         self.ckpt_dir = ck.dir or os.path.join(run_dir, "checkpoints")
         self.ckpt = self.local = None  # opened once the run dir is locked
@@ -307,6 +313,8 @@ class _Trainer:
         """
         if self.ckpt is None:
             return
+        if self.ckpt.committed_steps() and not hasattr(self.model, "data_stream"):
+            run_tokenizer.check_resume(self.run_dir, self.tokenizer, self.cfg.data.path)
         markers = read_markers(self.ckpt_dir, self.ckpt.committed_steps())
         mismatch = checkpoint_mismatch(markers, self.ckpt_abstract)
         if not ckptlib.default_collectives().all_true(mismatch is None):
@@ -352,6 +360,8 @@ class _Trainer:
         if self.ckpt is not None:
             self.ckpt.quarantine_skipped(self.ckpt.last_skipped)
         if self.is_main:
+            if not hasattr(self.model, "data_stream"):
+                run_tokenizer.save_copy(self.run_dir, self.tokenizer)
             with open(os.path.join(self.run_dir, "config.json"), "w") as f:
                 f.write(json.dumps(self.config_dict, indent=2, sort_keys=True))
         for event in self._events:

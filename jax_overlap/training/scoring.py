@@ -1,8 +1,12 @@
-"""`jax-overlap evaluate`: mean next-token loss and perplexity of a checkpoint over a text file.
+"""`jax-overlap evaluate`: mean next-token loss and perplexity of a checkpoint over a text
+file or the held-out split of a `prepare-data` directory.
 
-The file is tokenized (`file_tokens`), cut into non-overlapping windows of `model.seq_len + 1`
-tokens (a last partial window is dropped); each window gives `seq_len` predictions (inputs
-tokens 0..T-1, targets 1..T). Batches of windows run through `evaluate.make_eval_loss` on the
+A text file is tokenized with the model's tokenizer (a run's own copy, an HF directory's
+tokenizer.json, or bytes: `data.run_tokenizer`) and cut into non-overlapping windows of
+`model.seq_len + 1` tokens (a last partial window is dropped). A prepare-data directory (made
+with the same tokenizer) gives its held-out split's windows as training's evaluation reads
+them: `seq_len + 1` tokens every `seq_len`, in order. Each window gives `seq_len` predictions
+(inputs tokens 0..T-1, targets 1..T). Batches of windows run through `evaluate.make_eval_loss` on the
 config's mesh (any dp x pp x tp: evaluation is forward-only under GSPMD), so the number is the
 same on every mesh.
 
@@ -20,20 +24,51 @@ import numpy as np
 from jax_overlap.config import Config, ConfigError
 
 
-def file_tokens(path: str, cfg: Config) -> np.ndarray:
-    """The file's token ids (int32): bytes (ids 0..255), or the run's `data.tokenizer` when
-    the config has one that is not `bytes` (the one place tokens are made for evaluation)."""
+def text_windows(path: str, tok, seq_len: int) -> np.ndarray:
+    """(N, seq_len + 1) non-overlapping windows of a text file's tokens under `tok` (a
+    `data.tokenizer.Tokenizer`; the one place evaluation makes tokens from text)."""
     if not os.path.isfile(path):
-        raise ConfigError([f"--data {path}: file not found; pass a text file"])
+        raise ConfigError([f"--data {path}: file not found; pass a text file or a "
+                           f"`jax-overlap prepare-data` directory"])
     with open(path, "rb") as f:
         raw = f.read()
-    tokenizer = getattr(cfg.data, "tokenizer", "bytes") or "bytes"
-    if tokenizer == "bytes":
-        return np.frombuffer(raw, np.uint8).astype(np.int32)
-    # The data package's tokenizers (bytes or a tokenizer.json).
-    from jax_overlap.data.tokenizer import load
+    return windows(np.asarray(tok.encode(raw), np.int32), seq_len)
 
-    return np.asarray(load(tokenizer).encode(raw), np.int32)
+
+def split_windows(directory: str, tok, seq_len: int) -> np.ndarray:
+    """The held-out split of a prepare-data directory as training's evaluation cuts it:
+    windows of `seq_len + 1` tokens starting every `seq_len` tokens, in order, each once.
+
+    Raises:
+      ConfigError: the directory's tokenizer is not `tok`, or its split is too short.
+    """
+    from jax_overlap.data import shards as shardlib
+    from jax_overlap.data import tokenizer as toklib
+
+    try:
+        index = toklib.read_index(directory, field="--data")
+        tokens = shardlib.TokenArray(directory, index, field="--data")
+    except ValueError as e:
+        raise ConfigError([str(e).splitlines()[0]]) from None
+    got = (index.get("tokenizer") or {}).get("sha256", "")
+    if got != tok.sha256:
+        raise ConfigError([f"--data {directory}: its tokens were made with another tokenizer "
+                           f"(sha256 {got[:12]}) than the model's ({tok.sha256[:12]}); prepare "
+                           f"it with --tokenizer set to the model's tokenizer.json"])
+    sp = index["split"]
+    n = (sp["val_tokens"] - 1) // seq_len
+    if n < 1:
+        raise ConfigError([f"--data {directory}: the held-out split has {sp['val_tokens']} "
+                           f"tokens, fewer than model.seq_len + 1 = {seq_len + 1}; prepare-data "
+                           f"with a larger --val-fraction"])
+    return tokens.read_many(sp["val_start"] + np.arange(n) * seq_len, seq_len + 1)
+
+
+def data_windows(data: str, tok, seq_len: int) -> tuple[np.ndarray, dict]:
+    """(windows, what was scored) of `--data`: a text file or a prepare-data directory."""
+    if os.path.isdir(data):
+        return split_windows(data, tok, seq_len), {"data": data, "split": "val"}
+    return text_windows(data, tok, seq_len), {"data": data}
 
 
 def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -42,9 +77,9 @@ def windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
 
-def evaluate(cfg: Config, params, model, plan, mesh, tokens: np.ndarray,
-             batch_size: int) -> dict:
-    """`{"loss", "perplexity", "tokens", "windows"}` of staged `params` over `tokens`."""
+def evaluate(cfg: Config, params, model, plan, mesh, w: np.ndarray, batch_size: int) -> dict:
+    """`{"loss", "perplexity", "tokens", "windows"}` of staged `params` over the windows `w`
+    ((N, seq_len + 1) token ids)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -52,10 +87,9 @@ def evaluate(cfg: Config, params, model, plan, mesh, tokens: np.ndarray,
     from jax_overlap.parallel.mesh import DP
     from jax_overlap.training.evaluate import make_eval_loss, mean_loss
 
-    w = windows(tokens, cfg.model.seq_len)
     if len(w) == 0:
-        raise ConfigError([f"--data: {len(tokens)} tokens are fewer than one window of "
-                           f"model.seq_len + 1 = {cfg.model.seq_len + 1}; use a longer file"])
+        raise ConfigError([f"--data: fewer tokens than one window of model.seq_len + 1 = "
+                           f"{cfg.model.seq_len + 1}; use a longer file"])
     if cfg.model.vocab <= int(w.max()):
         raise ConfigError([f"model.vocab: {cfg.model.vocab} is too small for token id "
                            f"{int(w.max())} of the data"])
@@ -83,15 +117,21 @@ def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
     from jax_overlap import model_api
     from jax_overlap import plan as plan_lib
 
+    from jax_overlap.data import run_tokenizer
+
     if run_dir:
         from jax_overlap.training import run_state
 
         cfg = run_state.run_config(run_dir, overrides)
+        tok = run_tokenizer.for_run(run_dir, cfg)
     else:
         from jax_overlap.hf import convert
 
         cfg = convert.hf_run_config(hf_dir, overrides)
-    tokens = file_tokens(data, cfg)
+        tok = run_tokenizer.for_hf(hf_dir)
+    w, scored = data_windows(data, tok, cfg.model.seq_len)
+    if hf_dir:  # a corrupt file is refused before any device work
+        logical = convert.load_hf_params(hf_dir, cfg.model)
     mesh = plan_lib.mesh_from_config(cfg)
     model = model_api.build_model(cfg)
     plan = plan_lib.ParallelPlan.build(cfg, model)
@@ -102,9 +142,9 @@ def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
         from jax_overlap.pipeline import layout
         from jax_overlap.training import step as steplib
 
-        logical = convert.load_hf_params(hf_dir, cfg.model)
         params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
                                 steplib.param_shardings(model, mesh, plan.layout))
         source = {"from_hf": hf_dir}
-    result = evaluate(cfg, params, model, plan, mesh, tokens, cfg.train.global_batch)
-    return {**result, **source, "mesh": plan.axis_sizes}
+    result = evaluate(cfg, params, model, plan, mesh, w, cfg.train.global_batch)
+    return {**result, **source, **scored, "tokenizer": run_tokenizer.describe(tok),
+            "mesh": plan.axis_sizes}
