@@ -122,7 +122,9 @@ class TrainConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "1f1b"
+    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): 1f1b (paired on a GPU), or interleaved
+    # where virtual_stages > 1 is given.
+    schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "auto"
     # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
     # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
     microbatches: int | Literal["auto"] = "auto"
@@ -632,7 +634,7 @@ def validate(cfg: Config) -> None:
             isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in costs)):
         p.append(f"pipeline.tick_costs: must be three positive numbers [F, B, W] (per-action "
                  f"tick times, e.g. [15.2, 18.8, 18.6]), got {costs!r}; or null for equal")
-    if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v"):
+    if pl.virtual_stages > 1 and pl.schedule not in ("interleaved", "zb-v", "auto"):
         p.append(f"pipeline.virtual_stages: {pl.virtual_stages} needs pipeline.schedule "
                  f"interleaved or zb-v (got {pl.schedule}); set it to 1")
     if t.steps < 1:

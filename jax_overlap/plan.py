@@ -385,6 +385,7 @@ class ParallelPlan:
         """
         target = target or Target()
         choices: dict[str, Choice] = {}
+        cfg = _resolve_schedule(cfg, target, choices)
         # Resolved first: the memory estimates below count the paired table's slots.
         cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
             cfg.pipeline, paired=_resolve_paired(cfg, target, choices)))
@@ -633,6 +634,37 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
     return float(bucket_mb), bool(embed_first), preset
 
 
+# Why `pipeline.schedule: auto` runs 1F1B, on each target (measured; docs/results.md).
+AUTO_SCHEDULE_WHY = {
+    True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
+           "1F1B paired 0.42 MFU, ZB-V 0.26; ZB-V's extra ticks and W actions cost more than "
+           "its smaller bubble saves)"),
+    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 0.8x a pp = 1 step's, "
+            "ZB-V 1.0x)"),
+}
+
+
+def schedule_name(cfg: Config) -> str:
+    """`pipeline.schedule` with `auto` resolved: interleaved where more than one virtual stage
+    is asked for, else 1f1b (the same on every target today: `AUTO_SCHEDULE_WHY`)."""
+    pl = cfg.pipeline
+    if pl.schedule != "auto":
+        return pl.schedule
+    return "interleaved" if pl.virtual_stages > 1 else "1f1b"
+
+
+def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
+    """`cfg` with `pipeline.schedule: auto` resolved (a choice only where there is a
+    pipeline)."""
+    name = schedule_name(cfg)
+    if cfg.pipeline.schedule == "auto" and cfg.mesh.pp > 1:
+        choices["pipeline.schedule"] = Choice(name, (
+            f"virtual_stages = {cfg.pipeline.virtual_stages}: the schedule that runs "
+            f"several chunks per stage" if name == "interleaved"
+            else AUTO_SCHEDULE_WHY[bool(target.accelerator)]))
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=name))
+
+
 def _resolve_paired(cfg: Config, target: Target, choices: dict[str, Choice]) -> bool:
     """`pipeline.paired`, `auto` resolved: paired F+B ticks for a pipeline on a GPU at
     transfer latency 1, unpaired elsewhere."""
@@ -720,7 +752,7 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
     if m.pp > 1:
         try:
             costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
-            slots, split = _pipeline_slots(pl.schedule, m.pp, count, pl.virtual_stages,
+            slots, split = _pipeline_slots(schedule_name(cfg), m.pp, count, pl.virtual_stages,
                                            pl.transfer_latency, pl.paired, costs,
                                            overlap.buckets_in_loop, vocab_parallel)
         except ValueError:  # no table for this count: the rough slot counts

@@ -71,6 +71,28 @@ def test_a_plain_gpu_config_gets_the_overlap_knobs():
     assert one.overlap.grad_bucket_bytes == 0
 
 
+def test_auto_schedule_is_printed_and_an_explicit_one_wins():
+    piped = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.microbatches=auto",
+                               "pipeline.schedule=auto"])
+    assert piped.pipeline.schedule == "auto" and piped.pipeline.virtual_stages == 1
+    for target, lead in ((Target(), "CPU"), (H100, "GPU")):
+        plan = ParallelPlan.build(piped, target=target)
+        assert plan.schedule.name == "1f1b"
+        assert plan.choices["pipeline.schedule"].why.startswith(lead)
+        assert plan.resolved_config(piped).pipeline.schedule == "1f1b"
+    assert plan.schedule.paired  # GPU: paired ticks
+    chunks = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.virtual_stages=2",
+                                "pipeline.microbatches=4", "pipeline.schedule=auto",
+                                "model.layers=4"])
+    assert ParallelPlan.build(chunks).schedule.name == "interleaved"
+    zbv = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.schedule=zb-v",
+                             "pipeline.microbatches=4", "model.layers=4",
+                             "pipeline.virtual_stages=auto"])
+    plan = ParallelPlan.build(zbv)
+    assert plan.schedule.name == "zb-v" and "pipeline.schedule" not in plan.choices
+    assert "pipeline.schedule" not in ParallelPlan.build(config.load(TINY)).choices  # pp = 1
+
+
 def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
     """Llama-3-8B's fp32 weights and Adam moments alone are 96 GB: at dp8 the plan shards
     them (FSDP); at dp2 x tp4 a replica's quarter fits; on a CPU nothing is sharded."""

@@ -739,6 +739,10 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     """
     stage = jax.lax.axis_index(PP)
     zeros = ctx.zeros_btd
+    # A pool is filed at a slot the stage's table row names, so what an action files varies
+    # over pp even where the pool's initial zeros do not: typed so from the start, the
+    # filing conditional's branches (and the scan's carry) agree.
+    res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(zeros))), res0)
     fills = {name: program.fills(name) for name in res0}
     writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
     filing = [_reading_branch(fn, {name: flags[b] for name, flags in fills.items()})
@@ -959,7 +963,7 @@ def _without_grads(branch: Callable, grads0) -> Callable:
 def _filed(leaves: list, values: list, slot, write) -> list:
     """`leaves` (one residual pool) with `values` filed at `slot` where `write`; in place."""
     return jax.lax.cond(write, lambda ls, vs: [
-        jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0)
+        _like(jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0), p)
         for p, v in zip(ls, vs)], lambda ls, vs: list(ls), leaves, values)
 
 

@@ -31,6 +31,9 @@ IDENTITY = {
     "train": ("seed",),
 }
 MODEL_EXECUTION_KEYS = ("remat", "attention")
+# Recorded by training itself (`data.run_tokenizer`), which also refuses a resume on another
+# tokenizer; a start's config has them empty.
+DATA_RECORDED_KEYS = ("tokenizer_kind", "tokenizer_sha256")
 
 FIX = ("pass a fresh --run-dir (`make train RUN=runs/NAME`), or rerun with the run's own "
        "config to resume it")
@@ -42,7 +45,8 @@ def identity(config: dict) -> dict[str, Any]:
     for section, keys in IDENTITY.items():
         values = config.get(section) or {}
         for key in (keys if keys is not None else sorted(values)):
-            if section == "model" and key in MODEL_EXECUTION_KEYS:
+            if (section, key) in {("model", k) for k in MODEL_EXECUTION_KEYS} | {
+                    ("data", k) for k in DATA_RECORDED_KEYS}:
                 continue
             out[f"{section}.{key}"] = values.get(key)
     return out
