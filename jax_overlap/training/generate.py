@@ -124,7 +124,9 @@ def sample_next(logits_bv, key, temperature: float, top_k: int, valid_vocab: int
 
 
 def can_decode(model) -> bool:
-    return hasattr(model, "init_cache") and hasattr(model, "decode")
+    """Whether `model` has the `jax_overlap.model_api.Decoder` methods."""
+    return callable(getattr(model, "init_cache", None)) and callable(getattr(model, "decode",
+                                                                             None))
 
 
 def make_generate(model, plan, mesh, batch: int, prompt_len: int, max_new_tokens: int,
