@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="the run's newest verified checkpoint")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: 64, or as many as model.seq_len leaves after the prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,8 @@ import numpy as np
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.data import tokenizer as toklib
 
+DEFAULT_NEW_TOKENS = 64  # without --max-new-tokens: this many, or as many as the context holds
+
 # A pp > 1 run's checkpoint decodes on pp = 1 (the blocks are stored in logical order).
 PP1 = ["mesh.pp=1", "pipeline.virtual_stages=1", "pipeline.schedule=1f1b",
        "pipeline.stage_layers=even", "pipeline.vocab_parallel=false"]
@@ -62,13 +64,13 @@ def run_tokenizer(cfg: Config, directory: str | None = None) -> toklib.Tokenizer
     return toklib.byte_tokenizer()
 
 
-def check_options(max_new_tokens: int, temperature: float, top_k: int,
+def check_options(max_new_tokens: int | None, temperature: float, top_k: int,
                   prefix: str = "--") -> None:
     """ConfigError naming the flag for a sampling option out of range (no JAX)."""
     names = {"max_new": f"{prefix}max-new-tokens", "temperature": f"{prefix}temperature",
              "top_k": f"{prefix}top-k"}
     problems = []
-    if max_new_tokens <= 0:
+    if max_new_tokens is not None and max_new_tokens <= 0:
         problems.append(f"{names['max_new']}: must be >= 1, got {max_new_tokens}")
     if not math.isfinite(temperature) or temperature < 0:
         problems.append(f"{names['temperature']}: must be a finite number >= 0 (0: greedy), "
@@ -80,10 +82,12 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int,
         raise ConfigError(problems[:1])
 
 
-def prompt_ids(tok: toklib.Tokenizer, prompt: str, model_cfg, max_new_tokens: int,
-               field: str = "--prompt", new_field: str = "--max-new-tokens") -> np.ndarray:
-    """The prompt's token ids (int32), checked against the model: at least one token, ids
-    below model.vocab, and room for `max_new_tokens` more within model.seq_len (no JAX)."""
+def prompt_ids(tok: toklib.Tokenizer, prompt: str, model_cfg, max_new_tokens: int | None,
+               field: str = "--prompt", new_field: str = "--max-new-tokens"
+               ) -> tuple[np.ndarray, int]:
+    """The prompt's token ids (int32) and the number of tokens to generate, checked against
+    the model: at least one prompt token, and room for `max_new_tokens` more within
+    model.seq_len (None: `DEFAULT_NEW_TOKENS` or what the context holds). No JAX."""
     if tok.vocab_size > model_cfg.vocab:
         raise ConfigError([f"model.vocab: {model_cfg.vocab} is smaller than the tokenizer's "
                            f"{tok.vocab_size} tokens ({tok.name}); generate with the run's "
@@ -96,11 +100,13 @@ def prompt_ids(tok: toklib.Tokenizer, prompt: str, model_cfg, max_new_tokens: in
         raise ConfigError([f"{field}: {len(ids)} tokens leave no room in the model's context "
                            f"of model.seq_len = {seq_len} tokens; shorten it below {seq_len} "
                            f"tokens"])
+    if max_new_tokens is None:
+        return ids, min(DEFAULT_NEW_TOKENS, seq_len - len(ids))
     if len(ids) + max_new_tokens > seq_len:
         raise ConfigError([f"{new_field}: {max_new_tokens} after a prompt of {len(ids)} tokens "
                            f"exceeds model.seq_len = {seq_len}; use at most "
                            f"{seq_len - len(ids)}"])
-    return ids
+    return ids, max_new_tokens
 
 
 def sample_next(logits_bv, key, temperature: float, top_k: int, valid_vocab: int):
@@ -200,9 +206,10 @@ def sample(model, plan, mesh, params, tok: toklib.Tokenizer, ids: np.ndarray,
 
 
 def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
-                     max_new_tokens: int, temperature: float, top_k: int, seed: int,
+                     max_new_tokens: int | None, temperature: float, top_k: int, seed: int,
                      overrides: list[str] = ()) -> dict:
-    """What `jax-overlap generate` prints (see the module docstring)."""
+    """What `jax-overlap generate` prints (see the module docstring); `max_new_tokens`
+    None: `DEFAULT_NEW_TOKENS`, or fewer where the context ends."""
     import jax
 
     from jax_overlap import model_api
@@ -211,7 +218,7 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
     check_options(max_new_tokens, temperature, top_k)
     cfg = generation_config(run_dir, hf_dir, overrides)
     tok = run_tokenizer(cfg, run_dir or hf_dir)
-    ids = prompt_ids(tok, prompt, cfg.model, max_new_tokens)
+    ids, max_new_tokens = prompt_ids(tok, prompt, cfg.model, max_new_tokens)
     model = model_api.build_model(cfg)
     if not can_decode(model):
         raise ConfigError([f"model.kind: {cfg.model.kind} cannot generate text (no key/value "

@@ -65,6 +65,6 @@ def from_config(cfg, model, plan, mesh, run_dir: str | None = None) -> Sampler |
     prompt = t.sample_prompt or DEFAULT_PROMPT
     room = cfg.model.seq_len - len(tok.encode(prompt.encode("utf-8")))
     tokens = max(1, min(t.sample_tokens, room))
-    ids = generate.prompt_ids(tok, prompt, cfg.model, tokens, field="train.sample_prompt",
+    ids, tokens = generate.prompt_ids(tok, prompt, cfg.model, tokens, field="train.sample_prompt",
                               new_field="train.sample_tokens")
     return Sampler(model, plan, mesh, tok, prompt, ids, tokens, t.sample_every, t.seed)
