@@ -1,5 +1,5 @@
 """`jax-overlap` command line: train | schedule | analyze | profile | tune | prepare-data |
-convert | evaluate.
+convert | evaluate | generate.
 
 Thin on purpose: parse flags, build the typed config, call the library. The config is read
 before JAX starts so that the process can ask for exactly as many host devices as the mesh
@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True,
                    help="a text file (tokenized with the model's tokenizer), or a "
                         "prepare-data directory (its held-out split is scored)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("generate", help="continue a prompt with a run's or an HF model")
+    # One of the two, checked by cmd_generate (one line, not argparse's usage block).
+    p.add_argument("--run-dir", help="the run's newest verified checkpoint")
+    p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: 64, or as many as model.seq_len leaves after the prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     return parser
@@ -344,9 +357,27 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from jax_overlap.training import generate
+
+    if bool(args.run_dir) == bool(args.from_hf):
+        raise ConfigError(["--run-dir / --from-hf: give exactly one (a run directory or a "
+                           "Hugging Face directory)"])
+    generate.check_options(args.max_new_tokens, args.temperature, args.top_k)
+    cfg = generate.generation_config(args.run_dir, args.from_hf, args.overrides)
+    tok = generate.run_tokenizer(cfg, args.run_dir or args.from_hf)
+    generate.prompt_ids(tok, args.prompt, cfg.model, args.max_new_tokens)  # before JAX starts
+    prepare_backend(cfg)
+    out = generate.generate_command(args.run_dir, args.from_hf, args.prompt,
+                                    args.max_new_tokens, args.temperature, args.top_k,
+                                    args.seed, args.overrides)
+    print(json.dumps(out) if args.json else out["text"], flush=True)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "schedule": cmd_schedule, "analyze": cmd_analyze,
             "profile": cmd_profile, "tune": cmd_tune, "prepare-data": cmd_prepare_data,
-            "convert": cmd_convert, "evaluate": cmd_evaluate}
+            "convert": cmd_convert, "evaluate": cmd_evaluate, "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,12 @@ class TrainConfig:
     log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
     eval_every: int = 0  # held-out loss and perplexity every this many steps; 0: off
     eval_batches: int = 4  # global batches of held-out data per evaluation
+    # Every this many steps, a few continuations of sample_prompt ("": a default) of
+    # sample_tokens tokens (fewer if model.seq_len is shorter) in metrics.jsonl and
+    # TensorBoard's text tab (jax_overlap/training/sample_hook.py); 0: off
+    sample_every: int = 0
+    sample_prompt: str = ""
+    sample_tokens: int = 32
 
 
 @dataclass
@@ -664,6 +670,10 @@ def validate(cfg: Config) -> None:
         p.append(f"train.eval_every: must be >= 0 (0: no evaluation), got {t.eval_every}")
     if t.eval_batches < 1:
         p.append(f"train.eval_batches: must be >= 1, got {t.eval_batches}")
+    if t.sample_every < 0:
+        p.append(f"train.sample_every: must be >= 0 (0: no samples), got {t.sample_every}")
+    if t.sample_tokens < 1:
+        p.append(f"train.sample_tokens: must be >= 1, got {t.sample_tokens}")
     if t.eval_every > 0 and cfg.data.source != "tokens" and cfg.data.val_fraction == 0:
         p.append("data.val_fraction: 0 holds nothing out, but train.eval_every > 0 needs "
                  "held-out data; set data.val_fraction=0.05 or train.eval_every=0")

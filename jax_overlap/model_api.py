@@ -48,6 +48,27 @@ class StagedModel(Protocol):
         """Training FLOPs (forward + backward) for one example, for MFU."""
 
 
+class Decoder(Protocol):
+    """Optional, for `jax-overlap generate` and `train.sample_every` (jax_overlap.training.
+    generate): decoding with a key/value cache. The built-in GPT and Llama have it
+    (`models/decoder.py`); a model without it trains but cannot sample."""
+
+    vocab: int
+
+    def cache_heads(self) -> int:
+        """Key/value heads per layer the cache holds (GSPMD splits them over tp if it can)."""
+
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        """The empty cache for `batch` sequences of up to `max_len` tokens (global shapes,
+        heads on axis 3 of every leaf)."""
+
+    def decode(self, params: Any, ids_bt: jax.Array, cache: Any, pos: Any,
+               par: Parallel) -> tuple[jax.Array, Any]:
+        """`(logits (B, T, V), cache)` of `T` new tokens at positions `pos .. pos+T-1` given
+        the cache of the positions before them: the same logits as the full forward's over
+        all `pos + T` tokens. `params` in the logical layout."""
+
+
 # Models register themselves under this entry-point group (pyproject.toml), so the library finds
 # `model.kind` without importing any model package: `kind = "module:builder"`, where
 # `builder(cfg) -> StagedModel` takes the whole config.

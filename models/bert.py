@@ -105,6 +105,8 @@ class BERT(GPT):
     """
 
     mask_rate: float = 0.15
+    # An encoder: no left-to-right decoding (jax_overlap.model_api.Decoder) to inherit.
+    init_cache = decode = None
 
     def _embed(self, tp):
         return BertEmbed(self.vocab, self.d_model, self.seq_len, tp)

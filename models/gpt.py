@@ -30,7 +30,7 @@ from jax_overlap.parallel.collectives import (
     vocab_columns,
     vocab_embed,
 )
-from models.decoder import DecoderStagedModel
+from models.decoder import DecoderStagedModel, cached_attention, write_cache
 
 
 def _normal(std: float):
@@ -65,7 +65,9 @@ class Block(nn.Module):
     causal: bool = True
 
     @nn.compact
-    def __call__(self, x_btd, par: Parallel):
+    def __call__(self, x_btd, par: Parallel, cache=None, pos=None):
+        """The block's output; with a key/value `cache` (decoding, `models.decoder`) of the
+        positions before `pos`, `(output, cache with these positions written)`."""
         h_local, hd = self.heads // self.tp, self.d_model // self.heads
         f_local = self.d_ff // self.tp
         out_std = 0.02 / math.sqrt(2 * self.num_layers)  # GPT-2's residual scaling
@@ -87,7 +89,10 @@ class Block(nn.Module):
         b, t = qkv_btn.shape[:2]
         qkv_bth3 = qkv_btn.reshape(b, t, h_local, 3 * hd) + b_qkv_h3.astype(dt)
         q_bthe, k_bthe, v_bthe = jnp.split(qkv_bth3, 3, axis=-1)
-        if use_fused(par):  # one flash-attention kernel: no (B, H, T, T) tensor in memory
+        if cache is not None:  # decoding: attend over the cached positions and these
+            cache = (write_cache(cache[0], k_bthe, pos), write_cache(cache[1], v_bthe, pos))
+            ctx_bthe = cached_attention(q_bthe, cache[0], cache[1], pos, dt)
+        elif use_fused(par):  # one flash-attention kernel: no (B, H, T, T) tensor in memory
             ctx_bthe = fused_attention(q_bthe, k_bthe, v_bthe, causal=self.causal, par=par)
         else:
             scores_bhts = jnp.einsum("bthe,bshe->bhts", q_bthe, k_bthe).astype(jnp.float32)
@@ -106,7 +111,8 @@ class Block(nn.Module):
         h_btf = column_parallel(y_btd.astype(dt), w_in_df.astype(dt), par) + b_in_f.astype(dt)
         h_btf = jax.nn.gelu(h_btf, approximate=True)
         mlp_btd = row_parallel(h_btf, w_out_fd.astype(dt), par)
-        return x_btd + (mlp_btd + b_out_d.astype(dt)).astype(x_btd.dtype)
+        out_btd = x_btd + (mlp_btd + b_out_d.astype(dt)).astype(x_btd.dtype)
+        return out_btd if cache is None else (out_btd, cache)
 
 
 class Embed(nn.Module):
@@ -116,11 +122,14 @@ class Embed(nn.Module):
     tp: int = 1
 
     @nn.compact
-    def __call__(self, ids_bt, par: Parallel):
+    def __call__(self, ids_bt, par: Parallel, pos=None):
+        """Token plus position embeddings; `pos`: the first token's position (decoding)."""
         wte_vd = self.param("wte", _normal(0.02), (self.vocab // self.tp, self.d_model))
         wpe_td = self.param("wpe", _normal(0.01), (self.seq_len, self.d_model))
         x_btd = vocab_embed(ids_bt, wte_vd.astype(par.compute_dtype), par)
         t = ids_bt.shape[1]
+        if pos is not None:
+            wpe_td = jax.lax.dynamic_slice_in_dim(wpe_td, pos, t, axis=0)
         pos_td = sequence_shard(wpe_td[:t].astype(par.compute_dtype), 0, x_btd.shape[1], par)
         return x_btd + pos_td
 

@@ -40,7 +40,7 @@ from jax_overlap.parallel.collectives import (
     vocab_columns,
     vocab_embed,
 )
-from models.decoder import DecoderStagedModel
+from models.decoder import DecoderStagedModel, cached_attention, write_cache
 
 
 def _normal(std: float):
@@ -75,10 +75,12 @@ class Rope:
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(t: int, head_dim: int, rope: Rope) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape (T, head_dim), fp32: the angles duplicated over the two halves."""
+def rope_cos_sin(t: int, head_dim: int, rope: Rope, start=0) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape (T, head_dim) for positions `start .. start+T-1`, fp32: the angles
+    duplicated over the two halves."""
     inv = jnp.asarray(rope.inv_freq(head_dim))
-    angles_te = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    positions_t = (jnp.arange(t) + start).astype(jnp.float32)
+    angles_te = positions_t[:, None] * inv[None, :]
     angles_te = jnp.concatenate([angles_te, angles_te], axis=-1)
     return jnp.cos(angles_te), jnp.sin(angles_te)
 
@@ -123,7 +125,9 @@ class Block(nn.Module):
     tp: int = 1
 
     @nn.compact
-    def __call__(self, x_btd, par: Parallel):
+    def __call__(self, x_btd, par: Parallel, cache=None, pos=None):
+        """The block's output; with a key/value `cache` (decoding, `models.decoder`) of the
+        positions before `pos`, `(output, cache with these positions written)`."""
         d, hd = self.d_model, self.d_model // self.heads
         h_local, f_local = self.heads // self.tp, self.d_ff // self.tp
         split = kv_split(self.kv_heads, self.tp)
@@ -153,11 +157,14 @@ class Block(nn.Module):
         q_bthe = qkv_btn[..., :h_local * hd].reshape(b, t, h_local, hd)
         kv_btk2e = qkv_btn[..., h_local * hd:].reshape(b, t, kv_local, 2, hd)
         k_btke, v_btke = kv_btk2e[..., 0, :], kv_btk2e[..., 1, :]
-        cos_te, sin_te = rope_cos_sin(t, hd, self.rope)
+        cos_te, sin_te = rope_cos_sin(t, hd, self.rope, 0 if pos is None else pos)
         q_bthe = apply_rope(q_bthe, cos_te, sin_te)
         k_btke = apply_rope(k_btke, cos_te, sin_te)
         group = h_local // kv_local
-        if use_fused(par):  # one flash-attention kernel (GQA: query head h reads h // group)
+        if cache is not None:  # decoding: attend over the cached positions and these
+            cache = (write_cache(cache[0], k_btke, pos), write_cache(cache[1], v_btke, pos))
+            ctx_bthe = cached_attention(q_bthe, cache[0], cache[1], pos, dt)
+        elif use_fused(par):  # one flash-attention kernel (GQA: query head h reads h // group)
             ctx_bthe = fused_attention(q_bthe, k_btke, v_btke, causal=True, par=par)
         else:
             q_btkge = q_bthe.reshape(b, t, kv_local, group, hd)
@@ -178,7 +185,8 @@ class Block(nn.Module):
         gate_btf, up_btf = gu_btn[..., :f_local], gu_btn[..., f_local:]
         h_btf = jax.nn.silu(gate_btf) * up_btf
         mlp_btd = row_parallel(h_btf, w_down_fd.astype(dt), par)
-        return x_btd + mlp_btd.astype(x_btd.dtype)
+        out_btd = x_btd + mlp_btd.astype(x_btd.dtype)
+        return out_btd if cache is None else (out_btd, cache)
 
 
 class Embed(nn.Module):
@@ -187,7 +195,9 @@ class Embed(nn.Module):
     tp: int = 1
 
     @nn.compact
-    def __call__(self, ids_bt, par: Parallel):
+    def __call__(self, ids_bt, par: Parallel, pos=None):
+        """Token embeddings (`pos`, the first token's position when decoding, is unused:
+        RoPE places the tokens in the blocks)."""
         wte_vd = self.param("wte", _normal(0.02), (self.vocab // self.tp, self.d_model))
         return vocab_embed(ids_bt, wte_vd.astype(par.compute_dtype), par)
 

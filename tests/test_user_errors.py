@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from jax_overlap import config
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience.lock import RunDirLock
 from tests.helpers import REPO, TINY, last_json_line, run_cli
@@ -61,6 +62,9 @@ def _files(tmp):
     paths["file"].write_text("not a directory\n")
     paths["garbage"].write_bytes(bytes(range(256)) * 4)
     paths["empty_cfg"].write_text("# nothing here\n")
+    paths["cfg_run"] = tmp / "cfg_run"  # a run dir with config.json and no checkpoint
+    paths["cfg_run"].mkdir()
+    (paths["cfg_run"] / "config.json").write_text(json.dumps(config.load(TINY).to_dict()))
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -116,6 +120,39 @@ CASES = [
      ["microbatches", str(1 << 20)]),
     ("tune_unbounded", lambda f, run: ["tune", "--config", TINY, "--devices", "100000000"],
      ["--devices"]),
+    ("sample_every_negative", lambda f, run: TRAIN + [
+        "--run-dir", run, "--set", "train.sample_every=-1"], ["train.sample_every"]),
+    # generate
+    ("generate_neither_source", lambda f, run: ["generate", "--prompt", "x"],
+     ["--run-dir / --from-hf", "exactly one"]),
+    ("generate_both_sources", lambda f, run: ["generate", "--run-dir", f["cfg_run"],
+                                              "--from-hf", f["dir"], "--prompt", "x"],
+     ["--run-dir / --from-hf", "exactly one"]),
+    ("generate_no_run_dir", lambda f, run: ["generate", "--run-dir", f["dir"] + "/none",
+                                            "--prompt", "x"], ["--run-dir", "config.json"]),
+    ("generate_hf_dir_is_a_file", lambda f, run: ["generate", "--from-hf", f["file"],
+                                                  "--prompt", "x"],
+     ["--from-hf", "not a directory"]),
+    ("generate_no_checkpoint", lambda f, run: ["generate", "--run-dir", f["cfg_run"],
+                                               "--prompt", "x"],
+     ["--run-dir", "no checkpoints"]),
+    ("generate_zero_new_tokens", lambda f, run: ["generate", "--run-dir", f["cfg_run"],
+                                                 "--prompt", "x", "--max-new-tokens", "0"],
+     ["--max-new-tokens", ">= 1"]),
+    ("generate_negative_top_k", lambda f, run: ["generate", "--run-dir", f["cfg_run"],
+                                                "--prompt", "x", "--top-k", "-1"],
+     ["--top-k", ">= 0"]),
+    ("generate_negative_temperature", lambda f, run: [
+        "generate", "--run-dir", f["cfg_run"], "--prompt", "x", "--temperature", "-1"],
+     ["--temperature"]),
+    ("generate_empty_prompt", lambda f, run: ["generate", "--run-dir", f["cfg_run"],
+                                              "--prompt", ""], ["--prompt", "empty"]),
+    ("generate_prompt_fills_context", lambda f, run: [
+        "generate", "--run-dir", f["cfg_run"], "--prompt", "x" * 16],
+     ["--prompt", "16 tokens", "model.seq_len = 16"]),
+    ("generate_no_room_to_generate", lambda f, run: [
+        "generate", "--run-dir", f["cfg_run"], "--prompt", "abc", "--max-new-tokens", "20"],
+     ["--max-new-tokens", "at most 13"]),
 ]
 
 

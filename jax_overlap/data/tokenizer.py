@@ -49,6 +49,13 @@ class Tokenizer:
         texts = [c.decode("utf-8", errors="replace") for c in chunks]
         return [np.asarray(e.ids, np.uint32) for e in self.hf.encode_batch(texts)]
 
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of token ids (bytes: ids past 255 are dropped; invalid UTF-8 replaced)."""
+        ids = [int(i) for i in ids]
+        if self.hf is None:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return self.hf.decode(ids)
+
     def describe(self) -> dict:
         return {"kind": BYTES if self.hf is None else "tokenizers", "vocab_size": self.vocab_size,
                 "sha256": self.sha256, "file": None if self.hf is None else TOKENIZER_FILE}

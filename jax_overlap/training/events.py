@@ -10,6 +10,7 @@ them into scalars, so the dashboard and the JSON lines never disagree:
   skipped steps  faults/consecutive_bad
   rollbacks      faults/rollbacks (at the step rolled back from), faults/steps_lost
   evaluations    eval/loss, eval/perplexity
+  samples        samples (the text tab): the prompt's continuations (`train.sample_every`)
 
 Open with `tensorboard --logdir <run_dir>` (or the parent of several runs).
 """
@@ -41,6 +42,8 @@ class EventWriter:
         if event == "eval":
             self._scalar("eval/loss", record["eval_loss"], step)
             self._scalar("eval/perplexity", record["eval_perplexity"], step)
+        elif event == "sample":
+            self._w.add_text("samples", sample_markdown(record), global_step=step)
         elif event == "rollback":
             self.rollbacks += 1
             self._scalar("faults/rollbacks", self.rollbacks, int(record["from_step"]))
@@ -60,3 +63,11 @@ class EventWriter:
 
     def close(self) -> None:
         self._w.close()
+
+
+def sample_markdown(record: dict[str, Any]) -> str:
+    """A `sample` record as the text tab shows it: each sample in a code block (whitespace
+    kept), the prompt named above them."""
+    fence = "```"
+    blocks = [f"{fence}\n{text}\n{fence}" for text in record["samples"]]
+    return f"prompt: `{record['prompt']!r}`\n\n" + "\n\n".join(blocks)

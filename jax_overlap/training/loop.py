@@ -27,8 +27,9 @@ metrics.jsonl (process 0): one record per step attempt, `{"step", "loss", "grad_
 "step_time_s", "tokens_per_s", "batch", ...}` where `step` is the step attempted (1-based) and
 `batch` the batch consumed; rejected attempts add `"skipped": true`, `"reason"` and
 `"consecutive_bad"`. Events are records with an `"event"` key: `resume`, `rollback` (with
-`from_step`, `to_step`, `reason`, `steps_lost`, ...), `preempted` and `eval` (`train.eval_every`:
-`eval_loss`, `eval_perplexity`, `eval_tokens`). The same records go to TensorBoard event files
+`from_step`, `to_step`, `reason`, `steps_lost`, ...), `preempted`, `eval` (`train.eval_every`:
+`eval_loss`, `eval_perplexity`, `eval_tokens`) and `sample` (`train.sample_every`: `prompt`,
+`samples`). The same records go to TensorBoard event files
 in the run dir (`jax_overlap.training.events`).
 """
 
@@ -79,7 +80,7 @@ from jax_overlap.resilience.rollback import (
 )
 from jax_overlap.resilience.watchdog import Watchdog, jax_board
 from jax_overlap.training import data as datalib
-from jax_overlap.training import eval_hook, events
+from jax_overlap.training import eval_hook, events, sample_hook
 from jax_overlap.training import step as steplib
 
 
@@ -202,6 +203,7 @@ class _Trainer:
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         self.evaluator = eval_hook.from_config(cfg, self.model, self.plan, self.mesh)
+        self.sampler = sample_hook.from_config(cfg, self.model, self.plan, self.mesh, run_dir)
         self.last_eval: dict = {}
         # The LR scale changes the schedule, never the optimizer state's structure.
         self.abstract = abstract_loop_state(
@@ -434,6 +436,7 @@ class _Trainer:
                                      **self._eval_postfix())
                 self._save_if_due(loop, host.step)
                 self._evaluate_if_due(loop, host.step)
+                self._sample_if_due(loop, host.step)
             compiling = False
             if (not accepted and not overflow
                     and self.policy.should_roll_back(m["consecutive_bad"])):
@@ -467,6 +470,13 @@ class _Trainer:
         self.last_eval = self.evaluator.run(loop.train.params)
         self.writer.write({"event": "eval", "step": step, **self.last_eval})
         self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}", **self._eval_postfix())
+
+    def _sample_if_due(self, loop, step: int) -> None:
+        if self.sampler is None or not self.sampler.due(step):
+            return
+        self.watchdog.beat("sample", step)
+        self.writer.write({"event": "sample", "step": step,
+                           **self.sampler.run(loop.train.params, step)})
 
     def _eval_postfix(self) -> dict:
         return {"eval": f"{self.last_eval['eval_loss']:.4f}"} if self.last_eval else {}
