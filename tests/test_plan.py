@@ -69,6 +69,11 @@ def test_a_plain_gpu_config_gets_the_overlap_knobs():
     assert fsdp.overlap.grad_bucket_bytes == 0 and not fsdp.overlap.embed_before_first_layer
     one = ParallelPlan.build(config.load(None, plain[:-1] + ["mesh.dp=1"]), target=H100)
     assert one.overlap.grad_bucket_bytes == 0
+    piped = plain[:-1] + ["mesh.dp=2", "mesh.pp=4"]
+    assert ParallelPlan.build(config.load(None, piped), target=H100).overlap.buckets_in_loop
+    zbv = ParallelPlan.build(config.load(None, piped + ["pipeline.schedule=zb-v"]), target=H100)
+    assert zbv.overlap.grad_bucket_bytes == 0  # in-loop buckets cost a ZB table more
+    assert zbv.choices["overlap.grad_bucket_mb"].why.startswith("zero-bubble")
 
 
 def test_auto_schedule_is_printed_and_an_explicit_one_wins():
