@@ -972,23 +972,25 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
 
     Blocks stay on their stage; embedding and head gradients are summed over pp (which also
     adds the tied embedding's two uses). Over dp: in-loop buckets already reduced the blocks
-    (`synced`), fsdp reduce-scatters them, otherwise every leaf goes through
+    (`synced`; the embedding and head then go in one fp32 all-reduce each over (pp, dp):
+    nothing is left to hide them under, and one collective's latency is less than two in a
+    row), fsdp reduce-scatters them, otherwise every leaf goes through
     `buckets.reduce_gradients`.
     """
-    grads = {
-        # Each stage holds its own layers' gradients: nothing to combine over pp.
-        "blocks": jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
-                               grads["synced"] if synced else grads["blocks"]),
-        # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
-        # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
-        "embed": jax.lax.psum(grads["embed"], PP),  # (param shape) per device, over pp
-        "head": jax.lax.psum(grads["head"], PP),  # (param shape) per device, over pp
-    }
+    # Each stage holds its own layers' gradients: nothing to combine over pp.
+    blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
+                          grads["synced"] if synced else grads["blocks"])
+    # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
+    # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
+    ends = {k: grads[k] for k in ("embed", "head")}
     bucket_bytes, comm_dtype = overlap.grad_bucket_bytes, overlap.grad_comm_dtype
-    if synced:  # block gradients were reduced in the loop; the embedding and head follow
-        rest = buckets.reduce_gradients({k: grads[k] for k in ("embed", "head")},
-                                        bucket_bytes, comm_dtype, DP)
-        return {**rest, "blocks": grads["blocks"]}
+    if synced and comm_dtype == "fp32":
+        return {"blocks": blocks, **jax.tree.map(  # (param shape) per device, over (pp, dp)
+            lambda g: jax.lax.psum(g, (PP, DP)), ends)}
+    ends = jax.tree.map(lambda g: jax.lax.psum(g, PP), ends)  # (param shape), over pp
+    if synced:
+        return {"blocks": blocks, **buckets.reduce_gradients(ends, bucket_bytes, comm_dtype, DP)}
+    grads = {"blocks": blocks, **ends}
     if fsdp_layout is None:
         return buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP)
     scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, dp, comm_dtype)
