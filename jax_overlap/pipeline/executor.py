@@ -972,9 +972,9 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
 
     Blocks stay on their stage; embedding and head gradients are summed over pp (which also
     adds the tied embedding's two uses). Over dp: in-loop buckets already reduced the blocks
-    (`synced`; the embedding and head then go in one fp32 all-reduce each over (pp, dp):
-    nothing is left to hide them under, and one collective's latency is less than two in a
-    row), fsdp reduce-scatters them, otherwise every leaf goes through
+    (`synced`; without a slow axis the embedding and head then go in one fp32 all-reduce
+    each over (pp, dp): nothing is left to hide them under, and one collective's latency is
+    less than two in a row), fsdp reduce-scatters them, otherwise every leaf goes through
     `buckets.reduce_gradients`.
     """
     # Each stage holds its own layers' gradients: nothing to combine over pp.
@@ -984,7 +984,8 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
     # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
     ends = {k: grads[k] for k in ("embed", "head")}
     bucket_bytes, comm_dtype = overlap.grad_bucket_bytes, overlap.grad_comm_dtype
-    if synced and comm_dtype == "fp32":
+    slow = any(DCN in _varying_axes(g) for g in jax.tree.leaves(ends))  # dcn: slow_axis
+    if synced and comm_dtype == "fp32" and not slow:
         return {"blocks": blocks, **jax.tree.map(  # (param shape) per device, over (pp, dp)
             lambda g: jax.lax.psum(g, (PP, DP)), ends)}
     ends = jax.tree.map(lambda g: jax.lax.psum(g, PP), ends)  # (param shape), over pp
