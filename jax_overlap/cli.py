@@ -207,7 +207,7 @@ def _apply_xla_preset(cfg: Config, accelerator: bool) -> None:
 
     name = cfg.overlap.xla_preset
     if name == "auto":
-        name = auto_xla_preset(accelerator)
+        name = auto_xla_preset(accelerator, cfg)
     if name != "none":
         from jax_overlap.overlap import xla_flags
 

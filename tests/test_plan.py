@@ -40,7 +40,7 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
 
 def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
-    assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("collective_matmul", "bi")
+    assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("sequence_parallel", "uni")
     # 4 sequences x 2048 positions per microbatch: the dp2 x tp4 setting that overlaps.
     assert (tp4.microbatches, tp4.micro_batch) == (32, 4)
     dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
@@ -114,15 +114,15 @@ def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
 
 
 def test_explicit_choices_win_and_resolved_config_holds_the_choices():
-    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4", "overlap.tp_comm=sequence_parallel",
+    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4", "overlap.tp_comm=collective_matmul",
                                  "pipeline.microbatches=8"])
     plan = ParallelPlan.build(cfg, target=H100)
-    assert plan.overlap.tp_comm == "sequence_parallel" and plan.microbatches == 8
+    assert plan.overlap.tp_comm == "collective_matmul" and plan.microbatches == 8
     assert set(plan.choices) == {"overlap.collective_matmul_direction", "model.attention",
                                  "model.remat"}
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
-    assert resolved.overlap.tp_comm == "collective_matmul"
+    assert resolved.overlap.tp_comm == "sequence_parallel"
     assert resolved.pipeline.microbatches == 32
     config.validate(resolved)  # the resolved config is itself a valid explicit config
 
