@@ -40,9 +40,11 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
 
 def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
-    assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("sequence_parallel", "uni")
-    # 4 sequences x 2048 positions per microbatch: the dp2 x tp4 setting that overlaps.
-    assert (tp4.microbatches, tp4.micro_batch) == (32, 4)
+    assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("collective_matmul", "bi")
+    # 16 sequences x 2048 positions per microbatch: ring steps of 8192 rows (32 of 4 spent
+    # the step on the ring steps' small kernels).
+    assert (tp4.microbatches, tp4.micro_batch) == (8, 16)
+    assert "ring steps of 8192 rows" in tp4.choices["pipeline.microbatches"].why
     dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
     assert (dp8.overlap.tp_comm, dp8.microbatches) == ("plain", 8)
 
@@ -122,8 +124,8 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
                                  "model.remat"}
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
-    assert resolved.overlap.tp_comm == "sequence_parallel"
-    assert resolved.pipeline.microbatches == 32
+    assert resolved.overlap.tp_comm == "collective_matmul"
+    assert resolved.pipeline.microbatches == 8
     config.validate(resolved)  # the resolved config is itself a valid explicit config
 
 
