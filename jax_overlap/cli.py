@@ -365,7 +365,7 @@ def cmd_generate(args) -> int:
                            "Hugging Face directory)"])
     generate.check_options(args.max_new_tokens, args.temperature, args.top_k)
     cfg = generate.generation_config(args.run_dir, args.from_hf, args.overrides)
-    tok = generate.run_tokenizer(cfg, args.run_dir or args.from_hf)
+    tok = generate.run_tokenizer(cfg, args.run_dir, args.from_hf)
     generate.prompt_ids(tok, args.prompt, cfg.model, args.max_new_tokens)  # before JAX starts
     prepare_backend(cfg)
     out = generate.generate_command(args.run_dir, args.from_hf, args.prompt,

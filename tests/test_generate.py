@@ -140,14 +140,14 @@ def test_sample_next_greedy_top_k_and_padded_vocabulary():
 def test_run_tokenizer_is_the_runs_own(tmp_path):
     """The run dir's tokenizer.json first, then data.tokenizer, then the shards', then bytes;
     decode gives the text back."""
-    tok_path = str(tmp_path / "bpe.json")
-    bpe = toklib.train_bpe(["def f(x):\n    return x + 1\n" * 50], 300, tok_path)
+    from jax_overlap.data import prepare
+
+    text_file = tmp_path / "code.py"
+    text_file.write_text("def f(x):\n    return x + 1\n" * 400)
     shards = tmp_path / "shards"
-    shards.mkdir()
-    os.replace(tok_path, shards / toklib.TOKENIZER_FILE)
-    (shards / toklib.INDEX_FILE).write_text(json.dumps({
-        "tokenizer": bpe.describe(), "vocab_size": bpe.vocab_size,
-        "split": {"train_tokens": 1000, "val_tokens": 100}}))
+    prepare.prepare([str(text_file)], str(shards), train_vocab=300, val_fraction=0.1,
+                    progress=False)
+    bpe = toklib.load(str(shards / toklib.TOKENIZER_FILE))
     cfg = config.load(TINY, [])
     assert generate.run_tokenizer(cfg, str(tmp_path)).name == toklib.BYTES
     tokens_cfg = config.from_dict(config.apply_overrides(

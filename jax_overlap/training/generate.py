@@ -48,20 +48,17 @@ def generation_config(run_dir: str | None, hf_dir: str | None,
     return hf_run_config(hf_dir, [*overrides, *PP1])
 
 
-def run_tokenizer(cfg: Config, directory: str | None = None) -> toklib.Tokenizer:
-    """The tokenizer a run (or an HF directory) was trained with: `directory/tokenizer.json`,
-    else `data.tokenizer`, else the token shards' own, else bytes (no JAX)."""
-    own = os.path.join(directory, toklib.TOKENIZER_FILE) if directory else ""
-    if own and os.path.isfile(own):
-        return toklib.load(own, field=f"{directory}:")
-    d = cfg.data
-    if d.tokenizer not in ("", toklib.BYTES):
-        return toklib.load(d.tokenizer)
-    if d.source == "tokens" and d.path:
-        index = toklib.read_index(d.path)
-        if index.get("tokenizer", {}).get("kind", toklib.BYTES) != toklib.BYTES:
-            return toklib.load(os.path.join(d.path, toklib.TOKENIZER_FILE), field="data.path")
-    return toklib.byte_tokenizer()
+def run_tokenizer(cfg: Config, run_dir: str | None = None, hf_dir: str | None = None
+                  ) -> toklib.Tokenizer:
+    """The tokenizer a run (`data.run_tokenizer.for_run`: its own copy, else what its config
+    names) or a Hugging Face directory (`for_hf`) was trained with; bytes otherwise (no
+    JAX)."""
+    from jax_overlap.data import run_tokenizer as run_tok
+
+    if hf_dir:
+        return run_tok.for_hf(hf_dir)
+    tok = run_tok.for_run(run_dir, cfg) if run_dir else run_tok.of_data(cfg.data)
+    return toklib.byte_tokenizer() if tok is None else tok
 
 
 def check_options(max_new_tokens: int | None, temperature: float, top_k: int,
@@ -217,7 +214,7 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
 
     check_options(max_new_tokens, temperature, top_k)
     cfg = generation_config(run_dir, hf_dir, overrides)
-    tok = run_tokenizer(cfg, run_dir or hf_dir)
+    tok = run_tokenizer(cfg, run_dir, hf_dir)
     ids, max_new_tokens = prompt_ids(tok, prompt, cfg.model, max_new_tokens)
     model = model_api.build_model(cfg)
     if not can_decode(model):
@@ -225,22 +222,17 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
                            f"cache decoding); generate with a gpt or llama run"])
     mesh = plan_lib.mesh_from_config(cfg)
     plan = plan_lib.ParallelPlan.build(cfg, model)
-    if run_dir:
-        from jax_overlap.training import run_state
+    from jax_overlap.training import run_state
 
-        params, step = run_state.newest_params(cfg, run_dir, model, plan, mesh)
-        source = {"run_dir": run_dir, "step": step}
-    else:
+    logical = None
+    if hf_dir:  # a file of the wrong shapes is refused before any device work
         from jax_overlap.hf import convert
-        from jax_overlap.pipeline import layout
-        from jax_overlap.training import step as steplib
 
         logical = convert.load_hf_params(hf_dir, cfg.model)
         convert.check_params_match(logical, jax.eval_shape(model.init, jax.random.key(0)),
                                    hf_dir)
-        params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
-                                steplib.param_shardings(model, mesh, plan.layout))
-        source = {"from_hf": hf_dir}
+    params, source = run_state.placed_params(cfg, run_dir, hf_dir, model, plan, mesh,
+                                             logical)
     (new,) = sample(model, plan, mesh, params, tok, ids, max_new_tokens, temperature, top_k,
                     seed)
     prompt_list = [int(i) for i in ids]

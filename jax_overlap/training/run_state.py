@@ -54,3 +54,21 @@ def newest_params(cfg: Config, run_dir: str, model, plan, mesh, flag: str = "--r
                            f"verifies; see the warnings above"])
     state = from_checkpoint(result.state, plan.layer_perm, shardings_of(abstract))
     return state.train.params, result.step
+
+
+def placed_params(cfg: Config, run_dir: str | None, hf_dir: str | None, model, plan, mesh,
+                  logical: Any = None) -> tuple[Any, dict]:
+    """The parameters `evaluate` and `generate` score or sample with, laid out for `plan` on
+    `mesh`: a run dir's newest verified checkpoint, or a Hugging Face directory's weights
+    (`logical`, as `hf.convert.load_hf_params` read them); with where they came from."""
+    if run_dir:
+        params, step = newest_params(cfg, run_dir, model, plan, mesh)
+        return params, {"run_dir": run_dir, "step": step}
+    import jax
+
+    from jax_overlap.pipeline import layout
+    from jax_overlap.training import step as steplib
+
+    params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
+                            steplib.param_shardings(model, mesh, plan.layout))
+    return params, {"from_hf": hf_dir}

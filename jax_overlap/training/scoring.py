@@ -112,39 +112,26 @@ def evaluate(cfg: Config, params, model, plan, mesh, w: np.ndarray, batch_size: 
 def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
                      overrides: list[str] = ()) -> dict:
     """What `jax-overlap evaluate` prints (see the module docstring)."""
-    import jax
-
     from jax_overlap import model_api
     from jax_overlap import plan as plan_lib
-
     from jax_overlap.data import run_tokenizer
+    from jax_overlap.hf import convert
+    from jax_overlap.training import run_state
 
     if run_dir:
-        from jax_overlap.training import run_state
-
         cfg = run_state.run_config(run_dir, overrides)
         tok = run_tokenizer.for_run(run_dir, cfg)
     else:
-        from jax_overlap.hf import convert
-
         cfg = convert.hf_run_config(hf_dir, overrides)
         tok = run_tokenizer.for_hf(hf_dir)
     w, scored = data_windows(data, tok, cfg.model.seq_len)
+    logical = None
     if hf_dir:  # a corrupt file is refused before any device work
         logical = convert.load_hf_params(hf_dir, cfg.model)
     mesh = plan_lib.mesh_from_config(cfg)
     model = model_api.build_model(cfg)
     plan = plan_lib.ParallelPlan.build(cfg, model)
-    if run_dir:
-        params, step = run_state.newest_params(cfg, run_dir, model, plan, mesh)
-        source = {"run_dir": run_dir, "step": step}
-    else:
-        from jax_overlap.pipeline import layout
-        from jax_overlap.training import step as steplib
-
-        params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
-                                steplib.param_shardings(model, mesh, plan.layout))
-        source = {"from_hf": hf_dir}
+    params, source = run_state.placed_params(cfg, run_dir, hf_dir, model, plan, mesh, logical)
     result = evaluate(cfg, params, model, plan, mesh, w, cfg.train.global_batch)
     return {**result, **source, **scored, "tokenizer": run_tokenizer.describe(tok),
             "mesh": plan.axis_sizes}
