@@ -3,7 +3,8 @@
 One compile of the 1F1B step on pp4 x dp2. The tick loop is the `while` whose trip count is
 the schedule's tick count; its body must hold exactly the forward send (+1 ring) and the
 backward send (-1 ring), each one microbatch of activations, and the actions behind one
-`conditional`. Nothing may all-gather activations (the pipeline moves them point to point).
+`conditional` (plus one per residual pool that files what an action made). Nothing may
+all-gather activations (the pipeline moves them point to point).
 """
 
 import re
@@ -14,6 +15,7 @@ from helpers import TINY, np_batch
 
 from jax_overlap import config
 from jax_overlap import plan as plan_lib
+from jax_overlap.pipeline.program import FILL_SCOPE, LANE_SCOPE
 from jax_overlap.plan import ParallelPlan
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -81,11 +83,20 @@ def test_two_collective_permutes_per_tick_inside_the_loop(compiled):
     up = {(b, a) for a, b in down}
     assert sorted(map(_pairs, in_body), key=sorted) == sorted([down, up], key=sorted)
     assert program.down_pairs == tuple((s, s + 1) for s in range(PP - 1))
-    # The actions sit behind one conditional with one branch per action kind (+ idle).
+    # The actions sit behind one conditional with one branch per action kind (+ idle); after
+    # it, one two-way conditional per residual pool files what the action made into its slot
+    # (taken only by the actions that fill that pool). 1F1B at pp > 1 without a split
+    # backward keeps the embedding's, the chunks' and the head's residuals: no `dz` pool.
     conditionals = [line for line in comps[body] if " conditional(" in line]
-    assert len(conditionals) == 1
-    branches = re.search(r"branch_computations=\{([^}]*)\}", conditionals[0]).group(1)
+    switches = [line for line in conditionals if f"/{LANE_SCOPE}0/" in line]
+    assert len(switches) == 1
+    branches = re.search(r"branch_computations=\{([^}]*)\}", switches[0]).group(1)
     assert len(branches.split(",")) == 1 + len(program.branches)
+    fills = [line for line in conditionals if line not in switches]
+    pools = [re.search(rf"/{FILL_SCOPE}0_(\w+)/", line).group(1) for line in fills]
+    assert sorted(pools) == ["chunk", "first", "last"], fills
+    assert all(len(re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(","))
+               == 2 for line in fills), fills
 
 
 def test_per_step_collective_counts_from_the_hlo_reader(compiled):
