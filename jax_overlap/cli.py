@@ -304,6 +304,12 @@ def cmd_tune(args) -> int:
         raise ValueError(f"--devices: must be in 1..{MAX_TUNE_DEVICES}, got {args.devices}")
     if not 0 <= args.measure <= 16:
         raise ValueError(f"--measure: must be in 0..16 (plans run for real), got {args.measure}")
+    if args.out:  # before the calibration, which takes a while
+        from jax_overlap.resilience import preflight
+
+        bad = preflight.out_file_problem(args.out, "--out")
+        if bad:
+            raise ConfigError([bad])
     prepare_backend(cfg, devices_needed=max(cfg.num_devices, args.devices))
     from jax_overlap.analysis import tune
 

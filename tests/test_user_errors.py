@@ -454,6 +454,9 @@ DATA_CASES = [
     ("tune_out_under_a_file", lambda f, new: [
         "tune", "--config", TINY, "--devices", "8", "--out", f["a_file"] + "/tuned.yaml"],
      ["a_file", "directory"]),
+    ("tune_out_is_a_directory", lambda f, new: [
+        "tune", "--config", TINY, "--devices", "8", "--out", f["empty_dir"]],
+     ["empty_dir", "is a directory"]),
     # negative or zero sizes
     ("shard_mb_negative", lambda f, new: [
         "convert", "--to-hf", f["fake_run"], "--out", new, "--shard-mb", "-1"], ["--shard-mb"]),

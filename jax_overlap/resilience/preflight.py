@@ -77,6 +77,16 @@ def path_problems(run_dir: str, checkpoint_dir: str, checkpointing: bool) -> lis
     return out
 
 
+def out_file_problem(path: str, flag: str) -> Optional[str]:
+    """Why a command could not write its output file `path` (None: it can): the file's
+    directory must be (or be creatable as) a writable directory. Checked before the command
+    does its work, so a bad `--out` is refused at once."""
+    fix = "pick a file path in a writable directory"
+    if os.path.isdir(path):
+        return f"{flag} {path}: is a directory, not a file; {fix}"
+    return _dir_problem(os.path.dirname(os.path.abspath(path)), f"{flag} {path}:", fix)
+
+
 # --------------------------------------------------------------------------------- memory
 
 
