@@ -197,9 +197,9 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
         device = memory.get("device_bytes")
         est = memory.get("estimated_bytes")
         lines.append(f"memory per device (XLA):                  "
-                     f"{memory['peak_bytes'] / 1e9:.1f} GB"
-                     + (f" of {device / 1e9:.1f} GB" if device else "")
-                     + (f" (plan estimated {est / 1e9:.1f} GB)" if est else "")
+                     f"{_gib(memory['peak_bytes'])}"
+                     + (f" of {_gib(device)}" if device else "")
+                     + (f" (plan estimated {_gib(est)})" if est else "")
                      + ("" if memory.get("fits") is not False else ": DOES NOT FIT"))
     if data.get("note"):
         lines.append(f"note: {data['note']}")
@@ -262,6 +262,10 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
         return json.dumps(out, default=float)
     return format_report(cfg, plan, target, report, dcn, estimate, top,
                          memory_summary(plan, memory))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def memory_summary(plan, memory: dict) -> dict:
