@@ -157,6 +157,12 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     assert est["model_flops"] == pytest.approx(per_device)
     top = out["top_kernels"]
     assert len(top) == 3 and top[0]["ms"] >= top[1]["ms"] >= top[2]["ms"] > 0
+    # What XLA allocates per device (memory_analysis), against the H100's memory.
+    mem = out["memory"]
+    # XLA's own peak where it reports one: at most every buffer live at once.
+    assert mem["temp_bytes"] < mem["peak_bytes"] <= (
+        mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"])
+    assert mem["fits"] is True and mem["peak_bytes"] < mem["device_bytes"]
     permutes = [op for op in ops if op["kind"] == "collective-permute"]
     assert len(permutes) == 2
     assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
