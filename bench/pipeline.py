@@ -101,10 +101,13 @@ def timed(fn, args, reps: int):
 
 
 def single_action_program(kind: str, microbatches: int, split: bool):
-    """Every stage runs `kind` ('idle', 'F', 'B' or 'W') of a middle virtual stage each tick.
+    """Every stage runs `kind` ('idle', 'F', 'B' or 'W') of a middle virtual stage each tick,
+    or ('FB') an F and then a B of the same microbatch, tick after tick.
 
     Not a valid schedule -- the values are meaningless -- but each tick executes exactly one
-    action per stage through the executor's switch, with the usual two ppermutes.
+    action per stage through the executor's switch, with the usual two ppermutes. An F alone
+    is dead code (nothing reads what it stashes or sends), so its cost is measured as 'FB'
+    less 'B' (`tick_costs_ms`).
     """
     import numpy as np
 
@@ -112,16 +115,19 @@ def single_action_program(kind: str, microbatches: int, split: bool):
     from jax_overlap.pipeline import schedules
 
     kinds = () if kind == "idle" else ("F", "B", "W") if split else ("F", "B")
+    per_tick = ["F", "B"] * (TICKS // 2) if kind == "FB" else [kind] * TICKS
+    micro = [t // 2 if kind == "FB" else t for t in range(TICKS)]
     branches = tuple(tick_program.Branch(k, "mid") for k in kinds)
-    grid = tuple(tuple(None if kind == "idle" else schedules.Action(kind, t % microbatches)
-                       for t in range(TICKS)) for _ in range(STAGES))
+    grid = tuple(tuple(None if k == "idle" else schedules.Action(k, mb % microbatches)
+                       for k, mb in zip(per_tick, micro)) for _ in range(STAGES))
     schedule = schedules.Schedule(f"only-{kind}", STAGES, microbatches, 1, split,
                                   schedules.linear_placement(STAGES), grid)
     table = np.zeros((TICKS, STAGES, 1, len(tick_program.FIELDS)), np.int32)
     col = tick_program.COL
-    table[..., col["branch"]] = (tick_program.IDLE if kind == "idle"
-                                 else 1 + kinds.index(kind))
-    table[..., col["microbatch"]] = np.arange(TICKS)[:, None, None] % microbatches
+    table[..., col["branch"]] = np.asarray([tick_program.IDLE if k == "idle"
+                                            else 1 + kinds.index(k) for k in per_tick])[
+        :, None, None]
+    table[..., col["microbatch"]] = (np.asarray(micro) % microbatches)[:, None, None]
     table[..., [col["file_down"], col["file_up"], col["file_self"]]] = 1  # the trash slot
     down = tuple((s, s + 1) for s in range(STAGES - 1))
     return tick_program.TickProgram(schedule, branches, table, 1, down,
@@ -278,7 +284,7 @@ def main() -> None:
                                                     f"pipeline.microbatches={TICK_M}"])
     plan = ParallelPlan.build(cfg, model)
     ticks = {}
-    for kind, split in (("idle", True), ("F", True), ("B", True), ("W", True),
+    for kind, split in (("idle", True), ("FB", True), ("B", True), ("W", True),
                         ("B", False)):
         program = single_action_program(kind, TICK_M, split)
         fn = executor.make_pipeline_loss_and_grads(model, plan.with_program(program), mesh)
@@ -286,7 +292,12 @@ def main() -> None:
         ticks[kind if split or kind != "B" else "B+W (non-split B)"] = step_s
     idle_s = ticks["idle"]
     tick_ms = {"idle (whole program / ticks)": idle_s / TICKS * 1e3}
-    tick_ms.update({k: (v - idle_s) / TICKS * 1e3 for k, v in ticks.items() if k != "idle"})
+    tick_ms.update({k: (v - idle_s) / TICKS * 1e3 for k, v in ticks.items()
+                    if k not in ("idle", "FB")})
+    # FB runs TICKS / 2 of each: F = 2 (FB - idle) / TICKS - B.
+    tick_ms["F"] = 2 * (ticks["FB"] - idle_s) / TICKS * 1e3 - tick_ms["B"]
+    tick_ms = {k: tick_ms[k] for k in ("idle (whole program / ticks)", "F", "B", "W",
+                                       "B+W (non-split B)")}
 
     cost = {"F": tick_ms["F"], "B": tick_ms["B"], "W": tick_ms["W"],
             "B+W": tick_ms["B+W (non-split B)"]}
