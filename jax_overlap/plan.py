@@ -732,8 +732,8 @@ def _resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
         choices["pipeline.split_backward"] = Choice(
             False, f"GPU, model.remat={remat}: W's operands and output gradients would go "
                    f"through stash slots every tick, which costs more than W recomputing the "
-                   f"chunk's backward (GPT-1.3B pp4 x dp2 ZB-V paired, estimated step 3.1 s "
-                   f"split, 1.95 s not)")
+                   f"chunk's backward (GPT-1.3B pp4 x dp2 ZB-V paired, estimated step 2.47 s "
+                   f"split, 2.01 s not)")
         return False
     choices["pipeline.split_backward"] = Choice(
         True, "W only the weight-gradient GEMMs, from operands and output gradients kept "
