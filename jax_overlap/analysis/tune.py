@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,27 @@ from jax_overlap.pipeline.schedules import SCHEDULES
 from jax_overlap.plan import ParallelPlan
 
 CALIBRATED_PROFILE = "cpu_here"
+# Calibration times the model's own layers on this host's CPU devices: past this many
+# parameters that takes hours (GPT-1.3B: 80 s a measurement, 44 of them), so larger models
+# are priced by FLOPs. Only the transformer blocks calibration knows how to feed are timed.
+CALIBRATED_MAX_PARAMS = 1e8
+CALIBRATED_KINDS = ("gpt", "bert", "llama")
+
+
+def calibration_skipped(cfg: Config) -> str | None:
+    """Why `tune` prices `cfg`'s plans by FLOPs on the calibrated profile, or None when it
+    can calibrate them here."""
+    from jax_overlap.analysis.memory import param_elements
+
+    m = cfg.model
+    if m.kind not in CALIBRATED_KINDS:
+        return f"model.kind={m.kind}: calibration times transformer blocks only"
+    embed, block = param_elements(m)
+    params = embed + m.layers * block
+    if params > CALIBRATED_MAX_PARAMS:
+        return (f"{params / 1e9:.2f}e9 parameters: timing its layers on this CPU would take "
+                f"hours (calibration is for models up to {CALIBRATED_MAX_PARAMS:.0e})")
+    return None
 # Assumed model-FLOPs utilisation of the compute for FLOP-based costs: an assumption,
 # not a measurement; it scales every compute time alike, so it moves the balance between
 # compute and communication, not the order of plans with equal communication.
@@ -705,7 +727,10 @@ def tune(
         return TuneResult(hardware=hw.name, devices=devices, costs="flops",
                           plans=tuple(preds), pruned=pruned, allow_stale=allow_stale)
     refine_with = None
-    if calibration is None and hw.name == CALIBRATED_PROFILE:
+    skipped = calibration_skipped(cfg) if hw.name == CALIBRATED_PROFILE else None
+    if calibration is None and skipped:
+        print(f"tune: FLOP costs, no calibration: {skipped}", file=sys.stderr)
+    if calibration is None and hw.name == CALIBRATED_PROFILE and not skipped:
         import jax
 
         chosen = list(jax_devices) if jax_devices is not None else jax.devices()[:devices]
