@@ -123,7 +123,7 @@ def test_tune_on_default_yaml_exits_0_shows_progress_and_writes_nothing_unasked(
     assert proc.returncode == 0, proc.stderr[-3000:]
     best = [line for line in proc.stdout.splitlines() if line.startswith("best: ")]
     assert len(best) == 1 and "--out FILE writes its config" in best[0]
-    assert "plans: 100%" in proc.stderr  # the progress bar over the candidates
+    assert "plans: " in proc.stderr and "plan/s]" in proc.stderr  # a bar over the candidates
     assert (os.path.exists(unasked) and os.path.getmtime(unasked)) == there
 
 
