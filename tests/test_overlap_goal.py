@@ -48,9 +48,11 @@ def test_dp8_buckets_hide_under_backward_gemms_shallow():
 @pytest.mark.slow  # default suite: test_collective_matmul's every-ring-step-in-a-loop check
 def test_dp2_tp4_ring_steps_hide_under_gemms_shallow():
     data = _under_gemm(SHALLOW + DP2_TP4_SHALLOW)
-    # Measured 0.904 (0.759 with the reduce-scatter ring's last transfer outside its loop);
-    # the rest: the embedding's and the head's one-shot TP collectives in every microbatch.
-    assert data["collective_bytes_under_gemm_fraction"] >= 0.89
+    # Measured 0.889 under the auto preset gpu_overlap_tp (0.904 with gpu_overlap's pipelined
+    # all-gathers, which clone the layer loops; 0.759 with the reduce-scatter ring's last
+    # transfer outside its loop); the rest: the embedding's and the head's one-shot TP
+    # collectives in every microbatch.
+    assert data["collective_bytes_under_gemm_fraction"] >= 0.88
 
 
 @pytest.mark.slow
