@@ -193,12 +193,12 @@ def prepare_backend(cfg: Config, devices_needed: int | None = None) -> None:
     """Everything that must precede JAX's backend start-up, in order."""
     from jax_overlap.parallel.mesh import force_host_devices
 
-    if "JAX_PLATFORMS" not in os.environ and not glob.glob("/dev/nvidia[0-9]*"):
+    gpu = bool(glob.glob("/dev/nvidia[0-9]*"))
+    if "JAX_PLATFORMS" not in os.environ and not gpu:
         os.environ["JAX_PLATFORMS"] = "cpu"  # no GPU here: don't probe CUDA plugins
     needed = devices_needed or cfg.num_devices
     force_host_devices(max(1, needed // max(1, cfg.distributed.num_processes)))
-    _apply_xla_preset(cfg, accelerator=bool(glob.glob("/dev/nvidia[0-9]*"))
-                      and os.environ.get("JAX_PLATFORMS", "") != "cpu")
+    _apply_xla_preset(cfg, accelerator=gpu and os.environ.get("JAX_PLATFORMS", "") != "cpu")
 
 
 def _apply_xla_preset(cfg: Config, accelerator: bool) -> None:

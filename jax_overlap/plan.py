@@ -42,15 +42,7 @@ MICROBATCH_TOKENS = 8192
 # Under collective matmul each GEMM runs as tp ring steps of 1/tp of the rows; auto
 # microbatching keeps each step's GEMM at MICROBATCH_TOKENS rows (GPT-1.3B dp2 x tp4: 8
 # microbatches of 16 sequences, 2.23 s estimated step; 32 of 4: 3.64 s, mostly the ring steps'
-# kernel launches).
-
-
-def gemm_tokens(cfg: Config, tp_comm: str) -> int:
-    """Microbatch tokens auto microbatching aims for: `MICROBATCH_TOKENS` GEMM rows, per ring
-    step under collective matmul (at pp = 1; a pipeline's grouped steps are whole GEMMs)."""
-    if tp_comm == "collective_matmul" and cfg.mesh.pp == 1:
-        return MICROBATCH_TOKENS * cfg.mesh.tp
-    return MICROBATCH_TOKENS
+# kernel launches): `gemm_tokens`.
 # Share of device memory the estimated step may take under auto microbatching / remat; the rest
 # is headroom for the buffers that overlapping keeps alive longer and for XLA's own
 # temporaries. (XLA's GPU scheduler itself plans for 80% of the device, and its
@@ -569,14 +561,14 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
 AUTO_BUCKET_MB = 64.0
 
 
-def auto_xla_preset(accelerator: bool, cfg: Config | None = None) -> str:
+def auto_xla_preset(accelerator: bool, cfg: Config) -> str:
     """What `overlap.xla_preset: auto` becomes: the overlap flags where the step runs on (or
     is compiled for) a GPU, without the collective pipeliner's all-gather / reduce-scatter
     under tensor parallelism at pp = 1 (`xla_flags.py`). The CLI applies it before JAX
     starts; the plan records it."""
     if not accelerator:
         return "none"
-    if cfg is not None and cfg.mesh.tp > 1 and cfg.mesh.pp == 1:
+    if cfg.mesh.tp > 1 and cfg.mesh.pp == 1:
         return "gpu_overlap_tp"
     return "gpu_overlap"
 
@@ -667,10 +659,10 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 # Why `pipeline.schedule: auto` runs 1F1B, on each target (measured; docs/results.md).
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-           "1F1B paired 0.42 MFU, ZB-V 0.26; ZB-V's extra ticks and W actions cost more than "
+           "1F1B paired 0.42 MFU, ZB-V 0.30; ZB-V's extra ticks and W actions cost more than "
            "its smaller bubble saves)"),
-    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 0.8x a pp = 1 step's, "
-            "ZB-V 1.0x)"),
+    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.15x a pp = 1 "
+            "step's, ZB-V 1.37x)"),
 }
 
 
@@ -857,6 +849,14 @@ def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
         if fits_memory(need, target):
             return remat, need, tried
     return None, need, tried
+
+
+def gemm_tokens(cfg: Config, tp_comm: str) -> int:
+    """Microbatch tokens auto microbatching aims for: `MICROBATCH_TOKENS` GEMM rows, per ring
+    step under collective matmul (at pp = 1; a pipeline's grouped steps are whole GEMMs)."""
+    if tp_comm == "collective_matmul" and cfg.mesh.pp == 1:
+        return MICROBATCH_TOKENS * cfg.mesh.tp
+    return MICROBATCH_TOKENS
 
 
 def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
