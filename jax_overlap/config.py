@@ -36,7 +36,7 @@ class MeshConfig:
     tp: int = 1  # tensor-parallel shards (Megatron-style, inside each block)
     # Slow data axis, outermost: groups of dp x pp x tp devices on different hosts (or slices)
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
-    # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
+    # first, so only 1/dp of them crosses dcn (docs/guides/slow_links.md).
     dcn: int = 1
     # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
     # the exposed-time estimate in metrics.jsonl assume.
@@ -210,7 +210,7 @@ class OverlapConfig:
     # DC-ASGD delay compensation of the one-step-late gradient: g + lambda * g * g * (the
     # update applied since it was computed); 0 applies it as it is.
     dcn_delay_compensation: float = 0.0
-    # With dcn_delay 1, what arrives one step late (docs/slow_axis.md). gradient: the whole
+    # With dcn_delay 1, what arrives one step late (docs/guides/slow_links.md). gradient: the whole
     # reduced gradient, applied to the shared parameters (one device's training with each
     # gradient a step late). local: each dcn group applies its own update (from its fresh
     # fast-axis-reduced gradient) at once; the mean of the groups' updates replaces it one
@@ -222,7 +222,7 @@ class OverlapConfig:
 
 @dataclass
 class DilocoConfig:
-    # Streaming DiLoCo over dcn (docs/slow_axis.md): each dcn group trains on its own for
+    # Streaming DiLoCo over dcn (docs/guides/slow_links.md): each dcn group trains on its own for
     # inner_steps (H) steps per fragment sync; 0 is off. Needs mesh.dcn > 1.
     inner_steps: int = 0
     fragments: int = 1  # parameter fragments, synced in turn (every H / fragments steps)
@@ -245,9 +245,9 @@ class CheckpointConfig:
     # When committed checkpoints exist but none verifies: refuse (exit 2, nothing changed), or
     # restart from step 0 on purpose (the bad steps are quarantined, the summary lists them).
     on_unreadable: Literal["refuse", "restart"] = "refuse"
-    # The fast local tier (docs/resilience.md): a copy of every process's own shards every
-    # `local_every` accepted steps, written in the background; 0 turns it off. The newest
-    # step that verifies in either tier is resumed. Needs checkpoint.every_steps > 0.
+    # The fast local tier (docs/guides/fault_tolerance.md): a copy of every process's own
+    # shards every `local_every` accepted steps, written in the background; 0 turns it off.
+    # The newest step that verifies in either tier is resumed. Needs checkpoint.every_steps > 0.
     local_every: int = 0
     local_keep: int = 2  # local steps kept (1 or 2)
     local_dir: str = ""  # empty: /dev/shm/jax_overlap where it exists, else the system temp dir
