@@ -129,3 +129,16 @@ def test_cli_reference_names_every_flag():
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}`" in section, f"{name} {flag} missing from docs/reference/cli.md"
+
+
+def test_readme_shows_the_pictures():
+    """The TensorBoard screenshot and the ZB-V schedule exist as real PNGs and the README
+    shows them (`python scripts/make_images.py` redraws both)."""
+    readme = open(README).read()
+    for name in ("tensorboard.png", "schedule_zbv.png"):
+        path = os.path.join(REPO, "docs", "images", name)
+        assert os.path.exists(path), f"docs/images/{name} missing: run scripts/make_images.py"
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"docs/images/{name} is not a PNG"
+        assert os.path.getsize(path) > 20_000, f"docs/images/{name} is under 20 KB"
+        assert f"](docs/images/{name})" in readme, f"README.md does not show docs/images/{name}"
