@@ -58,7 +58,7 @@ class ModelConfig:
     # What each block keeps for its backward (jax_overlap/parallel/remat.py): none keeps
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
     # (weight) matmul outputs; auto: on a GPU the least recompute whose estimated step fits
-    # the device (jax_overlap/plan.py, analysis/memory.py), on a CPU none.
+    # the device (jax_overlap/plan.py, hardware/memory.py), on a CPU none.
     remat: Literal["auto", "none", "full", "save_dots", "minimal"] = "auto"
     # Attention kernel (jax_overlap/parallel/attention.py): fused is cuDNN flash attention
     # (GPU, bf16/fp16, head dim a multiple of 8 up to 128); plain the einsum path that

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jax_overlap.analysis.costs import collective_seconds, ring_factor, ring_steps
-from jax_overlap.analysis.machine import (
+from jax_overlap.hardware.collective_cost import collective_seconds, ring_factor, ring_steps
+from jax_overlap.hardware.machine import (
     CHIPS,
     Link,
     LinkModel,

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.analysis import deviceless
-from jax_overlap.analysis.machine import chip_spec
+from jax_overlap.hardware.machine import chip_spec
 from jax_overlap.analysis.targets import (
     PRIMITIVE_TYPE_IDS,
     TARGETS,

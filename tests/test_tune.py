@@ -10,7 +10,7 @@ from helpers import TINY, run_cli
 from jax_overlap import config
 from jax_overlap.analysis import calibrate as cal_lib
 from jax_overlap.analysis import tune
-from jax_overlap.analysis.hardware import load_profile
+from jax_overlap.hardware.link_profiles import load_profile
 from jax_overlap.analysis.simulate import simulate
 from jax_overlap.training import loop as train
 

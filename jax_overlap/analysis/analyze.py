@@ -116,7 +116,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 def step_estimate(cfg, plan, model, target: str, text: str):
     """`StepEstimate` of a step compiled for a GPU `target` (`analysis.step_estimate`): the
     roofline over its kernels, the pipeline replayed on the plan's tick table."""
-    from jax_overlap.analysis.machine import chip_spec
+    from jax_overlap.hardware.machine import chip_spec
     from jax_overlap.analysis.step_estimate import Ticks, estimate_step
 
     model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices

@@ -85,8 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.analysis.costs import ring_factor, ring_steps
-from jax_overlap.analysis.machine import HardwareProfile, Link
+from jax_overlap.hardware.collective_cost import ring_factor, ring_steps
+from jax_overlap.hardware.machine import HardwareProfile, Link
 from jax_overlap.analysis.simulate import Costs
 from jax_overlap.config import Config
 
@@ -971,13 +971,13 @@ def stash_bytes(cfg: Config, plan, vs: int) -> float:
     """Activation bytes one microbatch holds on ``vs`` between its ``F`` and backward.
 
     What each of the virtual stage's layers keeps under the remat policy
-    (`analysis/memory.py`'s `layer_stash_bytes`: every residual for ``none`` -- per token
+    (`hardware/memory.py`'s `layer_stash_bytes`: every residual for ``none`` -- per token
     the norm and matmul inputs, q, k, v, attention output, both MLP hidden tensors and the
     attention probabilities --, the block input for ``full``, the matmul outputs for
     ``save_dots`` / ``minimal``), the same at pp = 1 and pp > 1 (an F stashes its vjp
     residuals), plus the fp32 logits slice on the last virtual stage.
     """
-    from jax_overlap.analysis.memory import layer_stash_bytes
+    from jax_overlap.hardware.memory import layer_stash_bytes
 
     m, tp = cfg.model, plan.tp
     tokens = micro_batch_size(cfg, plan) * m.seq_len
@@ -990,7 +990,7 @@ def stash_bytes(cfg: Config, plan, vs: int) -> float:
 
 def layer_residual_bytes(cfg: Config, plan) -> float:
     """Residual bytes one layer keeps for its backward, for one microbatch on one rank."""
-    from jax_overlap.analysis.memory import layer_residual_bytes as per_layer
+    from jax_overlap.hardware.memory import layer_residual_bytes as per_layer
 
     return per_layer(cfg.model, micro_batch_size(cfg, plan), plan.tp, cfg.train.precision)
 

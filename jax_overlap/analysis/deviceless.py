@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from jax_overlap.analysis.hlo_report import HloReport, analyze_hlo
-from jax_overlap.analysis.machine import LinkModel
+from jax_overlap.hardware.machine import LinkModel
 from jax_overlap.analysis.targets import get_target, target_config_text
 
 PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")

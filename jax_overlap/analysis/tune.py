@@ -36,8 +36,8 @@ import yaml
 
 from jax_overlap import config as configlib
 from jax_overlap.analysis import calibrate as cal_lib
-from jax_overlap.analysis.hardware import load_profile
-from jax_overlap.analysis.machine import HardwareProfile
+from jax_overlap.hardware.link_profiles import load_profile
+from jax_overlap.hardware.machine import HardwareProfile
 from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.pipeline.schedules import SCHEDULES
@@ -54,7 +54,7 @@ CALIBRATED_KINDS = ("gpt", "bert", "llama")
 def calibration_skipped(cfg: Config) -> str | None:
     """Why `tune` prices `cfg`'s plans by FLOPs on the calibrated profile, or None when it
     can calibrate them here."""
-    from jax_overlap.analysis.memory import param_elements
+    from jax_overlap.hardware.memory import param_elements
 
     m = cfg.model
     if m.kind not in CALIBRATED_KINDS:

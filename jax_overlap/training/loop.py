@@ -48,7 +48,7 @@ import numpy as np
 
 from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
-from jax_overlap.analysis.machine import chip_for_device_kind
+from jax_overlap.hardware.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.data import run_tokenizer
 from jax_overlap.overlap import slow_axis
@@ -86,7 +86,7 @@ from jax_overlap.training import step as steplib
 
 def peak_flops(device) -> float | None:
     """Peak dense bf16 FLOP/s of `device`, for MFU: its chip in the machine model's table
-    (`jax_overlap.analysis.machine.CHIPS`); None on CPU or for a chip the table lacks."""
+    (`jax_overlap.hardware.machine.CHIPS`); None on CPU or for a chip the table lacks."""
     if device.platform == "cpu":
         return None
     chip = chip_for_device_kind(getattr(device, "device_kind", ""))
