@@ -20,13 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config that cannot work; `problems` holds one line per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
+from jax_overlap.errors import ConfigError  # defined low, raised here and re-exported
 
 
 @dataclass

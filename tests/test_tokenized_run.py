@@ -25,7 +25,7 @@ LLAMA = ["model.kind=llama", "model.kv_heads=2", "model.tied_embeddings=false",
 
 def text_file(tmp_path) -> str:
     """Held-out text: a stdlib file past the corpus the tokenizer and the model saw."""
-    from jax_overlap.training.data import stdlib_files
+    from jax_overlap.data.streams import stdlib_files
 
     path = tmp_path / "held_out.txt"
     big = next(p for p in stdlib_files()[40:] if os.path.getsize(p) > 4000)

@@ -79,7 +79,7 @@ from jax_overlap.resilience.rollback import (
     plan_rollback,
 )
 from jax_overlap.resilience.watchdog import Watchdog, jax_board
-from jax_overlap.training import data as datalib
+from jax_overlap.data import streams as datalib
 from jax_overlap.training import eval_hook, events, sample_hook
 from jax_overlap.training import step as steplib
 
