@@ -573,6 +573,9 @@ def validate(cfg: Config) -> None:
             p.append(f"pipeline.vocab_parallel: model.vocab {mo.vocab} is not divisible by "
                      f"mesh.tp x mesh.pp = {m.tp * m.pp}; pad it to a multiple of "
                      f"{m.tp * m.pp} (e.g. {-(-mo.vocab // (m.tp * m.pp)) * m.tp * m.pp})")
+    if mo.kind == "resnet" and m.tp > 1:
+        p.append(f"mesh.tp: ResNet has no tensor-parallel layout; set mesh.tp=1 and use "
+                 f"mesh.dp / mesh.pp (got mesh.tp={m.tp})")
     chunks = m.pp * pl.virtual_stages
     # ResNet groups its residual blocks into pp x v balanced units itself (models/resnet.py).
     split = pl.stage_layers

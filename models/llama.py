@@ -298,6 +298,7 @@ class Llama(DecoderStagedModel):
         return 6.0 * self.num_params() * t + 12.0 * self.num_layers * t * t * self.d_model
 
 
-def build(cfg):
-    """The model `model.kind: llama` names (registered in pyproject.toml)."""
-    return Llama.from_config(cfg.model, tp=cfg.mesh.tp)
+def build(cfg, tp: int = 1):
+    """The model `model.kind: llama` names (registered in pyproject.toml), laid out for the
+    tensor-parallel degree `tp` the library's `build_model` passes."""
+    return Llama.from_config(cfg.model, tp=tp)

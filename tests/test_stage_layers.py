@@ -156,7 +156,7 @@ def test_checkpoint_of_one_split_restores_bit_exact_with_another_and_on_pp1(tmp_
         from_checkpoint,
         to_checkpoint,
     )
-    from jax_overlap.resilience.loop_state import (
+    from jax_overlap.training.loop_state import (
         abstract_loop_state,
         make_initializer,
         shardings_of,
