@@ -15,7 +15,7 @@ from jax_overlap.hardware.machine import (
     chip_spec,
 )
 from jax_overlap.analysis.simulate import all_gather_time, all_reduce_time, p2p_time
-from jax_overlap.analysis.targets import TARGETS
+from jax_overlap.analysis.xla_targets import TARGETS
 from jax_overlap.training.loop import peak_flops
 
 

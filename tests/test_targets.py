@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap.analysis import deviceless
 from jax_overlap.hardware.machine import chip_spec
-from jax_overlap.analysis.targets import (
+from jax_overlap.analysis.xla_targets import (
     PRIMITIVE_TYPE_IDS,
     TARGETS,
     get_target,

@@ -28,7 +28,7 @@ def target_of(name: str):
 
     if name == "cpu":
         return Target()
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     chip = get_target(name)
     return Target(chip.key, True, float(chip.chip.hbm_bytes))
@@ -108,7 +108,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                                   num_hosts=plan.dcn, memory=memory)
     if texts is not None:
         texts.append(text)
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     return analyze_hlo(text, target=get_target(target).key, branch_frequencies=frequencies)
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from jax_overlap.analysis.hlo_report import HloReport, analyze_hlo
 from jax_overlap.hardware.machine import LinkModel
-from jax_overlap.analysis.targets import get_target, target_config_text
+from jax_overlap.analysis.xla_targets import get_target, target_config_text
 from jax_overlap.hardware.gpu_plugins import (  # noqa: F401 (tests and callers ask here)
     INSTALL_HINT, plugin_available, plugin_libraries, unavailable_reason)
 

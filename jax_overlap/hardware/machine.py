@@ -20,7 +20,7 @@ simulator and the tuner:
 
 What a collective costs on a :class:`Link` is :mod:`jax_overlap.hardware.collective_cost`. What
 XLA's GPU compiler needs to compile for a chip without one is
-:mod:`jax_overlap.analysis.targets`.
+:mod:`jax_overlap.analysis.xla_targets`.
 
 Every chip number comes from a published source named in a comment next to it
 (NVIDIA's datasheets and architecture whitepapers); numbers derived from those show

@@ -291,7 +291,7 @@ def render_target_config(device: GpuDeviceInfo) -> str:
         + ("ACCELERATED_FEATURES" if device.accelerated_features else "NONE")
     )
     lines = [
-        "# stream_executor.GpuTargetConfigProto written by jax_overlap.analysis.targets",
+        "# stream_executor.GpuTargetConfigProto written by jax_overlap.analysis.xla_targets",
         "gpu_device_info {",
         f"  threads_per_block_limit: {device.threads_per_block_limit}",
         f"  threads_per_warp: {device.threads_per_warp}",
