@@ -87,6 +87,7 @@ import numpy as np
 
 from jax_overlap.hardware.collective_cost import ring_factor, ring_steps
 from jax_overlap.hardware.machine import HardwareProfile, Link
+from jax_overlap.hardware.memory import dtype_bytes
 from jax_overlap.analysis.simulate import Costs
 from jax_overlap.config import Config
 
@@ -824,11 +825,6 @@ def micro_batch_size(cfg: Config, plan) -> int:
     return plan.micro_batch
 
 
-def dtype_bytes(cfg: Config) -> int:
-    """Bytes of one activation element in the compute dtype."""
-    return 2 if cfg.train.precision in ("bf16", "fp16") else 4
-
-
 def layers_per_virtual_stage(cfg: Config, plan) -> list[int]:
     """Layers of each virtual stage in model order: the plan's `stage_layers` (even unless
     `pipeline.stage_layers` says otherwise)."""
@@ -933,7 +929,7 @@ def tp_collectives(cfg: Config, plan, vs: int, kind: str) -> tuple[int, float]:
     if plan.tp <= 1 or kind not in ("F", "B"):
         return 0, 0.0
     b, t, d = micro_batch_size(cfg, plan), cfg.model.seq_len, cfg.model.d_model
-    act = b * t * d * dtype_bytes(cfg)
+    act = b * t * d * dtype_bytes(cfg.train.precision)
     n_vs = plan.num_virtual_stages
     n_layers = layers_per_virtual_stage(cfg, plan)[vs]
     count, nbytes = 2 * n_layers, 2 * n_layers * act
@@ -1078,7 +1074,7 @@ def assemble_costs(
         forward_s=tuple(float(x) for x in forward_s),
         backward_s=tuple(float(x) for x in backward_s),
         weight_s=tuple(float(x) for x in weight_s),
-        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg)),
+        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg.train.precision)),
         tp_bytes=tuple(tp_bytes),
         param_bytes=tuple(params),
         stash_bytes=tuple(stash_bytes(cfg, plan, vs) for vs in range(n_vs)),
