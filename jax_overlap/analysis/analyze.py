@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from jax_overlap.model_api import batch_shapes
 from jax_overlap.parallel.mesh import data_spec, make_mesh
+from jax_overlap.pipeline import layout
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import new_state
 
@@ -37,7 +38,11 @@ def target_of(name: str):
 def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
     """ShapeDtypeStructs (with shardings) of the train state and a batch: nothing allocated."""
     key = jax.random.key(cfg.train.seed)
-    abstract_params = jax.eval_shape(model.init, key)
+
+    def init(key):  # as `training.step.init_state` lays it out (padded chunks when uneven)
+        return layout.to_staged(model.init(key), plan.layer_perm)
+
+    abstract_params = jax.eval_shape(init, key)
     shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
                                         plan)
     if plan.slow_mode in ("delay", "local"):  # the slow axis's state: as init_state builds it
@@ -45,7 +50,7 @@ def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
                                                            cfg.train.seed))
     else:
         shapes = jax.eval_shape(
-            lambda: new_state(model.init(key), optimizer.init(model.init(key)), cfg.train.seed))
+            lambda: new_state(init(key), optimizer.init(init(key)), cfg.train.seed))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, shardings)
     batch_sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
