@@ -214,6 +214,7 @@ class MoeBlock(Block):
 
         balance, z, tokens_e = router_losses(logits_bte, probs_bte, expert_bn, spec)
         aux_sum = spec.aux_coef * t * balance + spec.z_coef * z
+        self.sow("intermediates", "router_loss_sum", aux_sum)  # tests differentiate it
         dropped = (~keep_bn).sum().astype(jnp.float32)
         stats = jax.lax.stop_gradient(jnp.concatenate(
             [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None]]))
