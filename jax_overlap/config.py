@@ -38,6 +38,10 @@ class MeshConfig:
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
     # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
     dcn: int = 1
+    # Expert parallelism (model.experts > 0): each group of ep consecutive dp ranks splits the
+    # experts among itself, tokens travelling to their experts and back with all-to-alls
+    # inside the group; must divide dp and model.experts.
+    ep: int = 1
     # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
     # the exposed-time estimate in metrics.jsonl assume.
     dcn_gbps: float = 100.0
@@ -197,6 +201,9 @@ class OverlapConfig:
     # auto: on where gradients go in buckets in backward order on a GPU.
     embed_before_first_layer: bool | Literal["auto"] = "auto"
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
+    # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
+    # so chunk i's all-to-all can run under chunk i-1's expert GEMMs (models/moe.py).
+    moe_chunks: int = 1
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
     # sequence per microbatch under remat full, replicated otherwise.
@@ -551,7 +558,7 @@ def _read_yaml(path: str) -> dict:
 def validate(cfg: Config) -> None:
     p: list[str] = []
     m, mo, t, pl, ov = cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.overlap
-    for name in ("dp", "pp", "tp", "dcn"):
+    for name in ("dp", "pp", "tp", "dcn", "ep"):
         if getattr(m, name) < 1:
             p.append(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
     for name in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"):
@@ -800,8 +807,16 @@ def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
 def _check_moe(cfg: Config, p: list[str]) -> None:
     """model.experts and the keys that go with it (models/moe.py)."""
     mo, m = cfg.model, cfg.mesh
+    if cfg.overlap.moe_chunks < 1:
+        p.append(f"overlap.moe_chunks: must be >= 1, got {cfg.overlap.moe_chunks}")
     if mo.experts == 0:
+        if m.ep > 1:
+            p.append(f"mesh.ep: {m.ep} splits experts, but model.experts is 0 (dense); set "
+                     f"model.experts or mesh.ep=1")
         return
+    if m.ep > 1 and (m.dp % m.ep or mo.experts % m.ep):
+        p.append(f"mesh.ep: {m.ep} must divide mesh.dp={m.dp} and model.experts="
+                 f"{mo.experts}; pick a common divisor")
     if mo.kind != "llama":
         p.append(f"model.experts: mixture of experts is built on the Llama decoder; set "
                  f"model.kind=llama or model.experts=0 (got kind {mo.kind})")

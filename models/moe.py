@@ -20,7 +20,7 @@ They are not in the reported `loss`: like Megatron's aux-loss scaler, the block 
 gradient in its backward (`_side_channel`), scaled to the step's global token mean, so no
 extra value has to cross the pipeline.
 
-Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2,) that its forward never
+Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2 padded) that its forward never
 reads; its "gradient" is this microbatch's tokens per expert, dropped assignments and router
 loss. The step sums it over microbatches and devices like any gradient, takes it out before
 the optimizer (`jax_overlap.training.moe_stats`) and reports it.
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap.parallel.collectives import Parallel, psum_tp
-from jax_overlap.parallel.compat import to_varying, varying_axes
+from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
+from jax_overlap.parallel.mesh import DP
 from models.llama import Block, Llama, RMSNorm, Rope, _normal
 
 STATS = "moe_stats"
@@ -60,6 +61,10 @@ class MoeSpec:
     # Gradient of the summed router losses: 1 / (global tokens x MoE layers), the step's
     # mean (its loss is the sum over the global batch's tokens / their count).
     loss_scale: float = 1.0
+    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts; tokens are
+    # sent in `chunks` pieces (each chunk's all-to-all can run under the previous one's GEMMs).
+    ep: int = 1
+    chunks: int = 1
 
     def capacity_for(self, t: int) -> int:
         """Slots per expert per sequence of `t` tokens."""
@@ -133,6 +138,44 @@ def swiglu_experts(x_ecd, w_gu_ed2f, w_down_efd, dt):
     return jnp.einsum("ecf,efd->ecd", h_ecf, w_down_efd.astype(dt))
 
 
+def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
+    """The experts' SwiGLU on their tokens, the experts split over groups of `spec.ep` dp
+    ranks (inside the step's shard_map).
+
+    Rank r of a group computes experts [r E/ep, (r+1) E/ep) (its slice of the stored
+    weights; the dp reduction of their gradients assembles every expert's). Per chunk of the
+    token slots: an all-to-all over the group sends each expert's tokens to its rank,
+    (E, N, D) -> (E/ep, ep N, D), the GEMMs run there, and a second one brings the outputs
+    back, (E/ep, ep N, D) -> (E, N, D). The chunks are independent, so XLA can run one's
+    all-to-alls under another's GEMMs.
+    """
+    ep = spec.ep
+    groups = [list(range(g * ep, (g + 1) * ep)) for g in range(axis_size(DP) // ep)]
+    e_local = spec.experts // ep
+    first = (jax.lax.axis_index(DP) % ep) * e_local
+    w_gu = jax.lax.dynamic_slice_in_dim(w_gu_ed2f, first, e_local, axis=0)
+    w_down = jax.lax.dynamic_slice_in_dim(w_down_efd, first, e_local, axis=0)
+    n = x_end.shape[1]
+    bounds = [round(i * n / spec.chunks) for i in range(spec.chunks + 1)]
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            continue
+        # (E, n, D) -> (E/ep, ep n, D) over the ep group
+        x_lnd = jax.lax.all_to_all(x_end[:, lo:hi], DP, 0, 1, tiled=True,
+                                   axis_index_groups=groups)
+        y_lnd = swiglu_experts(x_lnd, w_gu, w_down, dt)
+        # (E/ep, ep n, D) -> (E, n, D) over the ep group
+        outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=groups))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def stats_len(experts: int) -> int:
+    """Length of the `moe_stats` leaf: E + 2 entries, padded to a multiple of 128 so FSDP
+    can split it over any power-of-two dp up to 128 (it replicates leaves it cannot split)."""
+    return -(-(experts + 2) // 128) * 128
+
+
 # The side channel: identity on x, router-loss gradient and statistics in the backward ------
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _side_channel(x, aux_sum, sink, stats, info):
@@ -186,7 +229,7 @@ class MoeBlock(Block):
         w_router_de = self.param("w_router", _normal(0.02), (d, e))
         w_gu_ed2f = self.param("w_experts_gate_up", _normal(0.02), (e, d, 2, f_local))
         w_down_efd = self.param("w_experts_down", _normal(out_std), (e, f_local, d))
-        sink = self.param(STATS, nn.initializers.zeros, (e + 2,))
+        sink = self.param(STATS, nn.initializers.zeros, (stats_len(e),))
         y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
         if par.sequence_sharded:  # every TP rank routes the whole sequence: (B, T/tp, D) -> (B, T, D)
             y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
@@ -197,7 +240,10 @@ class MoeBlock(Block):
                                 w_router_de.astype(jnp.float32))
         expert_bn, slot_bn, gate_bn, keep_bn, probs_bte = route(logits_bte, spec, capacity)
         x_end = dispatch(y_btd.astype(dt), expert_bn, slot_bn, spec, capacity)
-        out_end = swiglu_experts(x_end, w_gu_ed2f, w_down_efd, dt)
+        if par.active and spec.ep > 1:
+            out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt)
+        else:
+            out_end = swiglu_experts(x_end, w_gu_ed2f, w_down_efd, dt)
         out_btd = combine(out_end, expert_bn, slot_bn, gate_bn, spec, b, t, capacity)
         if spec.shared:
             fs = spec.shared * f_local
@@ -217,7 +263,8 @@ class MoeBlock(Block):
         self.sow("intermediates", "router_loss_sum", aux_sum)  # tests differentiate it
         dropped = (~keep_bn).sum().astype(jnp.float32)
         stats = jax.lax.stop_gradient(jnp.concatenate(
-            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None]]))
+            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None],
+             jnp.zeros(stats_len(e) - e - 2)]))
         return _side_channel(out_btd, aux_sum, sink, stats,
                              (spec.loss_scale, par.tp_axis, par.tp))
 
@@ -270,7 +317,8 @@ class MoeLlama(Llama):
         units = m.layers // m.moe_every
         tokens = cfg.train.global_batch * m.seq_len
         spec = MoeSpec(m.experts, m.experts_per_token, m.expert_capacity, m.shared_experts,
-                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units))
+                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units),
+                       cfg.mesh.ep, cfg.overlap.moe_chunks)
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         fields["num_layers"] = units
         return cls(**fields, moe=spec, moe_every=m.moe_every)

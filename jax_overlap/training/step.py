@@ -109,6 +109,7 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
                                       lr, fault_hook, jit)
     delayed = plan.slow_mode == "delay"
     ov = plan.overlap
+    experts = getattr(getattr(model, "moe", None), "experts", 0)
 
     def step(state: TrainState, batch):
         ls = state.loss_scale
@@ -119,7 +120,8 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             loss, grads = loss_scale_lib.unscale(*scaled(state.params, batch), ls.scale)
             finite = loss_scale_lib.all_finite(loss, grads)
             grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-        grads, moe_metrics = moe_stats.take(grads)  # MoE router statistics, out of the update
+        # MoE router statistics (models/moe.py), out of the update
+        grads, moe_metrics = moe_stats.take(grads, experts)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
         # Delay: the norm of this step's own gradient (its per-dcn-group copies), so the
