@@ -311,14 +311,15 @@ class MoeLlama(Llama):
     moe_every: int = 1
 
     @classmethod
-    def from_config(cls, cfg, tp: int | None = None) -> "MoeLlama":
+    def from_config(cls, cfg, tp: int = 1, ep: int = 1, chunks: int = 1) -> "MoeLlama":
+        """From the config's `model` and `train.global_batch` (the router losses' mean);
+        `tp`, `ep` and `chunks` (`overlap.moe_chunks`) as `model_api.build_facts` gives them."""
         m = cfg.model
-        base = Llama.from_config(m, tp=cfg.mesh.tp if tp is None else tp)
+        base = Llama.from_config(m, tp=tp)
         units = m.layers // m.moe_every
         tokens = cfg.train.global_batch * m.seq_len
         spec = MoeSpec(m.experts, m.experts_per_token, m.expert_capacity, m.shared_experts,
-                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units),
-                       cfg.mesh.ep, cfg.overlap.moe_chunks)
+                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units), ep, chunks)
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         fields["num_layers"] = units
         return cls(**fields, moe=spec, moe_every=m.moe_every)

@@ -15,6 +15,7 @@ import pytest
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
+from jax_overlap.model_api import build_model
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
 from jax_overlap.plan import ParallelPlan
@@ -58,7 +59,7 @@ def reference(key):
 def check(key, dp, tp, pp=1, extra=()):
     cfg = moe_cfg(key, dp, tp, pp, extra)
     params, batch, ref_loss, ref_grads = reference(key)
-    model = MoeLlama.from_config(cfg)
+    model = build_model(cfg)
     plan = ParallelPlan.build(cfg, model)
     mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
     shardings = steplib.param_shardings(model, mesh, plan.layout)

@@ -28,7 +28,7 @@ def target_of(name: str):
 
     if name == "cpu":
         return Target()
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     chip = get_target(name)
     return Target(chip.key, True, float(chip.chip.hbm_bytes))
@@ -108,7 +108,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                                   num_hosts=plan.dcn, memory=memory)
     if texts is not None:
         texts.append(text)
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     return analyze_hlo(text, target=get_target(target).key, branch_frequencies=frequencies)
 
@@ -116,7 +116,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 def step_estimate(cfg, plan, model, target: str, text: str):
     """`StepEstimate` of a step compiled for a GPU `target` (`analysis.step_estimate`): the
     roofline over its kernels, the pipeline replayed on the plan's tick table."""
-    from jax_overlap.analysis.machine import chip_spec
+    from jax_overlap.hardware.machine import chip_spec
     from jax_overlap.analysis.step_estimate import Ticks, estimate_step
 
     model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices

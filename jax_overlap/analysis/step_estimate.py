@@ -53,7 +53,7 @@ from jax_overlap.analysis.hlo_parse import (
     tuple_elements,
     while_trip_count,
 )
-from jax_overlap.analysis.machine import ChipSpec
+from jax_overlap.hardware.machine import ChipSpec
 from jax_overlap.pipeline.program import FILL_SCOPE, HEAD_SCOPE, LANE_SCOPE, RESIDUAL_POOLS
 
 LAUNCH_S = 4e-6  # seconds per kernel launch

@@ -114,7 +114,7 @@ from jax_overlap.pipeline import residuals, weight_grads
 from jax_overlap.pipeline.program import (COL, FILL_SCOPE, HEAD_SCOPE, LANE_SCOPE,
                                           TickProgram)
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
-from jax_overlap.training.grads import microbatched
+from jax_overlap.parallel.mesh import microbatched
 
 _log = logging.getLogger("jax_overlap")
 
