@@ -2,10 +2,10 @@
 losses' gradients, the statistics the step reports, and the single-device loss and gradients
 on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mesh.
 
-Default run: a handful of tiny meshes (dp x tp with drops and shared experts, sequence
-parallel with FSDP, one pipeline). `make test-slow`: more pipelines (1F1B, ZB-V, paired
-ticks), collective matmul, dropless, and configs/moe_tiny.yaml learning with balanced
-experts.
+Default run: two tiny meshes with drops, shared experts and dense layers between the MoE
+ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP). `make test-slow`:
+pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
+remat, dropless, and configs/moe_tiny.yaml learning with balanced experts.
 """
 
 import jax
@@ -85,10 +85,8 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 
 DEFAULT = [
-    ("drops", 2, 2, 1, []),
     ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
     ("drops", 2, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp"]),
-    ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
 ]
 
 
@@ -191,6 +189,8 @@ def test_bad_moe_settings_are_one_line_each(override, message):
 
 
 SWEEP = [
+    ("drops", 2, 2, 1, []),
+    ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 8, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
     ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
