@@ -32,6 +32,10 @@ class MeshConfig:
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
     # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
     dcn: int = 1
+    # Expert parallelism (model.experts > 0): each group of ep consecutive dp ranks splits the
+    # experts among itself, tokens travelling to their experts and back with all-to-alls
+    # inside the group; must divide dp and model.experts.
+    ep: int = 1
     # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
     # the exposed-time estimate in metrics.jsonl assume.
     dcn_gbps: float = 100.0
@@ -69,6 +73,20 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
+    # Mixture of experts (Llama only, models/moe.py): experts per MoE layer (0: dense);
+    # the router's top-k; each expert's capacity per sequence, `dropless` (never drops) or
+    # a factor of the even share (ceil(factor * seq_len * k / experts) tokens, the rest
+    # dropped, first choices first); shared experts every token passes through; every
+    # moe_every-th layer is MoE (the others dense); the load-balancing and router z-loss
+    # coefficients. d_ff is each expert's hidden size.
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_capacity: float | Literal["dropless"] = "dropless"
+    shared_experts: int = 0
+    moe_every: int = 1
+    router_aux_loss: float = 0.01
+    router_z_loss: float = 0.001
+
 
 
 @dataclass
@@ -178,6 +196,9 @@ class OverlapConfig:
     # auto: on where gradients go in buckets in backward order on a GPU.
     embed_before_first_layer: bool | Literal["auto"] = "auto"
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
+    # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
+    # so chunk i's all-to-all can run under chunk i-1's expert GEMMs (models/moe.py).
+    moe_chunks: int = 1
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
     # sequence per microbatch under remat full, replicated otherwise.

@@ -29,7 +29,7 @@ def _sizes_problems(cfg: Config) -> list[str]:
     """Every mesh axis and model size is at least 1."""
     p: list[str] = []
     m, mo, t, pl, ov = cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.overlap
-    for name in ("dp", "pp", "tp", "dcn"):
+    for name in ("dp", "pp", "tp", "dcn", "ep"):
         if getattr(m, name) < 1:
             p.append(f"mesh.{name}: must be >= 1, got {getattr(m, name)}")
     for name in ("layers", "d_model", "heads", "d_ff", "vocab", "seq_len"):
@@ -45,6 +45,7 @@ def _model_problems(cfg: Config) -> list[str]:
     m, mo, t, pl, ov = cfg.mesh, cfg.model, cfg.train, cfg.pipeline, cfg.overlap
     if mo.kind == "llama":
         _check_llama(mo, m.tp, p)
+    _check_moe(cfg, p)
     if mo.kind in ("gpt", "bert", "llama"):
         if mo.d_model % mo.heads:
             p.append(f"model.d_model: {mo.d_model} is not divisible by model.heads={mo.heads}; "
@@ -313,6 +314,53 @@ def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
         p.append(f"model.rope_theta: must be > 0, got {mo.rope_theta}")
     if mo.rope_scaling == "llama3" and mo.rope_high_freq_factor <= mo.rope_low_freq_factor:
         p.append("model.rope_high_freq_factor: must exceed model.rope_low_freq_factor")
+
+
+def _check_moe(cfg: Config, p: list[str]) -> None:
+    """model.experts and the keys that go with it (models/moe.py)."""
+    mo, m = cfg.model, cfg.mesh
+    if cfg.overlap.moe_chunks < 1:
+        p.append(f"overlap.moe_chunks: must be >= 1, got {cfg.overlap.moe_chunks}")
+    if mo.experts == 0:
+        if m.ep > 1:
+            p.append(f"mesh.ep: {m.ep} splits experts, but model.experts is 0 (dense); set "
+                     f"model.experts or mesh.ep=1")
+        return
+    if m.ep > 1 and (m.dp % m.ep or mo.experts % m.ep):
+        p.append(f"mesh.ep: {m.ep} must divide mesh.dp={m.dp} and model.experts="
+                 f"{mo.experts}; pick a common divisor")
+    if mo.kind != "llama":
+        p.append(f"model.experts: mixture of experts is built on the Llama decoder; set "
+                 f"model.kind=llama or model.experts=0 (got kind {mo.kind})")
+        return
+    if mo.experts < 0:
+        p.append(f"model.experts: must be >= 0 (0 = dense), got {mo.experts}")
+        return
+    if not 1 <= mo.experts_per_token <= mo.experts:
+        p.append(f"model.experts_per_token: {mo.experts_per_token} must be between 1 and "
+                 f"model.experts={mo.experts}")
+    if mo.expert_capacity != "dropless" and not mo.expert_capacity > 0:
+        p.append(f"model.expert_capacity: must be dropless or a factor > 0, got "
+                 f"{mo.expert_capacity}")
+    if mo.shared_experts < 0:
+        p.append(f"model.shared_experts: must be >= 0, got {mo.shared_experts}")
+    if mo.moe_every < 1 or mo.layers % mo.moe_every:
+        p.append(f"model.moe_every: {mo.moe_every} must be >= 1 and divide model.layers="
+                 f"{mo.layers}; pick a divisor of {mo.layers}")
+    elif (mo.layers // mo.moe_every) % (m.pp * cfg.pipeline.virtual_stages):
+        p.append(f"model.moe_every: the pipeline splits groups of {mo.moe_every} layers "
+                 f"(one MoE layer each), and {mo.layers // mo.moe_every} groups are not "
+                 f"divisible by mesh.pp x pipeline.virtual_stages = "
+                 f"{m.pp * cfg.pipeline.virtual_stages}; change model.moe_every or model.layers")
+    for name in ("router_aux_loss", "router_z_loss"):
+        if getattr(mo, name) < 0:
+            p.append(f"model.{name}: must be >= 0, got {getattr(mo, name)}")
+    if cfg.train.precision == "fp16":
+        p.append("train.precision: fp16's loss scaling would rescale the router losses of "
+                 "model.experts > 0; use bf16")
+    if m.dcn > 1 and cfg.overlap.dcn_delay_mode == "local":
+        p.append("overlap.dcn_delay_mode: local keeps its own gradients, which would not "
+                 "carry the MoE router statistics; use gradient with model.experts > 0")
 
 
 def _slow_axis_problems(cfg: Config) -> list[str]:

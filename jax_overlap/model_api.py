@@ -102,8 +102,10 @@ def build_model(cfg) -> StagedModel:
 
 def build_facts(cfg) -> dict[str, int]:
     """What a builder may ask for by name: `tp`, the tensor-parallel degree its layout is
-    built for (Llama's kv-head split), and `pipeline_units`."""
-    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg)}
+    built for (Llama's kv-head split), `pipeline_units`, and for a mixture of experts `ep`
+    (experts split over groups of ep dp ranks) and `moe_chunks` (`overlap.moe_chunks`)."""
+    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep,
+            "moe_chunks": cfg.overlap.moe_chunks}
 
 
 def pipeline_units(cfg) -> int:

@@ -80,7 +80,7 @@ from jax_overlap.training.rollback import (
 )
 from jax_overlap.resilience.watchdog import Watchdog, jax_board
 from jax_overlap.data import streams as datalib
-from jax_overlap.training import eval_hook, events, sample_hook
+from jax_overlap.training import eval_hook, events, moe_stats, sample_hook
 from jax_overlap.training import step as steplib
 
 
@@ -416,6 +416,7 @@ class _Trainer:
             if "loss_scale" in m:
                 record["loss_scale"] = float(m["loss_scale"])
             record.update(slow_axis.step_record(self.plan, dt, m))
+            record.update(moe_stats.step_record(m))
             if accepted:
                 self.losses.append(loss)
                 if not compiling:
