@@ -59,7 +59,7 @@ def time_size(name: str, steps: int) -> dict:
     from jax_overlap import plan as plan_lib
     from jax_overlap.model_api import build_model
     from jax_overlap.plan import ParallelPlan
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import step as steplib
     from jax_overlap.training.loop import peak_flops
 

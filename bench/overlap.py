@@ -126,7 +126,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     from jax_overlap import plan as plan_lib
     from jax_overlap.overlap import dp_layout
     from jax_overlap.plan import ParallelPlan
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import step as steplib
 
     cfg = config.load("configs/default.yaml", overrides)

@@ -220,7 +220,7 @@ def main() -> None:
     from jax_overlap import plan as plan_lib
     from jax_overlap.pipeline import executor, layout
     from jax_overlap.plan import ParallelPlan
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import step as steplib
 
     base = (QUICK_MODEL if args.quick else MODEL) + list(args.overrides)

@@ -64,7 +64,7 @@ def cpu_rows(groups, policies, base, reps: int) -> list[dict]:
     from jax_overlap import plan as plan_lib
     from jax_overlap.pipeline import layout
     from jax_overlap.plan import ParallelPlan
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import step as steplib
 
     rows = []

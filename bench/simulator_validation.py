@@ -129,7 +129,7 @@ def main() -> int:
 
     from jax_overlap.analysis import calibrate as cal_lib
     from jax_overlap.analysis import tune
-    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.hardware.link_profiles import load_profile
     from jax_overlap.analysis.profile import build_step
 
     load_start = os.getloadavg()[0]

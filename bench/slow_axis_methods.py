@@ -62,7 +62,7 @@ def simulate(method: str, cfg, warm: int = 0, outer_lr: float = 0.7,
     import jax.numpy as jnp
     import optax
 
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
     from models.gpt import GPT

@@ -85,7 +85,7 @@ def imbalance_floor(cfg, hw) -> float:
 def rows(meshes, microbatches, variants=VARIANTS) -> list[dict]:
     from jax_overlap import config
     from jax_overlap.analysis import tune
-    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.hardware.link_profiles import load_profile
     from jax_overlap.pipeline.schedules import bubble_fraction
 
     hw = load_profile(HARDWARE)

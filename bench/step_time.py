@@ -57,7 +57,7 @@ def main() -> None:
 
     from jax_overlap import plan as plan_lib
     from jax_overlap.plan import ParallelPlan
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
     from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
 

@@ -349,14 +349,15 @@ def cmd_prepare_data(args) -> int:
 
 def cmd_convert(args) -> int:
     from jax_overlap.hf import convert
+    from jax_overlap.training import hf_runs
 
     if args.from_hf:
         cfg = convert.hf_run_config(args.from_hf, args.overrides)
         prepare_backend(cfg)
-        out = convert.from_hf(args.from_hf, args.out, args.overrides)
+        out = hf_runs.from_hf(args.from_hf, args.out, args.overrides)
     else:
         prepare_backend(Config(), devices_needed=1)
-        out = convert.to_hf(args.to_hf, args.out, args.dtype, args.shard_mb, args.overrides)
+        out = hf_runs.to_hf(args.to_hf, args.out, args.dtype, args.shard_mb, args.overrides)
     print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()))
     return 0
 

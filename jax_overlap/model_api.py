@@ -12,6 +12,7 @@ and `param_axes()` names the logical axis of every dimension ('layers' first for
 
 from __future__ import annotations
 
+import inspect
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -71,7 +72,9 @@ class Decoder(Protocol):
 
 # Models register themselves under this entry-point group (pyproject.toml), so the library finds
 # `model.kind` without importing any model package: `kind = "module:builder"`, where
-# `builder(cfg) -> StagedModel` takes the whole config.
+# `builder(cfg) -> StagedModel` takes the whole config, and, as keywords, those of
+# `build_facts(cfg)` it declares: the plain parallel facts a model may need (models never read
+# the mesh, pipeline or overlap sections themselves).
 ENTRY_POINT_GROUP = "jax_overlap.models"
 
 
@@ -92,7 +95,27 @@ def build_model(cfg) -> StagedModel:
         names = ", ".join(sorted(known)) or "none (reinstall the package: pip install -e .)"
         raise ValueError(f"model.kind: no installed model is registered as {kind!r}; "
                          f"registered: {names}")
-    return known[kind].load()(cfg)
+    builder = known[kind].load()
+    declared = inspect.signature(builder).parameters
+    return builder(cfg, **{k: v for k, v in build_facts(cfg).items() if k in declared})
+
+
+def build_facts(cfg) -> dict[str, int]:
+    """What a builder may ask for by name: `tp`, the tensor-parallel degree its layout is
+    built for (Llama's kv-head split), `pipeline_units`, and for a mixture of experts `ep`
+    (experts split over groups of ep dp ranks) and `moe_chunks` (`overlap.moe_chunks`)."""
+    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep,
+            "moe_chunks": cfg.overlap.moe_chunks}
+
+
+def pipeline_units(cfg) -> int:
+    """How many pieces the pipeline cuts the model into: mesh.pp x the virtual stages per
+    device (two under zb-v), one without a pipeline. ResNet groups its residual blocks into
+    that many FLOP-balanced units."""
+    if cfg.mesh.pp == 1:
+        return 1
+    v = 2 if cfg.pipeline.schedule == "zb-v" else cfg.pipeline.virtual_stages
+    return cfg.mesh.pp * v
 
 
 def batch_shapes(model, batch: int, seq_len: int) -> dict[str, tuple]:

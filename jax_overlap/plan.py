@@ -12,7 +12,7 @@ Knobs left at `auto` are chosen here for the target the step runs on (`Target`):
 on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two), and
 together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows and the remat
 policy that recomputes least (`REMAT_ORDER`) with the estimated step
-(`analysis.memory`) within `MEMORY_BUDGET` of the device's memory; on a CPU, where every
+(`hardware.memory`) within `MEMORY_BUDGET` of the device's memory; on a CPU, where every
 collective is synchronous and wall time follows total work, plain TP, no extra microbatches
 and no recompute. `ParallelPlan.choices` says
 what was picked and why; `resolved_config` writes the choices back into the config (the run's
@@ -59,7 +59,7 @@ CPU_PIPELINE_REMAT_WHY = ("CPU pipeline: stashing each block's input and recompu
 REMAT_ORDER = ("none", "save_dots", "minimal", "full")
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
 XLA_REMAT_PASS = "rematerialization"
-# Model kinds `analysis.memory` estimates (transformers; GPT-calibrated).
+# Model kinds `hardware.memory` estimates (transformers; GPT-calibrated).
 ESTIMATED_KINDS = ("gpt", "bert", "llama")
 
 
@@ -761,11 +761,11 @@ def _divisors(n: int) -> list[int]:
 
 def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, remat: str,
                          attention: str = "plain") -> float:
-    """The step's estimated peak bytes per device (`analysis.memory.step_bytes`) with
+    """The step's estimated peak bytes per device (`hardware.memory.step_bytes`) with
     `micro_batch` sequences per microbatch under a remat policy; at pp > 1 with the slot
     counts of the tick program that microbatch count gives (pairing search off: it keeps the
     same activation caps)."""
-    from jax_overlap.analysis.memory import PipelineSlots, step_bytes
+    from jax_overlap.hardware.memory import PipelineSlots, step_bytes
 
     m, pl = cfg.mesh, cfg.pipeline
     count = max(1, cfg.train.global_batch // (m.dcn * m.dp * max(micro_batch, 1)))
@@ -793,7 +793,7 @@ def _pipeline_slots(name: str, stages: int, microbatches: int, virtual_stages: i
                     transfer_latency: int, paired: bool, tick_costs, buckets_in_loop: bool,
                     vocab_parallel: bool):
     """(`memory.PipelineSlots`, split backward) of a schedule's compiled tick program."""
-    from jax_overlap.analysis.memory import PipelineSlots
+    from jax_overlap.hardware.memory import PipelineSlots
 
     schedule = cached_schedule(name, stages, microbatches, virtual_stages, transfer_latency,
                                paired, tick_costs)
@@ -993,7 +993,7 @@ def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]
         if delay_knob == "auto":
             choices["overlap.dcn_delay"] = Choice(0, why)
     else:
-        from jax_overlap.analysis.machine import chip_spec
+        from jax_overlap.hardware.machine import chip_spec
 
         mo = cfg.model
         flops = 0.5 * chip_spec(plan.target.name).peak_bf16_flops

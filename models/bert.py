@@ -154,13 +154,13 @@ class BERT(GPT):
     # Data -------------------------------------------------------------------------------------
     def data_stream(self, cfg) -> "MLMStream":
         """The config's token stream, masked for MLM."""
-        from jax_overlap.training import data as datalib
+        from jax_overlap.data import streams as datalib
 
         return MLMStream(datalib.stream_from_config(cfg), self.vocab, self.masked_per_sequence())
 
     def eval_stream(self, cfg) -> "MLMStream":
         """Held-out sequences (`train.eval_every`), masked alike."""
-        from jax_overlap.training import data as datalib
+        from jax_overlap.data import streams as datalib
 
         return MLMStream(datalib.eval_stream_from_config(cfg), self.vocab,
                          self.masked_per_sequence())

@@ -1,6 +1,6 @@
 """Image classification data addressed by batch index: a synthetic task and the user's files.
 
-Like `jax_overlap.training.data.TokenStream`, a batch is a pure function of (seed, batch index), built
+Like `jax_overlap.data.streams.TokenStream`, a batch is a pure function of (seed, batch index), built
 whole on every process before it is split over dp: every mesh sees exactly the same global
 batch, and a resumed run regenerates the batches an uninterrupted one would have seen.
 

@@ -129,7 +129,7 @@ class Block(nn.Module):
         """The block's output; with a key/value `cache` (decoding, `models.decoder`) of the
         positions before `pos`, `(output, cache with these positions written)`."""
         d, hd = self.d_model, self.d_model // self.heads
-        h_local, f_local = self.heads // self.tp, self.d_ff // self.tp
+        h_local = self.heads // self.tp
         split = kv_split(self.kv_heads, self.tp)
         kv_stored = self.kv_heads // self.tp if split else self.kv_heads
         out_std = 0.02 / math.sqrt(2 * self.num_layers)
@@ -138,8 +138,6 @@ class Block(nn.Module):
         w_q_dhe = self.param("w_q", _normal(0.02), (d, h_local, hd))
         w_kv_dk2e = self.param("w_kv", _normal(0.02), (d, kv_stored, 2, hd))
         w_o_hed = self.param("w_o", _normal(out_std), (h_local, hd, d))
-        w_gu_d2f = self.param("w_gate_up", _normal(0.02), (d, 2, f_local))
-        w_down_fd = self.param("w_down", _normal(out_std), (f_local, d))
 
         # Attention: q, k, v from one column-parallel matmul (local query heads, local or
         # this rank's kv heads), RoPE, causal GQA, row-parallel output.
@@ -178,15 +176,23 @@ class Block(nn.Module):
                                 w_o_hed.reshape(h_local * hd, d).astype(dt), par)
         x_btd = x_btd + attn_btd.astype(x_btd.dtype)
 
-        # SwiGLU MLP: gate and up column-parallel in one matmul, row-parallel down.
+        out_btd = x_btd + self.feed_forward(x_btd, par).astype(x_btd.dtype)
+        return out_btd if cache is None else (out_btd, cache)
+
+    def feed_forward(self, x_btd, par: Parallel):
+        """SwiGLU MLP of the normed input: gate and up column-parallel in one matmul,
+        row-parallel down (an MoE block replaces it, `models.moe`)."""
+        d, f_local = self.d_model, self.d_ff // self.tp
+        out_std = 0.02 / math.sqrt(2 * self.num_layers)
+        dt = par.compute_dtype
+        w_gu_d2f = self.param("w_gate_up", _normal(0.02), (d, 2, f_local))
+        w_down_fd = self.param("w_down", _normal(out_std), (f_local, d))
         y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
         gu_btn = column_parallel(y_btd.astype(dt), w_gu_d2f.reshape(d, 2 * f_local).astype(dt),
                                  par)
         gate_btf, up_btf = gu_btn[..., :f_local], gu_btn[..., f_local:]
         h_btf = jax.nn.silu(gate_btf) * up_btf
-        mlp_btd = row_parallel(h_btf, w_down_fd.astype(dt), par)
-        out_btd = x_btd + mlp_btd.astype(x_btd.dtype)
-        return out_btd if cache is None else (out_btd, cache)
+        return row_parallel(h_btf, w_down_fd.astype(dt), par)
 
 
 class Embed(nn.Module):
@@ -298,6 +304,12 @@ class Llama(DecoderStagedModel):
         return 6.0 * self.num_params() * t + 12.0 * self.num_layers * t * t * self.d_model
 
 
-def build(cfg):
-    """The model `model.kind: llama` names (registered in pyproject.toml)."""
-    return Llama.from_config(cfg.model, tp=cfg.mesh.tp)
+def build(cfg, tp: int = 1, ep: int = 1, moe_chunks: int = 1):
+    """The model `model.kind: llama` names (registered in pyproject.toml), laid out for the
+    tensor-parallel degree `tp` the library's `build_model` passes; with `model.experts > 0`
+    the mixture-of-experts decoder (`models.moe`), its experts split `ep` ways."""
+    if cfg.model.experts:
+        from models.moe import MoeLlama
+
+        return MoeLlama.from_config(cfg, tp, ep, moe_chunks)
+    return Llama.from_config(cfg.model, tp=tp)

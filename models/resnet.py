@@ -21,8 +21,9 @@ blocks, so the same code runs under the pp=1 layer scan and in any pipeline sche
 whatever order the schedule stores the units (the activation, not the storage, says where it
 is). The tag carries no gradient.
 
-`ResNetModel.from_config(cfg)` makes one unit per virtual pipeline stage (pp x v; one unit,
-hence no padding and no switch, at pp=1); every stage then holds one FLOP-balanced unit.
+`ResNetModel.from_config(cfg, units)` makes `units` units: the library's `build_model` passes
+one per virtual pipeline stage (pp x v, `model_api.pipeline_units`; one unit, hence no padding
+and no switch, at pp=1); every stage then holds one FLOP-balanced unit.
 `convert_params` regroups parameters between unit counts: the network is the same, so a
 checkpoint taken at one pp restores at another after conversion. Anything that treats a
 parameter leaf as a layer (LAMB's trust ratio) sees a unit's packed vector as one leaf.
@@ -340,17 +341,9 @@ class ResNetModel:
                              f"{len(self.specs)} residual blocks of ResNet-{self.cfg.depth}")
 
     @classmethod
-    def from_config(cls, cfg) -> "ResNetModel":
-        """One unit per virtual pipeline stage of the config's mesh (one unit at pp=1).
-
-        Raises:
-          ValueError: for mesh.tp > 1 (ResNet has no tensor-parallel layout).
-        """
-        if cfg.mesh.tp > 1:
-            raise ValueError(f"mesh.tp: ResNet has no tensor-parallel layout; set mesh.tp=1 and "
-                             f"use mesh.dp / mesh.pp (got mesh.tp={cfg.mesh.tp})")
-        v = 2 if cfg.pipeline.schedule == "zb-v" else cfg.pipeline.virtual_stages
-        units = cfg.mesh.pp * v if cfg.mesh.pp > 1 else 1
+    def from_config(cls, cfg, units: int = 1) -> "ResNetModel":
+        """The config's ResNet (`cfg.model`) in `units` pipeline units (one per virtual
+        pipeline stage; one at pp=1). The config's validation refuses mesh.tp > 1."""
         return cls(ResNetConfig.from_model_config(cfg.model), units)
 
     # Static structure ----------------------------------------------------------------------
@@ -586,6 +579,7 @@ __all__ = ["PRESETS", "ResNetConfig", "BlockSpec", "block_specs", "ResNetModel",
            "BatchNorm", "ResidualBlock", "units_padding"]
 
 
-def build(cfg):
-    """The model `model.kind: resnet` names (registered in pyproject.toml)."""
-    return ResNetModel.from_config(cfg)
+def build(cfg, pipeline_units: int = 1):
+    """The model `model.kind: resnet` names (registered in pyproject.toml), in the
+    `pipeline_units` units the library's `build_model` asks for."""
+    return ResNetModel.from_config(cfg, pipeline_units)

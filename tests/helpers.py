@@ -64,7 +64,7 @@ def rel(a: float, b: float) -> float:
 
 
 def np_batch(cfg, index=0):
-    from jax_overlap.training import data
+    from jax_overlap.data import streams as data
 
     return data.stream_from_config(cfg).batch(index)
 

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, no private names across modules, no `models` import,
-and the engine reads no parallel config section (the plan does, once)."""
+"""The package's shape: floors whose imports only point down, no import cycles, no private names
+across modules, no `models` import, and the engine reads no parallel config section (the plan
+does, once)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import re
 from tests.helpers import REPO
 
 PKG = os.path.join(REPO, "jax_overlap")
+MODELS = os.path.join(REPO, "models")
 
 
-def _modules() -> dict[str, str]:
-    """Dotted module name -> source path, for every module of the package."""
+def _modules(roots=(PKG,)) -> dict[str, str]:
+    """Dotted module name -> source path, for every module under `roots`."""
     out = {}
-    for root, _, files in os.walk(PKG):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(root, name)
-                rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
-                out[rel.removesuffix(".__init__")] = path
+    for top in roots:
+        for root, _, files in os.walk(top):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    out[rel.removesuffix(".__init__")] = path
     return out
 
 
@@ -114,8 +117,11 @@ def test_library_never_imports_models():
 # Who may read the parallel sections of the config: the config itself, the plan that resolves
 # them, the CLI, the training loop (which builds the plan) and the tuner (which writes candidate
 # configs). Everything else takes the plan or plain values from it.
-CONFIG_READERS = {"jax_overlap/config.py", "jax_overlap/plan.py", "jax_overlap/cli.py",
-                  "jax_overlap/training/loop.py", "jax_overlap/analysis/tune.py"}
+CONFIG_READERS = {"jax_overlap/config.py", "jax_overlap/config_validate.py",
+                  "jax_overlap/plan.py", "jax_overlap/cli.py",
+                  "jax_overlap/training/loop.py", "jax_overlap/analysis/tune.py",
+                  # `build_facts`: the plain numbers a model builder may ask for (tp, units)
+                  "jax_overlap/model_api.py"}
 SECTION_READ = re.compile(r"\b(?:cfg|config)\.(?:mesh|pipeline|overlap)\b")
 
 
@@ -143,4 +149,81 @@ def test_engine_does_not_read_parallel_config_sections():
         rel = os.path.relpath(path, REPO).replace(os.sep, "/")
         if rel not in CONFIG_READERS and (reads := _section_reads(path)):
             bad[rel] = reads
+    assert bad == {}
+
+
+# ------------------------------------------------------------------------------------ floors
+
+# Lowest first; a module may import its own floor's modules and those below, never above. A
+# name is a subpackage (`jax_overlap.hardware`) or a top-level module (`jax_overlap.config`);
+# `models` is the built-in models' package. docs/design/architecture.md draws the same floors.
+FLOORS = [
+    ["jax_overlap.errors", "jax_overlap.hardware"],  # the ConfigError; chips, links, memory
+    ["jax_overlap.parallel"],  # mesh, collectives, collective matmul, partition
+    ["jax_overlap.data", "jax_overlap.model_api"],  # token streams and shards; model contract
+    ["models"],  # GPT, BERT, ResNet, Llama: per-device pure functions
+    ["jax_overlap.overlap"],  # buckets, fsdp window, slow-axis strategies, XLA presets
+    ["jax_overlap.pipeline"],  # schedules (pure) -> program -> executor
+    ["jax_overlap.config", "jax_overlap.config_validate"],  # the typed config; its checks
+    ["jax_overlap.plan", "jax_overlap.hf", "jax_overlap.resilience"],  # plan; HF I/O; storage
+    ["jax_overlap.training"],  # step + guard/faults/rollback wrapper, loop, evaluate
+    ["jax_overlap.analysis"],  # HLO, simulate, calibrate, tune, profile
+    ["jax_overlap.cli", "jax_overlap"],  # the CLI; the package's __init__
+]
+
+
+def _floor(module: str) -> int | None:
+    """The floor of a module of the package or of `models`; None for anything else."""
+    best, floor = -1, None
+    for n, names in enumerate(FLOORS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, floor = len(name), n
+    return floor
+
+
+def _upward_imports(modules: dict[str, str]) -> list[str]:
+    bad = []
+    for m, path in sorted(modules.items()):
+        here = _floor(m)
+        for target, name, line in _imports(path, modules):
+            there = _floor(target)
+            if here is not None and there is not None and there > here:
+                bad.append(f"{os.path.relpath(path, REPO)}:{line} imports {target} "
+                           f"(floor {there} over {here})")
+    return bad
+
+
+def test_every_module_has_a_floor():
+    modules = _modules((PKG, MODELS))
+    assert [m for m in modules if _floor(m) is None] == []
+    assert _floor("jax_overlap") == len(FLOORS) - 1 and _floor("jax_overlap.config") == 6
+    assert _floor("jax_overlap.hardware.memory") == 0 and _floor("models.gpt") == 3
+
+
+def test_floor_check_sees_an_upward_import(tmp_path):
+    low = tmp_path / "low.py"
+    low.write_text("import os\nfrom jax_overlap.parallel import mesh\n"
+                   "def f():\n    from jax_overlap.training import step\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    modules = {"jax_overlap.hardware.low": str(low), "jax_overlap.parallel.mesh": str(empty),
+               "jax_overlap.training.step": str(empty)}
+    bad = _upward_imports(modules)
+    assert len(bad) == 2 and all("low.py" in b for b in bad)
+    assert ":2 imports jax_overlap.parallel.mesh (floor 1 over 0)" in bad[0]
+    assert ":4 imports jax_overlap.training.step (floor 8 over 0)" in bad[1]
+
+
+def test_imports_only_point_down():
+    """Every import statement of the package and of `models/` (top level or inside a function)
+    points to its own floor or a lower one."""
+    assert _upward_imports(_modules((PKG, MODELS))) == []
+
+
+def test_models_read_no_parallel_config_section():
+    """A model takes `cfg.model` and the plain facts `model_api.build_facts` hands its builder;
+    the mesh, pipeline and overlap sections are the plan's."""
+    bad = {os.path.relpath(p, REPO): r for p in _modules((MODELS,)).values()
+           if (r := _section_reads(p))}
     assert bad == {}

@@ -50,7 +50,7 @@ def test_prepare_data_writes_shards_and_index(bpe_dir):
     # ... and the shards decode back to the input text.
     tok = toklib.load(os.path.join(out, "tokenizer.json"))
     ids = shards.TokenArray(out, index).read(0, index["tokens"])
-    from jax_overlap.training.data import stdlib_corpus
+    from jax_overlap.data.streams import stdlib_corpus
 
     text = stdlib_corpus(300_000).tobytes().decode("utf-8", errors="replace")
     assert tok.hf.decode(ids.tolist()) == text
@@ -129,8 +129,8 @@ def test_vocab_auto_and_refusals(bpe_dir, tmp_path):
     cfg = config.load(TINY, [f"data.tokenizer={tok}", "model.vocab=auto",
                              "data.max_bytes=50000"])
     assert cfg.model.vocab == 512
-    from jax_overlap.training import data
-    from jax_overlap.training.data import stdlib_corpus
+    from jax_overlap.data import streams as data
+    from jax_overlap.data.streams import stdlib_corpus
 
     train, held_out = data.stream_from_config(cfg), data.eval_stream_from_config(cfg)
     ids = np.concatenate([train.corpus, held_out.corpus])

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jax_overlap.resilience.guard import (
+from jax_overlap.training.guard import (
     GuardState,
     RollbackPolicy,
     guard_init,

@@ -17,6 +17,7 @@ import pytest
 from jax_overlap import config
 from jax_overlap.hf import convert, layouts
 from jax_overlap.model_api import build_model
+from jax_overlap.training import hf_runs
 from jax_overlap.parallel.collectives import Parallel
 
 torch = pytest.importorskip("torch")
@@ -127,7 +128,7 @@ def test_exported_tokenizer_and_model_score_like_evaluate(trained, tmp_path):  #
     text = open(data, "rb").read()
     ours = scoring.evaluate_command(trained["run"], None, data)
     export = str(tmp_path / "export")
-    convert.to_hf(trained["run"], export)
+    hf_runs.to_hf(trained["run"], export)
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(export)
     ids = hf_tok(text.decode())["input_ids"]

@@ -13,11 +13,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.analysis import deviceless
-from jax_overlap.analysis.costs import ring_factor
+from jax_overlap.hardware.collective_cost import ring_factor
 from jax_overlap.analysis.hlo_collectives import parse_replica_groups
 from jax_overlap.analysis.hlo_parse import parse_module, while_trip_count
 from jax_overlap.analysis.hlo_report import analyze_hlo, comm_seconds
-from jax_overlap.analysis.machine import LinkModel, chip_spec
+from jax_overlap.hardware.machine import LinkModel, chip_spec
 
 needs_plugin = pytest.mark.skipif(
     not deviceless.plugin_available(), reason=deviceless.unavailable_reason() or "")

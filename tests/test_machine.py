@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jax_overlap.analysis.costs import collective_seconds, ring_factor, ring_steps
-from jax_overlap.analysis.machine import (
+from jax_overlap.hardware.collective_cost import collective_seconds, ring_factor, ring_steps
+from jax_overlap.hardware.machine import (
     CHIPS,
     Link,
     LinkModel,
@@ -15,7 +15,7 @@ from jax_overlap.analysis.machine import (
     chip_spec,
 )
 from jax_overlap.analysis.simulate import all_gather_time, all_reduce_time, p2p_time
-from jax_overlap.analysis.targets import TARGETS
+from jax_overlap.analysis.xla_targets import TARGETS
 from jax_overlap.training.loop import peak_flops
 
 

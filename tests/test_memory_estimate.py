@@ -1,4 +1,4 @@
-"""The step memory estimate (`analysis/memory.py`) against what is really allocated.
+"""The step memory estimate (`hardware/memory.py`) against what is really allocated.
 
 The plan picks `pipeline.microbatches` and `model.remat` from this estimate, so it has to
 match what XLA allocates: fast tests hold the formula against the pipeline's traced residual
@@ -14,7 +14,7 @@ from helpers import REPO, TINY
 from jax_overlap import config
 from jax_overlap.analysis import analyze as an
 from jax_overlap.analysis import deviceless
-from jax_overlap.analysis import memory
+from jax_overlap.hardware import memory
 from jax_overlap.parallel.mesh import make_mesh
 from jax_overlap.pipeline.executor import residual_bytes
 

@@ -10,7 +10,7 @@ from helpers import REPO, TINY, last_json_line, run_cli
 
 from jax_overlap import config
 from jax_overlap.analysis import tune
-from jax_overlap.analysis.hardware import AxisLink, Link, load_profile
+from jax_overlap.hardware.link_profiles import AxisLink, Link, load_profile
 from jax_overlap.analysis.simulate import Costs, simulate
 from jax_overlap.config import ConfigError
 from jax_overlap.pipeline.schedules import bubble_fraction

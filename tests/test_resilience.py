@@ -14,10 +14,10 @@ from jax_overlap import plan as plan_lib
 from jax_overlap.config import ConfigError
 from jax_overlap.plan import ParallelPlan
 from jax_overlap.resilience.ckpt_layout import checkpoint_mismatch
-from jax_overlap.resilience.faults import Fault, make_fault_hook, planned_faults
-from jax_overlap.resilience.guarded_step import make_guarded_step
-from jax_overlap.resilience.loop_state import abstract_loop_state, init_loop_state
-from jax_overlap.resilience.rollback import (
+from jax_overlap.training.faults import Fault, make_fault_hook, planned_faults
+from jax_overlap.training.guarded_step import make_guarded_step
+from jax_overlap.training.loop_state import abstract_loop_state, init_loop_state
+from jax_overlap.training.rollback import (
     MAX_ROLLBACKS_WITHOUT_PROGRESS,
     RollbackStreak,
     note_rollback,

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap import config
 from jax_overlap import plan as plan_lib
+from jax_overlap.model_api import build_model
 from jax_overlap.parallel import compat
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
@@ -90,15 +91,16 @@ def test_units_regroup_the_same_network():
     assert rel(float(l2), float(l1)) <= 1e-6
 
 
-def test_from_config_reads_the_shared_fields_and_refuses_tp():
+def test_from_config_reads_the_shared_fields_and_the_config_refuses_tp():
     cfg = config.load(os.path.join(REPO, "configs", "resnet152.yaml"))
-    model = ResNetModel.from_config(cfg)
+    model = build_model(cfg)  # the library passes pp x v pipeline units
     assert (model.cfg.depth, model.cfg.width, model.cfg.image_size, model.cfg.classes) == (
         152, 64, 224, 1000)
     assert model.units == cfg.mesh.pp == 4 and model.cfg.imagenet_stem
     assert ResNetModel.from_config(config.load(TINY_YAML)).units == 1
-    with pytest.raises(ValueError, match="mesh.tp"):
-        ResNetModel.from_config(config.load(TINY_YAML, ["mesh.tp=2"]))
+    assert ResNetModel.from_config(cfg, 8).units == 8
+    with pytest.raises(config.ConfigError, match="mesh.tp: ResNet has no tensor-parallel"):
+        config.load(TINY_YAML, ["mesh.tp=2"])
 
 
 # --------------------------------------------------------------------------- batch norm

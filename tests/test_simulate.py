@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from jax_overlap.analysis.hardware import (
+from jax_overlap.hardware.link_profiles import (
     ProfileError,
     load_profile,
     measure_local,
     profile_from_dict,
 )
-from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
+from jax_overlap.hardware.machine import AxisLink, HardwareProfile, Link
 from jax_overlap.analysis.simulate import (
     Costs,
     Plan,

@@ -242,7 +242,7 @@ def test_gpt_1p3b_on_two_hosts_at_100_gbps_simulated():
     link; hierarchical 1/dp of it; one step late it hides under the next step; DiLoCo sends
     1/H of it (bf16: half again) per inner step."""
     from jax_overlap.analysis import tune
-    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.hardware.link_profiles import load_profile
 
     hw = load_profile("h100_2x8_100g")
     cfg = config.load(os.path.join(os.path.dirname(TINY), "gpt_1p3b.yaml"),

@@ -156,7 +156,7 @@ def test_checkpoint_of_one_split_restores_bit_exact_with_another_and_on_pp1(tmp_
         from_checkpoint,
         to_checkpoint,
     )
-    from jax_overlap.resilience.loop_state import (
+    from jax_overlap.training.loop_state import (
         abstract_loop_state,
         make_initializer,
         shardings_of,
@@ -298,7 +298,7 @@ def test_bad_stage_layers_exit_2_from_the_cli(tmp_path):
 
 def test_simulator_and_tuner_take_the_split():
     from jax_overlap.analysis import tune
-    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.hardware.link_profiles import load_profile
     from jax_overlap.analysis.simulate import costs_from_model
 
     even = costs_from_model(8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5, num_virtual_stages=4)
@@ -325,7 +325,7 @@ def test_simulator_and_tuner_take_the_split():
 
 def test_tuner_search_improves_the_split_by_simulation():
     from jax_overlap.analysis import tune
-    from jax_overlap.analysis.hardware import load_profile
+    from jax_overlap.hardware.link_profiles import load_profile
 
     cfg = config.load(GPT_1P3B)
     hw = load_profile("h100_8x_nvlink")

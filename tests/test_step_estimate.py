@@ -18,7 +18,7 @@ from jax_overlap.analysis.hlo_parse import (
     parse_module,
     shape_bytes,
 )
-from jax_overlap.analysis.machine import chip_spec
+from jax_overlap.hardware.machine import chip_spec
 from jax_overlap.analysis.step_estimate import (
     LAUNCH_S,
     Ticks,

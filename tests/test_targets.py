@@ -12,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.analysis import deviceless
-from jax_overlap.analysis.machine import chip_spec
-from jax_overlap.analysis.targets import (
+from jax_overlap.hardware.machine import chip_spec
+from jax_overlap.analysis.xla_targets import (
     PRIMITIVE_TYPE_IDS,
     TARGETS,
     get_target,

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from helpers import run_cli
-from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
+from jax_overlap.hardware.machine import AxisLink, HardwareProfile, Link
 from jax_overlap.analysis.simulate import Costs, Plan, simulate
 from jax_overlap.pipeline.program import compile_program
 from jax_overlap.pipeline.schedules import (

@@ -25,7 +25,7 @@ LLAMA = ["model.kind=llama", "model.kv_heads=2", "model.tied_embeddings=false",
 
 def text_file(tmp_path) -> str:
     """Held-out text: a stdlib file past the corpus the tokenizer and the model saw."""
-    from jax_overlap.training.data import stdlib_files
+    from jax_overlap.data.streams import stdlib_files
 
     path = tmp_path / "held_out.txt"
     big = next(p for p in stdlib_files()[40:] if os.path.getsize(p) > 4000)
@@ -88,8 +88,7 @@ def test_evaluate_scores_the_held_out_split_as_training_did(trained):
 
 
 def test_text_is_scored_with_the_run_tokenizer_and_the_export_agrees(trained, tmp_path):
-    from jax_overlap.hf import convert
-    from jax_overlap.training import scoring
+    from jax_overlap.training import hf_runs, scoring
 
     data = text_file(tmp_path)
     tok = toklib.load(os.path.join(trained["shards"], "tokenizer.json"))
@@ -101,7 +100,7 @@ def test_text_is_scored_with_the_run_tokenizer_and_the_export_agrees(trained, tm
     assert ours["loss"] < np.log(VOCAB)
 
     export = str(tmp_path / "export")
-    out = convert.to_hf(trained["run"], export)
+    out = hf_runs.to_hf(trained["run"], export)
     names = set(os.listdir(export))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json"} <= names
@@ -137,12 +136,12 @@ def test_a_resume_on_other_tokens_is_refused(trained, tmp_path):
 
 
 def test_from_hf_brings_the_tokenizer_into_the_run(trained, tmp_path):
-    from jax_overlap.hf import convert
+    from jax_overlap.training import hf_runs
 
     export = str(tmp_path / "export")
-    convert.to_hf(trained["run"], export)
+    hf_runs.to_hf(trained["run"], export)
     run = str(tmp_path / "from_hf")
-    out = convert.from_hf(export, run)
+    out = hf_runs.from_hf(export, run)
     assert out["tokenizer"] == "tokenizers"
     cfg = config.load(os.path.join(run, "config.json"))
     assert cfg.data.tokenizer == os.path.join(run, "tokenizer.json")

@@ -10,7 +10,7 @@ from helpers import TINY, run_cli
 from jax_overlap import config
 from jax_overlap.analysis import calibrate as cal_lib
 from jax_overlap.analysis import tune
-from jax_overlap.analysis.hardware import load_profile
+from jax_overlap.hardware.link_profiles import load_profile
 from jax_overlap.analysis.simulate import simulate
 from jax_overlap.training import loop as train
 
@@ -59,6 +59,39 @@ def test_flop_ranking_is_deterministic_and_sorted(tiny):
     fits = [p.fits for p in a.plans]
     assert fits == sorted(fits, reverse=True)  # fitting plans first
     assert a.costs == "flops" and a.best.fits
+
+
+def _slow_link(hw, axis: str, factor: float):
+    link = hw.link(axis)
+    return hw.with_link(axis, dataclasses.replace(
+        link, name=f"slow_{axis}", bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / factor))
+
+
+def test_a_slow_pp_link_moves_the_best_plan_off_the_pipeline(tiny):
+    """Known answer (FLOP-priced, no measuring): on 8 H100s over NVLink the tiny model's best
+    plan is pipelined (dp2 tp2 pp2). With the pp axis on a link 10^4 times slower, only
+    pipelined plans pay (every pp=1 prediction is unchanged, every pp>1 one grows) and the
+    tuner's best plan has pp=1, which the simulator, run directly, finds faster there than the
+    old winner."""
+    hw = load_profile(H100)
+    slow = _slow_link(hw, "pp", 1e4)
+    sweep = dict(bucket_sizes_mb=(0.0,), windows=(2,))
+    fast_r, slow_r = tune.tune(tiny, 8, hw, **sweep), tune.tune(tiny, 8, slow, **sweep)
+    fast_t = {p.candidate: p.step_time_s for p in fast_r.plans}
+    slow_t = {p.candidate: p.step_time_s for p in slow_r.plans}
+    assert set(fast_t) == set(slow_t)
+    assert all(slow_t[c] == pytest.approx(fast_t[c], rel=1e-12) for c in fast_t if c.pp == 1)
+    assert all(slow_t[c] > fast_t[c] for c in fast_t if c.pp > 1)
+    old, new = fast_r.best, slow_r.best
+    assert old.candidate.pp == 2 and new.candidate.pp == 1
+
+    def simulated(pred):
+        plan = tune.plan_of(pred.config)
+        return simulate(tune.sim_plan(pred.config, plan), tune.flop_costs(pred.config, slow),
+                        slow).step_time_s
+
+    assert simulated(new) < simulated(old)
+    assert simulated(new) == pytest.approx(new.step_time_s, rel=1e-12)
 
 
 def test_calibration_costs_are_positive(tiny, calibration):

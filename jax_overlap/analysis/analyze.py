@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from jax_overlap.model_api import batch_shapes
 from jax_overlap.parallel.mesh import data_spec, make_mesh
+from jax_overlap.pipeline import layout
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import new_state
 
@@ -28,7 +29,7 @@ def target_of(name: str):
 
     if name == "cpu":
         return Target()
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     chip = get_target(name)
     return Target(chip.key, True, float(chip.chip.hbm_bytes))
@@ -37,7 +38,11 @@ def target_of(name: str):
 def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
     """ShapeDtypeStructs (with shardings) of the train state and a batch: nothing allocated."""
     key = jax.random.key(cfg.train.seed)
-    abstract_params = jax.eval_shape(model.init, key)
+
+    def init(key):  # as `training.step.init_state` lays it out (padded chunks when uneven)
+        return layout.to_staged(model.init(key), plan.layer_perm)
+
+    abstract_params = jax.eval_shape(init, key)
     shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
                                         plan)
     if plan.slow_mode in ("delay", "local"):  # the slow axis's state: as init_state builds it
@@ -45,7 +50,7 @@ def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
                                                            cfg.train.seed))
     else:
         shapes = jax.eval_shape(
-            lambda: new_state(model.init(key), optimizer.init(model.init(key)), cfg.train.seed))
+            lambda: new_state(init(key), optimizer.init(init(key)), cfg.train.seed))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, shardings)
     batch_sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
@@ -108,7 +113,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                                   num_hosts=plan.dcn, memory=memory)
     if texts is not None:
         texts.append(text)
-    from jax_overlap.analysis.targets import get_target
+    from jax_overlap.analysis.xla_targets import get_target
 
     return analyze_hlo(text, target=get_target(target).key, branch_frequencies=frequencies)
 
@@ -116,7 +121,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 def step_estimate(cfg, plan, model, target: str, text: str):
     """`StepEstimate` of a step compiled for a GPU `target` (`analysis.step_estimate`): the
     roofline over its kernels, the pipeline replayed on the plan's tick table."""
-    from jax_overlap.analysis.machine import chip_spec
+    from jax_overlap.hardware.machine import chip_spec
     from jax_overlap.analysis.step_estimate import Ticks, estimate_step
 
     model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices

@@ -85,8 +85,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.analysis.costs import ring_factor, ring_steps
-from jax_overlap.analysis.machine import HardwareProfile, Link
+from jax_overlap.hardware.collective_cost import ring_factor, ring_steps
+from jax_overlap.hardware.machine import HardwareProfile, Link
+from jax_overlap.hardware.memory import dtype_bytes
 from jax_overlap.analysis.simulate import Costs
 from jax_overlap.config import Config
 
@@ -824,11 +825,6 @@ def micro_batch_size(cfg: Config, plan) -> int:
     return plan.micro_batch
 
 
-def dtype_bytes(cfg: Config) -> int:
-    """Bytes of one activation element in the compute dtype."""
-    return 2 if cfg.train.precision in ("bf16", "fp16") else 4
-
-
 def layers_per_virtual_stage(cfg: Config, plan) -> list[int]:
     """Layers of each virtual stage in model order: the plan's `stage_layers` (even unless
     `pipeline.stage_layers` says otherwise)."""
@@ -933,7 +929,7 @@ def tp_collectives(cfg: Config, plan, vs: int, kind: str) -> tuple[int, float]:
     if plan.tp <= 1 or kind not in ("F", "B"):
         return 0, 0.0
     b, t, d = micro_batch_size(cfg, plan), cfg.model.seq_len, cfg.model.d_model
-    act = b * t * d * dtype_bytes(cfg)
+    act = b * t * d * dtype_bytes(cfg.train.precision)
     n_vs = plan.num_virtual_stages
     n_layers = layers_per_virtual_stage(cfg, plan)[vs]
     count, nbytes = 2 * n_layers, 2 * n_layers * act
@@ -971,13 +967,13 @@ def stash_bytes(cfg: Config, plan, vs: int) -> float:
     """Activation bytes one microbatch holds on ``vs`` between its ``F`` and backward.
 
     What each of the virtual stage's layers keeps under the remat policy
-    (`analysis/memory.py`'s `layer_stash_bytes`: every residual for ``none`` -- per token
+    (`hardware/memory.py`'s `layer_stash_bytes`: every residual for ``none`` -- per token
     the norm and matmul inputs, q, k, v, attention output, both MLP hidden tensors and the
     attention probabilities --, the block input for ``full``, the matmul outputs for
     ``save_dots`` / ``minimal``), the same at pp = 1 and pp > 1 (an F stashes its vjp
     residuals), plus the fp32 logits slice on the last virtual stage.
     """
-    from jax_overlap.analysis.memory import layer_stash_bytes
+    from jax_overlap.hardware.memory import layer_stash_bytes
 
     m, tp = cfg.model, plan.tp
     tokens = micro_batch_size(cfg, plan) * m.seq_len
@@ -990,7 +986,7 @@ def stash_bytes(cfg: Config, plan, vs: int) -> float:
 
 def layer_residual_bytes(cfg: Config, plan) -> float:
     """Residual bytes one layer keeps for its backward, for one microbatch on one rank."""
-    from jax_overlap.analysis.memory import layer_residual_bytes as per_layer
+    from jax_overlap.hardware.memory import layer_residual_bytes as per_layer
 
     return per_layer(cfg.model, micro_batch_size(cfg, plan), plan.tp, cfg.train.precision)
 
@@ -1078,7 +1074,7 @@ def assemble_costs(
         forward_s=tuple(float(x) for x in forward_s),
         backward_s=tuple(float(x) for x in backward_s),
         weight_s=tuple(float(x) for x in weight_s),
-        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg)),
+        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg.train.precision)),
         tp_bytes=tuple(tp_bytes),
         param_bytes=tuple(params),
         stash_bytes=tuple(stash_bytes(cfg, plan, vs) for vs in range(n_vs)),

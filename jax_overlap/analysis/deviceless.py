@@ -28,7 +28,6 @@ axis crosses nodes.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,43 +35,10 @@ from typing import Any
 import numpy as np
 
 from jax_overlap.analysis.hlo_report import HloReport, analyze_hlo
-from jax_overlap.analysis.machine import LinkModel
-from jax_overlap.analysis.targets import get_target, target_config_text
-
-PLUGIN_MODULES: tuple[str, ...] = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-INSTALL_HINT = 'pip install "jax[cuda12-local]==<installed jax version>"'
-
-
-def _plugin_library(module: str) -> Path | None:
-    """Path of a plugin's PJRT shared library, or None when not installed."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        for candidate in sorted(Path(location).glob("*.so")):
-            return candidate
-    return None
-
-
-def plugin_libraries() -> list[Path]:
-    """PJRT GPU plugin libraries installed in this environment."""
-    return [lib for lib in (_plugin_library(m) for m in PLUGIN_MODULES) if lib is not None]
-
-
-def plugin_available() -> bool:
-    """Whether a CUDA PJRT plugin is installed (so deviceless GPU compiles work)."""
-    return bool(plugin_libraries())
-
-
-def unavailable_reason() -> str | None:
-    """Why deviceless GPU compiles cannot run here, or None when they can."""
-    if plugin_available():
-        return None
-    return f"no CUDA PJRT plugin (jax-cuda12-pjrt) installed; {INSTALL_HINT}"
-
+from jax_overlap.hardware.machine import LinkModel
+from jax_overlap.analysis.xla_targets import get_target, target_config_text
+from jax_overlap.hardware.gpu_plugins import (  # noqa: F401 (tests and callers ask here)
+    INSTALL_HINT, plugin_available, plugin_libraries, unavailable_reason)
 
 def topology_name(num_devices: int, num_hosts: int = 1) -> str:
     """Topology string for ``num_devices`` GPUs spread evenly over ``num_hosts`` hosts.

@@ -16,7 +16,7 @@
 Byte convention (per device, per execution; :data:`BYTES_CONVENTION`): ``all-gather``
 counts its output, ``reduce-scatter`` its input, every other kind its result (tuples
 summed) -- i.e. always the larger, unsharded side, which is what a ring moves
-``(n-1)/n`` of (:mod:`jax_overlap.analysis.costs`). Counts are per step
+``(n-1)/n`` of (:mod:`jax_overlap.hardware.collective_cost`). Counts are per step
 (:func:`jax_overlap.analysis.hlo_parse.execution_counts`).
 
 Participants: :func:`parse_replica_groups` reads every printed form of

@@ -5,7 +5,7 @@ What counts as a GEMM: ``dot`` / ``convolution``, cuBLAS/cuDNN custom-calls
 loops whose computations hold one (Triton gemm fusions, ``kind=kCustom``; a loop body
 times its trip count). FLOPs are ``2 x prod(output dims) x prod(contracting dims)``
 (convolutions: kernel elements per output); the dtype of the first matmul operand
-picks the chip's rate (:meth:`jax_overlap.analysis.machine.ChipSpec.matmul_flops_per_s`).
+picks the chip's rate (:meth:`jax_overlap.hardware.machine.ChipSpec.matmul_flops_per_s`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ finds its collectives (:mod:`jax_overlap.analysis.hlo_collectives`) and sums the
 kind and per step into an :class:`HloReport`: the share of collective bytes that run
 asynchronously, the share with a GEMM scheduled between start and done, and -- given a
 chip -- link-time estimates: each collective costs
-:func:`jax_overlap.analysis.costs.collective_seconds` on the link the
-:class:`~jax_overlap.analysis.machine.LinkModel` gives its mesh axes, and an async one
+:func:`jax_overlap.hardware.collective_cost.collective_seconds` on the link the
+:class:`~jax_overlap.hardware.machine.LinkModel` gives its mesh axes, and an async one
 is credited with the GEMMs under it at the chip's peak rate.
 
 What XLA's GPU pipeline did with the programs this reader was built on (which passes
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jax_overlap.analysis.costs import collective_seconds
+from jax_overlap.hardware.collective_cost import collective_seconds
 from jax_overlap.analysis.hlo_collectives import (
     BYTES_CONVENTION,
     COLLECTIVE_KINDS,
@@ -28,7 +28,7 @@ from jax_overlap.analysis.hlo_collectives import (
     find_collectives,
 )
 from jax_overlap.analysis.hlo_parse import HloModule, parse_module
-from jax_overlap.analysis.machine import ChipSpec, LinkModel, chip_spec
+from jax_overlap.hardware.machine import ChipSpec, LinkModel, chip_spec
 
 # ----------------------------------------------------------------------------- link time
 

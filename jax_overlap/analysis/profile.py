@@ -68,7 +68,7 @@ def build_step(cfg: Config, devices: list | None = None) -> tuple[Any, tuple[Any
     """
     from jax_overlap.model_api import build_model
     from jax_overlap.plan import ParallelPlan, Target, mesh_from_config
-    from jax_overlap.training import data as datalib
+    from jax_overlap.data import streams as datalib
     from jax_overlap.training import step as steplib
 
     mesh = mesh_from_config(cfg, devices)

@@ -22,7 +22,7 @@ communication:
 
 Transfers cost ``latency + bytes / (bandwidth x efficiency)`` per hop on the link the
 hardware profile assigns to the mesh axis; collectives use ring algorithms
-(:func:`jax_overlap.analysis.costs.collective_seconds`). Streams
+(:func:`jax_overlap.hardware.collective_cost.collective_seconds`). Streams
 that share a physical link do not slow each other down (a simplification). On a
 profile with ``synchronous_collectives`` (the XLA CPU backend) every transfer also
 occupies the compute stream, so nothing overlaps -- which is what a CPU trace shows.
@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jax_overlap.analysis.costs import collective_seconds
-from jax_overlap.analysis.machine import HardwareProfile, Link
+from jax_overlap.hardware.collective_cost import collective_seconds
+from jax_overlap.hardware.machine import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
 from jax_overlap.pipeline import ticks
 from jax_overlap.pipeline.schedules import Schedule, Task, cell_actions, dependencies

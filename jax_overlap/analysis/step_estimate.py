@@ -53,8 +53,8 @@ from jax_overlap.analysis.hlo_parse import (
     tuple_elements,
     while_trip_count,
 )
-from jax_overlap.analysis.machine import ChipSpec
-from jax_overlap.pipeline.program import FILL_SCOPE, HEAD_SCOPE, LANE_SCOPE, RESIDUAL_POOLS
+from jax_overlap.hardware.machine import ChipSpec
+from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE
 
 LAUNCH_S = 4e-6  # seconds per kernel launch
 
@@ -368,12 +368,6 @@ def _is_head(inst: Instruction) -> bool:
     return f"/{HEAD_SCOPE}/" in _scope_of(inst) + "/"
 
 
-def _fill(inst: Instruction) -> tuple[int, str] | None:
-    """(lane, pool) of a conditional that files an action's residuals, else None."""
-    found = re.search(rf"/{FILL_SCOPE}(\d+)_(\w+)/", _scope_of(inst) + "/")
-    return (int(found.group(1)), found.group(2)) if found else None
-
-
 # ----------------------------------------------------------------------------- ticks
 
 
@@ -389,8 +383,6 @@ class Ticks:
       head: bool ``(ticks,)``: ticks with a vocabulary-parallel head phase.
       arrival_to_finish: at transfer latency 2 and with paired lanes a tick's arrival is
         needed to finish the tick, not to start it.
-      fills: per residual pool, bool per branch: whether that branch files into the pool
-        (the conditional after a lane's switch writes only then).
     """
 
     branch: np.ndarray
@@ -398,7 +390,6 @@ class Ticks:
     senders: tuple[tuple[int, ...], ...]
     head: np.ndarray
     arrival_to_finish: bool
-    fills: dict = field(default_factory=dict)
 
     @classmethod
     def of_program(cls, program: Any) -> Ticks:
@@ -412,13 +403,7 @@ class Ticks:
             else np.zeros(branch.shape[0], bool)
         names = ("idle",) + tuple(f"{b.kind} {b.role}{' sync' if b.sync else ''}"
                                   for b in program.branches)
-        fills = {pool: np.asarray(program.fills(pool)) for pool in RESIDUAL_POOLS}
-        return cls(branch, names, senders, head, program.lanes == 2 or program.skewed, fills)
-
-    def filled(self, lane: int, pool: str) -> np.ndarray:
-        """bool ``(ticks, stages)``: where lane ``lane``'s action files into ``pool``."""
-        flags = self.fills.get(pool, np.zeros(len(self.names), bool))
-        return flags[np.clip(self.branch[:, :, lane], 0, len(flags) - 1)]
+        return cls(branch, names, senders, head, program.lanes == 2 or program.skewed)
 
     @cached_property
     def lane_frequencies(self) -> list[list[float]]:
@@ -512,7 +497,7 @@ def _tick_loop(module: HloModule) -> tuple[Computation, Instruction, list[Instru
             if body is None:
                 continue
             switches = [i for i in body.instructions if i.opcode == "conditional" and (
-                _lane(i) is not None or _is_head(i) or _fill(i) is not None)]
+                _lane(i) is not None or _is_head(i))]
             if any(_lane(i) is not None for i in switches):
                 return comp, inst, switches
     return None
@@ -542,10 +527,6 @@ def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
         if _is_head(inst):
             share = float(ticks.head.mean())
             return [1.0 - share, share]
-        fill = _fill(inst)
-        if fill is not None and fill[0] < ticks.branch.shape[2]:
-            share = float(ticks.filled(*fill).mean())
-            return [1.0 - share, share]
         return None
 
     def label(inst: Instruction, b: int) -> str | None:
@@ -570,11 +551,8 @@ def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
         work = np.full(ticks.branch.shape[:2], outside)
         for switch in switches:
             costs = [b.seconds for b in walker.branches(switch, "")]
-            lane, fill = _lane(switch), _fill(switch)
-            if fill is not None:
-                if fill[0] < ticks.branch.shape[2] and len(costs) == 2:
-                    work += np.where(ticks.filled(*fill), costs[1], costs[0])
-            elif lane is not None and lane < ticks.branch.shape[2]:
+            lane = _lane(switch)
+            if lane is not None and lane < ticks.branch.shape[2]:
                 work += np.asarray(costs)[np.clip(ticks.branch[:, :, lane], 0, len(costs) - 1)]
             elif len(costs) == 2:  # the head phase: on its ticks, every stage
                 work += np.where(ticks.head, costs[1], costs[0])[:, None]

@@ -36,8 +36,9 @@ import yaml
 
 from jax_overlap import config as configlib
 from jax_overlap.analysis import calibrate as cal_lib
-from jax_overlap.analysis.hardware import load_profile
-from jax_overlap.analysis.machine import HardwareProfile
+from jax_overlap.hardware.link_profiles import load_profile
+from jax_overlap.hardware.machine import HardwareProfile
+from jax_overlap.hardware.memory import dtype_bytes
 from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.pipeline.schedules import SCHEDULES
@@ -54,7 +55,7 @@ CALIBRATED_KINDS = ("gpt", "bert", "llama")
 def calibration_skipped(cfg: Config) -> str | None:
     """Why `tune` prices `cfg`'s plans by FLOPs on the calibrated profile, or None when it
     can calibrate them here."""
-    from jax_overlap.analysis.memory import param_elements
+    from jax_overlap.hardware.memory import param_elements
 
     m = cfg.model
     if m.kind not in CALIBRATED_KINDS:
@@ -396,7 +397,7 @@ def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICI
     layers = cal_lib.layers_per_virtual_stage(cfg, plan)
     base = costs_from_model(
         m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
-        plan.tp, cal_lib.dtype_bytes(cfg), hw.chip_flops, efficiency,
+        plan.tp, dtype_bytes(cfg.train.precision), hw.chip_flops, efficiency,
         num_virtual_stages=plan.num_virtual_stages, stage_layers=layers,
         vocab_shards=plan.pp if plan.vocab_parallel else 1,
     )

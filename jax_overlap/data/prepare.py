@@ -29,7 +29,7 @@ ENCODE_GROUP = 16  # chunks handed to the tokenizer at once (it encodes them in 
 def resolve_inputs(specs: list[str]) -> list[str]:
     """Files named by `specs` (paths, globs, directories walked for files, or `stdlib`),
     in a fixed order; ValueError naming `--input` for one that matches nothing readable."""
-    from jax_overlap.training.data import stdlib_files
+    from jax_overlap.data.streams import stdlib_files
 
     out: list[str] = []
     for spec in specs:

@@ -17,7 +17,7 @@ import os
 import shutil
 from typing import Optional
 
-from jax_overlap.config import ConfigError
+from jax_overlap.errors import ConfigError
 from jax_overlap.data import tokenizer as toklib
 
 RUN_FILE = toklib.TOKENIZER_FILE  # the run dir's copy (and an HF directory's)

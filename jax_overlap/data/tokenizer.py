@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from jax_overlap.errors import ConfigError
+
 BYTES = "bytes"
 TOKENIZER_FILE = "tokenizer.json"  # where prepare-data stores a trained or given tokenizer
 INDEX_FILE = "index.json"  # the shard index prepare-data writes last
@@ -169,3 +171,16 @@ def data_vocab_size(source: str, path: str, tokenizer: str) -> tuple[int, str]:
 def padded_vocab(size: int, multiple: int) -> int:
     """`size` rounded up to a multiple of `multiple` (the tp degree shards the vocab)."""
     return -(-size // multiple) * multiple
+
+
+def data_vocab(data) -> tuple[int, str]:
+    """(the tokenizer size of the config's `data` section, where it comes from); ConfigError
+    naming the field."""
+    if data.source == "tokens" and not os.path.isdir(data.path):
+        raise ConfigError([f"data.path: {data.path or '(empty)'} is not a directory; "
+                           f"data.source=tokens needs a `jax-overlap prepare-data --out` "
+                           f"directory"])
+    try:
+        return data_vocab_size(data.source, data.path, data.tokenizer)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None

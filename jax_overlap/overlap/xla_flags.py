@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from jax_overlap.hardware.gpu_plugins import plugin_libraries
+
 CONFIG_KEY = "overlap.xla_preset"
 
 log = logging.getLogger(__name__)
@@ -196,8 +198,6 @@ def xla_libraries() -> list[Path]:
             for path in sorted(Path(location).glob("*.so")):
                 if path.stat().st_size > 50 * _MIB:
                     libs.append(path)
-    from jax_overlap.analysis.deviceless import plugin_libraries
-
     return libs + plugin_libraries()
 
 

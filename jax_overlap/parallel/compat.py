@@ -84,7 +84,7 @@ def all_gather_invariant(x: jax.Array, axes, axis: int = 0, tiled: bool = True) 
 
 # cuDNN the fused attention is traced for when the process has no cuDNN library to ask (a GPU
 # step compiled deviceless from a CPU host): jax-cuda12-plugin's `with-cuda` extra requires
-# nvidia-cudnn-cu12 >= 9.10.2 (`analysis.targets.GpuDeviceInfo.dnn_version`). JAX reads the
+# nvidia-cudnn-cu12 >= 9.10.2 (`analysis.xla_targets.GpuDeviceInfo.dnn_version`). JAX reads the
 # version only to refuse features older cuDNNs lack; the custom call it emits is the same.
 ASSUMED_CUDNN_VERSION = 91002
 

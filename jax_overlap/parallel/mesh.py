@@ -92,7 +92,7 @@ def make_mesh(dp: int, pp: int, tp: int, devices: list | None = None, dcn: int =
     devices = list(jax.devices() if devices is None else devices)
     needed = dcn * dp * pp * tp
     if len(devices) < needed:
-        from jax_overlap.config import ConfigError
+        from jax_overlap.errors import ConfigError
         raise ConfigError([f"mesh: dcn x dp x pp x tp = {needed} devices, but only "
                            f"{len(devices)} are available; shrink mesh.dcn/dp/pp/tp"])
     if dcn > 1:
@@ -117,6 +117,14 @@ def data_spec(axis_sizes):
 
     axes = data_axes(axis_sizes)
     return P(axes if len(axes) > 1 else axes[0])
+
+
+def microbatched(tree: Any, microbatches: int) -> Any:
+    """(B, ...) -> (M, B/M, ...): microbatch i takes rows [i*B/M, (i+1)*B/M)."""
+    import jax
+
+    return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches,
+                                            *x.shape[1:]), tree)
 
 
 def logical_to_spec(logical_axes: tuple[str | None, ...], rules: dict | None = None):

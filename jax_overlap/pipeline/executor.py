@@ -111,10 +111,10 @@ from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
-from jax_overlap.pipeline.program import (COL, FILL_SCOPE, HEAD_SCOPE, LANE_SCOPE,
+from jax_overlap.pipeline.program import (COL, HEAD_SCOPE, LANE_SCOPE,
                                           TickProgram)
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
-from jax_overlap.training.grads import microbatched
+from jax_overlap.parallel.mesh import microbatched
 
 _log = logging.getLogger("jax_overlap")
 
@@ -531,7 +531,11 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
         chunk = row[COL["chunk"]]
         w = ctx.weights(role, chunk)
         if role == "last":
-            _, _, dy = head_pull(res, w)
+            # The head's weight gradients come with its input gradient: one pullback of the
+            # head (deferred to W, it would run a second time there).
+            d_embed, d_head, dy = head_pull(res, w)
+            grads = _accumulate(grads, {"chunk": None, "embed": d_embed, "head": d_head},
+                                chunk, blocks=False)
         else:
             dy = inbox["g"]
         x = res["first"][-1] if role == "first" else inbox["x"]
@@ -558,10 +562,6 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
                 grads = _synced_weight_grads(ctx, grads, chunk, w["chunk"], acts, dz)
             else:
                 grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
-            if role == "last":
-                d_embed, d_head, _ = head_pull(res, w)
-                grads = _accumulate(grads, {"chunk": None, "embed": d_embed, "head": d_head},
-                                    chunk, blocks=False)
         return res, grads, loss, out
 
     def branch(inbox, res, grads, loss, row):
@@ -741,19 +741,18 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     zeros = ctx.zeros_btd
     # A pool is filed at a slot the stage's table row names, so what an action files varies
     # over pp even where the pool's initial zeros do not: typed so from the start, the
-    # filing conditional's branches (and the scan's carry) agree.
+    # filing switch's branches (and the scan's carry) agree.
     res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(zeros))), res0)
+    # Per lane, the branches its table column takes, and whether any of them adds to the
+    # gradients (a paired schedule's forward lane does not: its switches then neither take
+    # nor return the accumulators, which XLA would otherwise copy in every branch).
     fills = {name: program.fills(name) for name in res0}
-    writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
-    filing = [_reading_branch(fn, {name: flags[b] for name, flags in fills.items()})
-              for b, fn in enumerate(branches)]
-    # A lane whose actions never add to the gradients (a paired schedule's forward lane)
-    # does not hand them to its switch: passed through two conditionals a tick, XLA copies
-    # every accumulator in every branch.
-    adds = np.asarray([False] + [b.kind != "F" for b in program.branches])
-    grads_lanes = [bool(adds[program.column("branch")[:, :, lane]].any())
-                   for lane in range(program.lanes)]
-    forward_only = [_without_grads(fn, ctx.grads0) for fn in filing]
+    adds = [False] + [b.kind != "F" for b in program.branches]
+    lanes = []
+    for lane in range(program.lanes):
+        taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
+        lanes.append(_lane_switches(ctx, branches, fills, taken,
+                                    any(adds[b] for b in taken)))
 
     def head_phase(pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring). The flag is read from stage
@@ -797,39 +796,43 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         return jax.lax.optimization_barrier((pool, slots(pool, row)))
 
     def act(pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
-        # The switch gets the residual pools read-only: a branch reads its (microbatch,
-        # chunk)'s slots itself, so only the actions that use a slot read it. It returns
-        # what it made for the pools it fills (zeros for the others), and a conditional
-        # files them: only a filling action writes a pool. Pools handed through the switch
-        # and updated in place there would be copied every tick (XLA:CPU does; so did
-        # XLA:GPU in the full program), and reading or writing every slot outside it moved
-        # each pool's slot bytes twice a tick whatever the action.
-        # Likewise the activation pool: the switch gets only the two slots an action can read
-        # (its input and its output gradient). Handed the pool, it would hold it as an
-        # operand while the other lane's arrivals are filed into it, and XLA would copy it.
+        # Two switches on the row's branch. The first runs the actions that file nothing
+        # into a residual pool (idle, B without a split, W...) and gets the pools read-only:
+        # a branch reads its (microbatch, chunk)'s slots itself, so only the actions that use
+        # a slot read it. The second runs the actions that fill pools (F; a split B) and
+        # gets the pools this lane fills, to update in place at the slots the table names;
+        # its other branches pass them through untouched. So no action moves pool data it
+        # does not own: a filling action writes its slots, and nothing is made for an idle
+        # branch to copy. (One switch that returned what an action made, or zeros, cost a
+        # slot-sized write per idle branch; one that updated every pool in place made XLA
+        # copy each pool in every branch.)
+        # Likewise the activation pool: the switches get only the two slots an action can
+        # read (its input and its output gradient). Handed the pool, they would hold it as
+        # an operand while the other lane's arrivals are filed into it, and XLA would copy it.
+        switches = lanes[lane]
         branch = row[COL["branch"]]
         if inbox is None:
             inbox = slots(pool, row)
-        # The named scope marks the switch in the compiled HLO for `analysis.step_estimate`.
+        carry = (grads, loss) if switches.grads else (loss,)
+        kept = {name: res[name] for name in switches.pools}
+        read_only = {name: p for name, p in res.items() if name not in kept}
+        # The named scope marks the switches in the compiled HLO for `analysis.step_estimate`.
         with jax.named_scope(f"{LANE_SCOPE}{lane}"):
-            if grads_lanes[lane]:
-                made, grads, loss, out = jax.lax.switch(branch, filing, inbox, res, grads,
-                                                        loss, row)
-            else:
-                made, loss, out = jax.lax.switch(branch, forward_only, inbox, res, loss, row)
-        if tie is not None:
-            # Transfers that must be under this action: nothing that reads them may run
-            # before the action's results exist, so their only cover is the action itself
-            # (not the slot writes after it, which XLA's cost model would count as enough).
-            # One of the switch's results suffices (it has them all at once); tied, the
-            # gradient accumulators would be copied in every branch that hands them on.
-            out, tie = jax.lax.optimization_barrier((out, tie))
-        for name in res:
-            # The named scope tells `analysis.step_estimate` which lane and pool it files.
-            with jax.named_scope(f"{FILL_SCOPE}{lane}_{name}"):
-                res = {**res, name: _filed(res[name], made[name], row[COL[_POOL_SLOT[name]]],
-                                           writes[name][branch])}
-        return (res, grads, loss, out) if tie is None else (res, grads, loss, out, tie)
+            carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
+            if kept:
+                kept, carry, out = jax.lax.switch(branch, switches.filing, inbox, read_only,
+                                                  kept, carry, out, row)
+        res = {**res, **kept}
+        grads, loss = carry if switches.grads else (grads, carry[0])
+        if tie is None:
+            return res, grads, loss, out
+        # Transfers that must be under this action: nothing that reads them may run before
+        # the action's results exist, so their only cover is the action itself (not the slot
+        # writes after it, which XLA's cost model would count as enough). One of the
+        # switches' results suffices (it has them all at once); tied, the gradient
+        # accumulators would be copied in every branch that hands them on.
+        out, tie = jax.lax.optimization_barrier((out, tie))
+        return res, grads, loss, out, tie
 
     def tick(carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
@@ -933,38 +936,75 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
 _POOL_SLOT = {"first": "e_slot", "last": "e_slot", "chunk": "r_slot", "dz": "z_slot"}
 
 
-def _reading_branch(branch: Callable, fills: dict[str, bool]) -> Callable:
-    """`branch` (which takes and returns its slots of each residual pool) as a switch branch
-    over the whole pools: it reads its slots (unused reads are dead code) and returns
-    what it made for the pools it `fills`, zeros for the others."""
+class _LaneSwitches(NamedTuple):
+    """One lane's two switches over the table's branches (see `act` in `run_ticks`).
 
-    def run(inbox, pools, grads, loss, row):
-        mine = {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
-                       for p in leaves] for name, leaves in pools.items()}
-        res, grads, loss, out = branch(inbox, mine, grads, loss, row)
-        made = {name: res[name] if fills[name] else
-                [_like(jnp.zeros_like(v), v) for v in mine[name]] for name in mine}
-        return made, grads, loss, out
+    Attributes:
+      plain: per branch, `(inbox, pools, carry, row) -> (carry, out)`: the action, if it
+        fills no pool; a no-op otherwise.
+      filing: per branch, `(inbox, read_only, kept, carry, out, row) -> (kept, carry, out)`:
+        the action, if it fills a pool, its slots of `kept` updated in place; else the
+        operands passed through.
+      pools: the residual pools this lane's actions fill (`kept`).
+      grads: whether its actions add to the gradients; `carry` is `(grads, loss)` if so,
+        `(loss,)` if not.
+    """
 
-    return run
-
-
-def _without_grads(branch: Callable, grads0) -> Callable:
-    """A `_reading_branch` for a lane that never adds to the gradients: neither takes nor
-    returns them."""
-
-    def run(inbox, pools, loss, row):
-        made, _, loss, out = branch(inbox, pools, grads0, loss, row)
-        return made, loss, out
-
-    return run
+    plain: list
+    filing: list
+    pools: tuple[str, ...]
+    grads: bool
 
 
-def _filed(leaves: list, values: list, slot, write) -> list:
-    """`leaves` (one residual pool) with `values` filed at `slot` where `write`; in place."""
-    return jax.lax.cond(write, lambda ls, vs: [
-        _like(jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0), p)
-        for p, v in zip(ls, vs)], lambda ls, vs: list(ls), leaves, values)
+def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, ...]],
+                   taken: set[int], grads: bool) -> _LaneSwitches:
+    """The switches of a lane whose table column takes the branches `taken`.
+
+    `branches[b](inbox, slots, grads, loss, row) -> (made, grads, loss, out)` gets and returns
+    its slot of each residual pool; `fills[pool][b]` says whether it files what it made.
+    """
+    filler = [any(flags[b] for flags in fills.values()) for b in range(len(branches))]
+    pools = tuple(name for name, flags in fills.items() if any(flags[b] for b in taken))
+
+    def unpack(carry):
+        return carry if grads else (ctx.grads0, carry[0])
+
+    def pack(g, loss):
+        return (g, loss) if grads else (loss,)
+
+    def plain(b, fn):
+        def run(inbox, res, carry, row):
+            if filler[b] or b not in taken:
+                return carry, ctx.zeros_btd
+            _, g, loss, out = fn(inbox, _slots_of(res, row), *unpack(carry), row)
+            return pack(g, loss), out
+        return run
+
+    def filing(b, fn):
+        def run(inbox, read_only, kept, carry, out, row):
+            if not filler[b] or b not in taken:
+                return kept, carry, out
+            made, g, loss, out = fn(inbox, _slots_of({**read_only, **kept}, row),
+                                    *unpack(carry), row)
+            kept = {name: _filed(leaves, made[name], row[COL[_POOL_SLOT[name]]])
+                    if fills[name][b] else list(leaves) for name, leaves in kept.items()}
+            return kept, pack(g, loss), out
+        return run
+
+    return _LaneSwitches([plain(b, fn) for b, fn in enumerate(branches)],
+                         [filing(b, fn) for b, fn in enumerate(branches)], pools, grads)
+
+
+def _slots_of(pools: dict, row) -> dict:
+    """Each residual pool's slot named by the table row (reads no action uses are dead)."""
+    return {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
+                   for p in leaves] for name, leaves in pools.items()}
+
+
+def _filed(leaves: list, values: list, slot) -> list:
+    """`leaves` (one residual pool) with `values` written at `slot`, in place."""
+    return [_like(jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0), p)
+            for p, v in zip(leaves, values)]
 
 
 def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) -> dict:

@@ -25,14 +25,12 @@ ROLE_ORDER = ("first", "mid", "last")
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
           "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot")
 COL = {name: i for i, name in enumerate(FIELDS)}
-# Named scopes the executor puts around each lane's action switch (`pp_lane0`, `pp_lane1`) and
-# the head phase; the compiled conditionals keep them in their `op_name`, which is how
-# `jax_overlap.analysis.step_estimate` finds the switches to replay the table on.
+# Named scopes the executor puts around each lane's action switches (`pp_lane0`, `pp_lane1`:
+# both indexed by the table's branch) and the head phase; the compiled conditionals keep them
+# in their `op_name`, which is how `jax_overlap.analysis.step_estimate` finds the switches to
+# replay the table on.
 LANE_SCOPE = "pp_lane"
 HEAD_SCOPE = "pp_head"
-# ... and around the conditional that files an action's residuals into a pool after lane L's
-# switch (`pp_fill0_chunk`: lane 0, the "chunk" pool), taken only where the branch `fills` it.
-FILL_SCOPE = "pp_fill"
 RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
 ROUTES = ("down", "up", "self")
 

@@ -17,11 +17,10 @@ from typing import Any, Iterable, Optional
 import jax
 import numpy as np
 
-from jax_overlap.resilience.loop_state import LoopState
 
-
-def to_checkpoint(loop: LoopState, perm: Optional[np.ndarray], shardings: LoopState) -> LoopState:
-    """The tree to save: blocks in logical order, so any mesh and schedule can restore it.
+def to_checkpoint(loop: Any, perm: Optional[np.ndarray], shardings: Any) -> Any:
+    """The tree to save (a `LoopState`): blocks in logical order, so any mesh and schedule can
+    restore it.
 
     This and `from_checkpoint` are the only places where the runtime layout and the
     checkpoint layout differ.
@@ -33,7 +32,7 @@ def to_checkpoint(loop: LoopState, perm: Optional[np.ndarray], shardings: LoopSt
     return jax.jit(lambda t: layout.to_logical(t, perm), out_shardings=shardings)(loop)
 
 
-def from_checkpoint(tree: LoopState, perm: Optional[np.ndarray], shardings: LoopState) -> LoopState:
+def from_checkpoint(tree: Any, perm: Optional[np.ndarray], shardings: Any) -> Any:
     """Inverse of `to_checkpoint`: a restored tree in this run's (staged) layout."""
     if perm is None:
         return tree

@@ -9,7 +9,7 @@ raises them as one `ConfigError`, so a refused run ends in exit code 2 and touch
   writable directories.
 * `memory_problems`: the estimated per-device bytes of the step (parameters, gradients,
   optimizer state, activations as the schedule and remat policy keep them, communication
-  buffers; `jax_overlap.analysis.memory`) and the host bytes of the data pipeline, against
+  buffers; `jax_overlap.hardware.memory`) and the host bytes of the data pipeline, against
   the device's memory (a GPU's `bytes_limit`) or, on CPU where every device shares the host,
   the host's RAM. The estimate is deliberately rough; a run is refused only when it is over
   the memory outright (not over a budget), so a refusal is certain to be right.
@@ -110,7 +110,7 @@ def device_step_parts(model, train, plan) -> dict[str, float]:
       {"state": parameters + gradients + optimizer moments, "activations": what the schedule
       and remat policy keep for the backward plus the logits, "comm": communication buffers}.
     """
-    from jax_overlap.analysis.memory import dtype_bytes, param_elements, plan_step_memory
+    from jax_overlap.hardware.memory import dtype_bytes, param_elements, plan_step_memory
 
     ov = plan.overlap
     # The plan's own estimate (the one its auto microbatches and remat policy were chosen by).
@@ -165,7 +165,7 @@ def memory_problems(model, train, data, plan, *, device_bytes: Optional[float],
                   f"{_gib(parts['comm'])}")
         budget = device_bytes or (host_bytes / max(1, local_devices) if host_bytes else None)
         if budget and parts["state"] > budget / 2:  # the model itself is too big
-            from jax_overlap.analysis.memory import param_elements
+            from jax_overlap.hardware.memory import param_elements
 
             embed, block = param_elements(model)
             field = "model.layers" if model.layers * block >= embed else "model.d_model"

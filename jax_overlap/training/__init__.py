@@ -1,1 +1,2 @@
-"""The step (loss, gradients, optimizer), the training loop, data and the train state."""
+"""The step (loss, gradients, optimizer), its wrapper (`guard`, `guarded_step`, `faults`,
+`rollback`, `loop_state`), the training loop and the train state."""

@@ -2,7 +2,7 @@
 
 Every `eval_every` accepted steps the loop asks `Evaluator.run(params)` for the mean loss and
 perplexity over the same `eval_batches` held-out global batches (the token shards' val split,
-or the byte corpus's held-out tail: `jax_overlap.training.data.eval_stream_from_config`),
+or the byte corpus's held-out tail: `jax_overlap.data.streams.eval_stream_from_config`),
 through the forward-only `jax_overlap.training.evaluate` loss, which is the same number on
 every mesh and schedule. The batches are placed once and kept.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_overlap.training import data as datalib
+from jax_overlap.data import streams as datalib
 from jax_overlap.training import evaluate
 
 

@@ -5,7 +5,8 @@ them into scalars, so the dashboard and the JSON lines never disagree:
 
   step records   train/loss, train/grad_norm, train/lr, perf/tokens_per_s, perf/step_time_s,
                  perf/mfu (when the chip's peak is known), and any other number a step
-                 record carries, as train/<key>
+                 record carries, as train/<key> (a list of numbers, e.g. an MoE's
+                 tokens_per_expert, as train/<key>/<i>)
   every step     faults/skipped_steps and faults/rollbacks: running counts of this invocation
   skipped steps  faults/consecutive_bad
   rollbacks      faults/rollbacks (at the step rolled back from), faults/steps_lost
@@ -57,6 +58,9 @@ class EventWriter:
                 if key not in NOT_SCALARS and isinstance(value, (int, float)) and not (
                         isinstance(value, bool)):
                     self._scalar(TAGS.get(key, f"train/{key}"), value, step)
+                elif key not in NOT_SCALARS and isinstance(value, list):
+                    for i, v in enumerate(value):
+                        self._scalar(f"train/{key}/{i}", v, step)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         self._w.add_scalar(tag, float(value), global_step=step)

@@ -22,14 +22,8 @@ from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import to_varying, varying_axes
-from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec
+from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec, microbatched
 from jax_overlap.parallel.remat import remat_block
-
-
-def microbatched(tree: Any, microbatches: int) -> Any:
-    """(B, ...) -> (M, B/M, ...): microbatch i takes rows [i*B/M, (i+1)*B/M)."""
-    return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches,
-                                            *x.shape[1:]), tree)
 
 
 def tree_zeros_like(tree):

@@ -17,7 +17,7 @@ Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir
 * With `checkpoint.local_every` > 0, also a local tier (each process's shards under /dev/shm,
   every N steps, in the background); a restart takes the newest step that verifies in either
   tier. The run dir is locked for the run, and a refused run (lock held, another state layout,
-  no checkpoint verifies) leaves it unchanged (`resilience/run_guard.py`,
+  no checkpoint verifies) leaves it unchanged (`resilience/run_dir_guard.py`,
   docs/guides/fault_tolerance.md).
 
 Pre-emption: SIGTERM or SIGINT lets the step in progress finish, saves, waits for the commit,
@@ -49,12 +49,12 @@ import numpy as np
 
 from jax_overlap import model_api
 from jax_overlap import plan as plan_lib
-from jax_overlap.analysis.machine import chip_for_device_kind
+from jax_overlap.hardware.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.data import run_tokenizer
 from jax_overlap.overlap import slow_axis
 from jax_overlap.resilience import checkpoint as ckptlib
-from jax_overlap.resilience import run_guard, run_identity
+from jax_overlap.resilience import run_dir_guard, run_identity
 from jax_overlap.resilience.ckpt_layout import (
     checkpoint_mismatch,
     checkpoint_target,
@@ -62,9 +62,9 @@ from jax_overlap.resilience.ckpt_layout import (
     read_markers,
     to_checkpoint,
 )
-from jax_overlap.resilience.guard import RollbackPolicy
-from jax_overlap.resilience.guarded_step import make_guarded_step, rejection_reason
-from jax_overlap.resilience.loop_state import (
+from jax_overlap.training.guard import RollbackPolicy
+from jax_overlap.training.guarded_step import make_guarded_step, rejection_reason
+from jax_overlap.training.loop_state import (
     LoopState,
     abstract_loop_state,
     lr_scale,
@@ -72,7 +72,7 @@ from jax_overlap.resilience.loop_state import (
     shardings_of,
 )
 from jax_overlap.resilience.preemption import PreemptionWatcher, agree_to_stop
-from jax_overlap.resilience.rollback import (
+from jax_overlap.training.rollback import (
     MAX_ROLLBACKS_WITHOUT_PROGRESS,
     RollbackStreak,
     apply_rollback,
@@ -80,14 +80,14 @@ from jax_overlap.resilience.rollback import (
     plan_rollback,
 )
 from jax_overlap.resilience.watchdog import Watchdog, jax_board
-from jax_overlap.training import data as datalib
-from jax_overlap.training import eval_hook, events, sample_hook
+from jax_overlap.data import streams as datalib
+from jax_overlap.training import eval_hook, events, moe_stats, sample_hook
 from jax_overlap.training import step as steplib
 
 
 def peak_flops(device) -> float | None:
     """Peak dense bf16 FLOP/s of `device`, for MFU: its chip in the machine model's table
-    (`jax_overlap.analysis.machine.CHIPS`); None on CPU or for a chip the table lacks."""
+    (`jax_overlap.hardware.machine.CHIPS`); None on CPU or for a chip the table lacks."""
     if device.platform == "cpu":
         return None
     chip = chip_for_device_kind(getattr(device, "device_kind", ""))
@@ -181,7 +181,7 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
     Raises:
       ConfigError: the checkpoint directory holds a run with another state layout.
     """
-    with run_guard.refusals_leave_no_trace(cfg, run_dir):
+    with run_dir_guard.refusals_leave_no_trace(cfg, run_dir):
         trainer = _Trainer(cfg, run_dir, progress, devices, model)
         return trainer.run()
 
@@ -200,7 +200,7 @@ class _Trainer:
         self.plan = plan_lib.ParallelPlan.build(cfg, self.model,
                                                 plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
         if model is None:  # before anything is allocated
-            run_guard.check_memory(cfg, self.plan)
+            run_dir_guard.check_memory(cfg, self.plan)
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
                        else datalib.stream_from_config(cfg))
         self.evaluator = eval_hook.from_config(cfg, self.model, self.plan, self.mesh)
@@ -253,8 +253,8 @@ class _Trainer:
     # ---- entry point --------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        with run_guard.locked(self.run_dir):
-            self.ckpt, self.local = run_guard.open_tiers(self.cfg, self.ckpt_dir, self.mesh)
+        with run_dir_guard.locked(self.run_dir):
+            self.ckpt, self.local = run_dir_guard.open_tiers(self.cfg, self.ckpt_dir, self.mesh)
             return self._run()
 
     def _run(self) -> RunResult:
@@ -336,7 +336,7 @@ class _Trainer:
         self._events = []
         if self.ckpt is not None:
             self.watchdog.beat("restore", 0)
-            found = run_guard.restore_newest(self.ckpt, self.local, self.ckpt_abstract,
+            found = run_dir_guard.restore_newest(self.ckpt, self.local, self.ckpt_abstract,
                                              self.cfg.checkpoint.on_unreadable, self.ckpt_dir)
             self.skipped_checkpoints = [s for s, _ in found.skipped]
             self.skipped_reasons = [{"step": s, "reason": r} for s, r in found.skipped]
@@ -359,7 +359,7 @@ class _Trainer:
 
     def _accept(self) -> None:
         """The run is on: from here on it may change the run dir."""
-        run_guard.accepted(self.ckpt_dir, self.local)
+        run_dir_guard.accepted(self.ckpt_dir, self.local)
         if self.ckpt is not None:
             self.ckpt.quarantine_skipped(self.ckpt.last_skipped)
         if self.is_main:
@@ -417,6 +417,7 @@ class _Trainer:
             if "loss_scale" in m:
                 record["loss_scale"] = float(m["loss_scale"])
             record.update(slow_axis.step_record(self.plan, dt, m))
+            record.update(moe_stats.step_record(m))
             if accepted:
                 self.losses.append(loss)
                 if not compiling:

@@ -36,7 +36,7 @@ def newest_params(cfg: Config, run_dir: str, model, plan, mesh, flag: str = "--r
     """
     from jax_overlap.resilience import checkpoint as ckptlib
     from jax_overlap.resilience.ckpt_layout import from_checkpoint
-    from jax_overlap.resilience.loop_state import abstract_loop_state, shardings_of
+    from jax_overlap.training.loop_state import abstract_loop_state, shardings_of
     from jax_overlap.training import step as steplib
 
     directory = checkpoint_dir(cfg, run_dir)

@@ -21,6 +21,7 @@ from jax_overlap.parallel.mesh import DP, PP, data_spec, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
 from jax_overlap.training import loss_scale as loss_scale_lib
+from jax_overlap.training import moe_stats
 from jax_overlap.training.state import TrainState, new_state
 
 
@@ -108,6 +109,7 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
                                       lr, fault_hook, jit)
     delayed = plan.slow_mode == "delay"
     ov = plan.overlap
+    experts = getattr(getattr(model, "moe", None), "experts", 0)
 
     def step(state: TrainState, batch):
         ls = state.loss_scale
@@ -118,6 +120,8 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             loss, grads = loss_scale_lib.unscale(*scaled(state.params, batch), ls.scale)
             finite = loss_scale_lib.all_finite(loss, grads)
             grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+        # MoE router statistics (models/moe.py), out of the update
+        grads, moe_metrics = moe_stats.take(grads, experts)
         if fault_hook is not None:
             loss, grads = fault_hook(state, loss, grads)
         # Delay: the norm of this step's own gradient (its per-dcn-group copies), so the
@@ -148,7 +152,7 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             slow = jax.lax.with_sharding_constraint(slow, shardings.slow)
         new_state = state._replace(step=state.step + applied, params=params, opt_state=opt_state,
                                    version=state.version + applied, slow=slow)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm, **moe_metrics}
         if ls is not None:
             new_state = new_state._replace(loss_scale=loss_scale_lib.update(
                 ls, finite, loss_scale_growth_interval))

@@ -1,6 +1,6 @@
-"""Hardware profiles: the machine model of :mod:`jax_overlap.analysis.machine` as YAML files.
+"""Hardware profiles: the machine model of :mod:`jax_overlap.hardware.machine` as YAML files.
 
-A profile (a :class:`~jax_overlap.analysis.machine.HardwareProfile`: chip FLOP rate,
+A profile (a :class:`~jax_overlap.hardware.machine.HardwareProfile`: chip FLOP rate,
 links, and which link each mesh axis uses) is a YAML file under ``configs/hardware/``.
 Every number is written as ``{value: ..., source: ...}`` so it is clear where it came
 from (a spec sheet URL, an assumption, or ``measured here, <date>``);
@@ -8,7 +8,7 @@ from (a spec sheet URL, an assumption, or ``measured here, <date>``);
 measures this machine's matmul rate and 8-device psum bandwidth for
 ``configs/hardware/cpu_here.yaml``::
 
-    python -m jax_overlap.analysis.hardware configs/hardware/cpu_here.yaml
+    python -m jax_overlap.hardware.link_profiles configs/hardware/cpu_here.yaml
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from jax_overlap.analysis.costs import ring_factor, ring_steps
-from jax_overlap.analysis.machine import AxisLink, HardwareProfile, Link
+from jax_overlap.hardware.collective_cost import ring_factor, ring_steps
+from jax_overlap.hardware.machine import AxisLink, HardwareProfile, Link
 
 AXES: tuple[str, ...] = ("dp", "pp", "tp")
 _PROFILE_DIRS = (
@@ -271,7 +271,7 @@ def measure_local(
 
 def local_profile_dict(m: LocalMeasurement) -> dict[str, Any]:
     """The YAML document of a profile for this machine built from a measurement."""
-    note = f"measured here, {m.date} (jax_overlap.analysis.hardware.measure_local)"
+    note = f"measured here, {m.date} (jax_overlap.hardware.link_profiles.measure_local)"
     import platform
 
     return {
@@ -349,7 +349,7 @@ def measure_local_profile(path: str | os.PathLike | None = None, **kwargs: Any) 
     doc = local_profile_dict(measure_local(**kwargs))
     if path is not None:
         header = (
-            "# Written by `python -m jax_overlap.analysis.hardware <this file>`;\n"
+            "# Written by `python -m jax_overlap.hardware.link_profiles <this file>`;\n"
             "# rerun it to re-measure this machine.\n"
         )
         Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False, width=100))

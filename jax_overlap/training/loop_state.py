@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.resilience.guard import GuardState, guard_init
+from jax_overlap.training.guard import GuardState, guard_init
 from jax_overlap.training import loss_scale as loss_scale_lib
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import TrainState

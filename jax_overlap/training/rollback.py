@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap.resilience.loop_state import LoopState
+from jax_overlap.training.loop_state import LoopState
 
 
 class Rollback(NamedTuple):

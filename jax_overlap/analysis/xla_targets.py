@@ -3,7 +3,7 @@
 Per GPU model the project compiles for without the GPU (A100-SXM4-80GB, H100-SXM5-80GB,
 H200-SXM-141GB), a :class:`GpuTarget` pairs
 
-* its chip from the machine model (:data:`jax_overlap.analysis.machine.CHIPS`: the
+* its chip from the machine model (:data:`jax_overlap.hardware.machine.CHIPS`: the
   peak rates the analysis uses), with
 * a :class:`GpuDeviceInfo` -- the facts XLA's GPU compiler reads from a
   ``stream_executor.GpuTargetConfigProto`` when it compiles without a GPU
@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from jax_overlap.analysis.machine import CHIPS, ChipSpec, chip_key
+from jax_overlap.hardware.machine import CHIPS, ChipSpec, chip_key
 
 _GIB = 1 << 30
 _MIB = 1 << 20
@@ -291,7 +291,7 @@ def render_target_config(device: GpuDeviceInfo) -> str:
         + ("ACCELERATED_FEATURES" if device.accelerated_features else "NONE")
     )
     lines = [
-        "# stream_executor.GpuTargetConfigProto written by jax_overlap.analysis.targets",
+        "# stream_executor.GpuTargetConfigProto written by jax_overlap.analysis.xla_targets",
         "gpu_device_info {",
         f"  threads_per_block_limit: {device.threads_per_block_limit}",
         f"  threads_per_warp: {device.threads_per_warp}",

@@ -14,13 +14,13 @@ simulator and the tuner:
 * :class:`HardwareProfile` -- a whole machine for the simulator and the tuner: its
   chip's rate and memory, its links and which link each mesh axis (``dp``, ``pp``,
   ``tp``) uses. Profiles are YAML files under ``configs/hardware/``, read (and, for
-  this machine, measured) by :mod:`jax_overlap.analysis.hardware`.
+  this machine, measured) by :mod:`jax_overlap.hardware.link_profiles`.
 * :class:`LinkModel` -- the links of a compiled program's collectives for the HLO
   report, by mesh axis name (a compiled program may name its axes anything).
 
-What a collective costs on a :class:`Link` is :mod:`jax_overlap.analysis.costs`. What
+What a collective costs on a :class:`Link` is :mod:`jax_overlap.hardware.collective_cost`. What
 XLA's GPU compiler needs to compile for a chip without one is
-:mod:`jax_overlap.analysis.targets`.
+:mod:`jax_overlap.analysis.xla_targets`.
 
 Every chip number comes from a published source named in a comment next to it
 (NVIDIA's datasheets and architecture whitepapers); numbers derived from those show

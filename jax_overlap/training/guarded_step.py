@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap.resilience.faults import make_fault_hook, planned_faults
-from jax_overlap.resilience.guard import guard_update, select_tree
-from jax_overlap.resilience.loop_state import LoopState
+from jax_overlap.training.faults import make_fault_hook, planned_faults
+from jax_overlap.training.guard import guard_update, select_tree
+from jax_overlap.training.loop_state import LoopState
 from jax_overlap.training import step as steplib
 from jax_overlap.training.state import batch_index
 

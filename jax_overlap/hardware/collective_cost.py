@@ -22,12 +22,12 @@ A group of one device moves nothing (0 s); a group of unknown size counts the by
 once, in one hop. ``bytes`` is per device and is always the larger, unsharded side:
 all-gather its output, reduce-scatter its input, every other kind its result -- what
 :mod:`jax_overlap.analysis.hlo_collectives` counts and the simulator's ``Costs``
-hold. The link is a :class:`jax_overlap.analysis.machine.Link`.
+hold. The link is a :class:`jax_overlap.hardware.machine.Link`.
 """
 
 from __future__ import annotations
 
-from jax_overlap.analysis.machine import Link
+from jax_overlap.hardware.machine import Link
 
 POINT_TO_POINT = "collective-permute"
 

@@ -1,0 +1,233 @@
+"""The mixture-of-experts Llama (models/moe.py): routing, capacity and drops, the router
+losses' gradients, the statistics the step reports, and the single-device loss and gradients
+on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mesh.
+
+Default run: two tiny meshes with drops, shared experts and dense layers between the MoE
+ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP). `make test-slow`:
+pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
+remat, dropless, and configs/moe_tiny.yaml learning with balanced experts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import TINY, max_rel_err, np_batch, rel
+
+from jax_overlap import config
+from jax_overlap.model_api import build_model
+from jax_overlap.parallel import mesh as meshlib
+from jax_overlap.pipeline import layout
+from jax_overlap.plan import ParallelPlan
+from jax_overlap.training import grads as gradslib
+from jax_overlap.training import moe_stats
+from jax_overlap.training import step as steplib
+from models import moe
+from models.moe import MoeLlama, MoeSpec
+
+BASE = ["model.kind=llama", "model.heads=4", "model.kv_heads=2", "model.layers=4",
+        "model.tied_embeddings=false", "model.experts=4", "model.experts_per_token=2",
+        "model.router_aux_loss=0.1", "model.router_z_loss=0.01"]
+# key -> model overrides: drops (capacity 1.0 of 4 experts, top-2) with a shared expert and
+# dense layers between the MoE ones; dropless.
+VARIANTS = {
+    "drops": ["model.expert_capacity=1.0", "model.shared_experts=1", "model.moe_every=2"],
+    "dropless": ["model.expert_capacity=dropless"],
+}
+
+
+def moe_cfg(key, dp=1, tp=1, pp=1, extra=()):
+    return config.load(TINY, [*BASE, *VARIANTS[key], f"mesh.dp={dp}", f"mesh.tp={tp}",
+                              f"mesh.pp={pp}", *extra])
+
+
+_REFS = {}
+
+
+def reference(key):
+    if key not in _REFS:
+        cfg = moe_cfg(key)
+        model = MoeLlama.from_config(cfg)
+        params = model.init(jax.random.key(cfg.train.seed))
+        batch = np_batch(cfg)
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda p: gradslib.reference_loss(model, p, batch)))(params)
+        _REFS[key] = (params, batch, float(loss), grads)
+    return _REFS[key]
+
+
+def check(key, dp, tp, pp=1, extra=()):
+    cfg = moe_cfg(key, dp, tp, pp, extra)
+    params, batch, ref_loss, ref_grads = reference(key)
+    model = build_model(cfg)
+    plan = ParallelPlan.build(cfg, model)
+    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
+    shardings = steplib.param_shardings(model, mesh, plan.layout)
+    staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings)
+    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
+        staged, steplib.put_batch(batch, mesh))
+    grads = layout.to_logical(grads, plan.layer_perm)
+    if cfg.mesh.ep > 1:  # the experts' tokens travel by all-to-all
+        hlo = jax.jit(steplib.make_loss_and_grads(model, plan, mesh)).lower(
+            staged, steplib.put_batch(batch, mesh)).as_text()
+        assert "all_to_all" in hlo or "all-to-all" in hlo
+    assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
+    # The statistics "gradient": tokens per expert and dropped assignments are counts, equal
+    # on every mesh (the same tokens drop), and the router losses' value.
+    stats, ref_stats = (np.asarray(g["blocks"]["moe"][moe.STATS]) for g in (grads, ref_grads))
+    np.testing.assert_allclose(stats[:, :5], ref_stats[:, :5], atol=1e-3)
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+
+
+def pipeline_extra(name, chunks=1, paired=False):
+    return [f"pipeline.schedule={name}", "pipeline.microbatches=2",
+            f"pipeline.virtual_stages={chunks}"] + (["pipeline.paired=true"] if paired else [])
+
+
+DEFAULT = [
+    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
+    ("drops", 2, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp"]),
+]
+
+
+def case_id(case):
+    key, dp, tp, pp, extra = case
+    opts = "-".join(e.split(".")[-1] for e in extra if not e.startswith("pipeline.m"))
+    return f"{key}-dp{dp}-tp{tp}-pp{pp}" + (f"-{opts}" if opts else "")
+
+
+@pytest.mark.parametrize("key,dp,tp,pp,extra", DEFAULT, ids=[case_id(c) for c in DEFAULT])
+def test_moe_matches_single_device(key, dp, tp, pp, extra):
+    check(key, dp, tp, pp, extra)
+
+
+def test_route_keeps_first_choices_first_and_drops_past_capacity():
+    # One sequence of 4 tokens, 2 experts, top-2, capacity 2 (factor 0.5 x 4 x 2 / 2).
+    spec = MoeSpec(experts=2, k=2, capacity=0.5)
+    assert spec.capacity_for(4) == 2 and MoeSpec(2, 2, "dropless").capacity_for(4) == 4
+    logits = jnp.asarray([[[2.0, 0.0], [1.0, 0.0], [0.0, 3.0], [0.0, 1.0]]])
+    expert, slot, gate, keep, _ = moe.route(logits, spec, 2)
+    # First choices (n = t): experts 0, 0, 1, 1 take slots 0, 1, 0, 1; every second choice
+    # (n = 4 + t) finds its expert full.
+    np.testing.assert_array_equal(expert[0], [0, 0, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(keep[0], [True] * 4 + [False] * 4)
+    np.testing.assert_array_equal(slot[0], [0, 1, 0, 1, 2, 2, 2, 2])
+    np.testing.assert_allclose(gate[0, :4] + gate[0, 4:], 1.0, rtol=1e-6)  # renormalised
+    out = moe.combine(moe.dispatch(jnp.arange(8.0).reshape(1, 4, 2), expert, slot, spec, 2),
+                      expert, slot, gate, spec, 1, 4, 2)
+    # With identity experts a kept token comes back times its first gate only.
+    np.testing.assert_allclose(out[0], np.arange(8.0).reshape(4, 2) * np.asarray(gate[0, :4])[:, None],
+                               rtol=1e-6)
+
+
+def _explicit_router_loss(model, params, batch):
+    """The router losses' sum over layers (unscaled), as a differentiable value."""
+    from jax_overlap.parallel.collectives import Parallel
+
+    x = model.embed(params["embed"], batch["inputs"], Parallel())
+    total = 0.0
+    for i in range(model.num_layers):
+        p = jax.tree.map(lambda a: a[i], params["blocks"])
+        x, state = model._block(1).apply({"params": p}, x, Parallel(),
+                                         mutable=["intermediates"])
+        total = total + sum(jax.tree.leaves(state))
+    return total
+
+
+def test_router_loss_gradient_is_the_explicit_losses_gradient():
+    import dataclasses
+
+    cfg = moe_cfg("drops")
+    model = MoeLlama.from_config(cfg)
+    params = model.init(jax.random.key(0))
+    batch = np_batch(cfg)
+    off = dataclasses.replace(model, moe=dataclasses.replace(model.moe, aux_coef=0.0,
+                                                             z_coef=0.0))
+    silent = dataclasses.replace(model, moe=dataclasses.replace(model.moe, loss_scale=0.0))
+
+    def grad(m, f):
+        return jax.jit(jax.grad(lambda p: f(m, p, batch)))(params)
+
+    with_losses = grad(model, gradslib.reference_loss)
+    without = grad(off, gradslib.reference_loss)
+    explicit = grad(silent, _explicit_router_loss)
+    expected = jax.tree.map(lambda a, b: a + model.moe.loss_scale * b, without, explicit)
+    router = with_losses["blocks"]["moe"]["w_router"]
+    assert float(jnp.abs(router - without["blocks"]["moe"]["w_router"]).max()) > 1e-6
+    for name in ("w_router", "w_q", "w_experts_gate_up"):
+        assert max_rel_err(with_losses["blocks"]["moe"][name],
+                           expected["blocks"]["moe"][name]) <= 1e-5, name
+
+
+def test_step_reports_tokens_per_expert_and_drops():
+    _, _, _, grads = reference("drops")
+    cleaned, metrics = moe_stats.take(grads, 4)
+    assert float(jnp.abs(cleaned["blocks"]["moe"][moe.STATS]).max()) == 0.0
+    cfg = moe_cfg("drops")
+    per_layer = cfg.train.global_batch * cfg.model.seq_len * cfg.model.experts_per_token
+    np.testing.assert_allclose(float(metrics["moe_tokens_per_expert"].sum()), per_layer)
+    assert 0 < float(metrics["moe_dropped_tokens"]) < per_layer  # capacity 1.0 drops some
+    assert 0 < float(metrics["moe_expert_load_min"]) <= 1
+    record = moe_stats.step_record(jax.device_get(metrics))
+    assert len(record["tokens_per_expert"]) == 4 and record["dropped_tokens"] > 0
+    assert moe_stats.take({"blocks": {"w": jnp.ones(2)}}, 0)[1] == {}
+
+
+@pytest.mark.parametrize("override,message", [
+    (["model.kind=gpt"], "model.experts: mixture of experts is built on the Llama decoder"),
+    (["model.moe_every=3"], "model.moe_every: 3 must be >= 1 and divide model.layers=4"),
+    (["model.experts_per_token=5"], "model.experts_per_token: 5 must be between 1 and"),
+    (["model.expert_capacity=0"], "model.expert_capacity: must be dropless or a factor > 0"),
+    (["model.expert_capacity=lots"], "model.expert_capacity: expected"),
+    (["model.moe_every=2", "mesh.pp=4", "mesh.dp=1", "mesh.tp=1"],
+     "model.moe_every: the pipeline splits groups of 2 layers"),
+])
+def test_bad_moe_settings_are_one_line_each(override, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(TINY, [*BASE, *override])
+    assert any(p.startswith(message) for p in e.value.problems), e.value.problems
+
+
+SWEEP = [
+    ("drops", 2, 2, 1, []),
+    ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
+    ("dropless", 8, 1, 1, []),
+    ("dropless", 8, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
+    ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
+                        "overlap.tp_comm=sequence_parallel"]),
+    ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
+    ("dropless", 2, 2, 2, pipeline_extra("zb-v", chunks=2) + ["mesh.ep=2",
+                                                             "overlap.moe_chunks=2"]),
+    ("dropless", 2, 4, 1, ["overlap.tp_comm=collective_matmul"]),
+    ("drops", 2, 4, 1, ["overlap.param_sharding=fsdp", "model.remat=full"]),
+    ("drops", 2, 2, 2, pipeline_extra("1f1b", paired=True)),
+    ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True)
+     + ["overlap.tp_comm=sequence_parallel"]),
+    ("dropless", 2, 2, 2, pipeline_extra("zb-v", chunks=2)),
+    ("dropless", 2, 2, 2, pipeline_extra("zb-v", chunks=2) + ["overlap.param_sharding=fsdp"]),
+    ("drops", 1, 2, 2, pipeline_extra("zb-h1") + ["model.remat=save_dots"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,dp,tp,pp,extra", SWEEP, ids=[case_id(c) for c in SWEEP])
+def test_moe_matches_single_device_sweep(key, dp, tp, pp, extra):
+    check(key, dp, tp, pp, extra)
+
+
+@pytest.mark.slow
+def test_moe_tiny_learns_with_every_expert_in_use(tmp_path):
+    """configs/moe_tiny.yaml, 200 steps on CPU: the loss falls and over the last 20 steps no
+    expert of any layer gets below 25% of its layer's mean load."""
+    import json
+
+    from helpers import last_json_line, run_cli
+
+    out = run_cli("train", "--config", "configs/moe_tiny.yaml", "--run-dir", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = last_json_line(out.stdout)
+    assert summary["last_loss"] < 0.5 * summary["first_loss"], summary
+    records = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    steps = [r for r in records if "tokens_per_expert" in r]
+    assert len(steps) == 200 and len(steps[-1]["tokens_per_expert"]) == 8
+    assert min(r["expert_load_min"] for r in steps[-20:]) >= 0.25
