@@ -17,7 +17,7 @@ from tests.helpers import REPO
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 GPU_RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "gpu", "*.yaml")))
 # Real sizes at the top level of configs/: planned for a GPU like the recipes.
-REAL_SIZES = {"gpt_1p3b.yaml", "llama3_8b.yaml", "bert_large.yaml", "resnet152.yaml"}
+REAL_SIZES = {"gpt_1p3b.yaml", "llama3_8b.yaml", "bert_large.yaml"}
 # Every shape the README's "Train on GPUs" lists, for both models.
 SHAPES = {"dp8": (8, 1, 1, 1), "dp2_tp4": (2, 1, 4, 1), "pp4_dp2": (2, 4, 1, 1),
           "pp2_dp2_tp2": (2, 2, 2, 1), "fsdp8": (8, 1, 1, 1), "2hosts": (8, 1, 1, 2)}
