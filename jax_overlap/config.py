@@ -176,12 +176,12 @@ class PipelineConfig:
     # each microbatch (its last hidden state broadcast over pp, the softmax statistics and
     # the hidden state's gradient summed over pp), so no stage carries the head's ~2 layers
     # of extra work. Needs pp > 1, a model whose head supports it (the built-in decoders)
-    # and vocab / tp divisible by pp.
-    vocab_parallel: bool = False
+    # and vocab / tp divisible by pp. auto: on a GPU at pp > 1 where the model supports it
+    # (plan.AUTO_VOCAB_PARALLEL_WHY); off on CPU.
+    vocab_parallel: bool | Literal["auto"] = "auto"
     # zb-h1 / zb-v: W as only the weight-gradient GEMMs (F keeps each weight matmul's input
     # and B its output gradient in stash slots until W) or as the chunk's whole backward.
-    # auto: split, but on a GPU under a remat policy that recomputes (there the slots' traffic
-    # every tick costs more than W's recompute).
+    # auto: split (plan.AUTO_SPLIT_WHY).
     split_backward: bool | Literal["auto"] = "auto"
 
 
@@ -481,7 +481,7 @@ def resolve_vocab(cfg: Config) -> Config:
     size, _ = data_vocab(cfg.data)
     return dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, vocab=padded_vocab(size, max(1, cfg.mesh.tp) * (
-            cfg.mesh.pp if cfg.pipeline.vocab_parallel else 1))))
+            cfg.mesh.pp if cfg.pipeline.vocab_parallel is True else 1))))
 
 
 def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
