@@ -433,7 +433,7 @@ class ParallelPlan:
             raise ConfigError([
                 f"pipeline.vocab_parallel: model {type(model).__name__} does not declare "
                 f"vocab_parallel_head (its head must slice its output layer with "
-                f"collectives.vocab_columns and use vocab_cross_entropy, docs/custom_models.md); "
+                f"collectives.vocab_columns and use vocab_cross_entropy, docs/guides/custom_models.md); "
                 f"set it to false"])
         split = _resolve_stage_layers(cfg, num_layers, schedule, choices, vocab_parallel)
         if m.pp > 1:
