@@ -724,7 +724,8 @@ def _file(pool, row, route: str, arrival):
     return pool.at[row[COL["file_" + route]]].set(arrival)
 
 
-def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict):
+def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict,
+              in_place: bool = True):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
@@ -734,16 +735,21 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     is sent before the action and filed after it -- so every transfer runs under the other
     lane's compute at latency 1.
 
+    `in_place`: the filing switch updates the residual pools in place (XLA:GPU keeps them in
+    place through a conditional); False: it returns what the action made, and a two-way
+    conditional per pool files it (XLA:CPU copies a pool a conditional updates in place).
+
     Returns:
       (grads, loss) accumulated over the step on this device.
     """
-    return _TickLoop(ctx, program, branches, res0).run(pool_sbtd)
+    return _TickLoop(ctx, program, branches, res0, in_place).run(pool_sbtd)
 
 
 class _TickLoop:
     """`run_ticks`'s loop: the per-lane switches, built once, and one tick of each kind."""
 
-    def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict):
+    def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict,
+                 in_place: bool = True):
         self.ctx, self.program = ctx, program
         self.stage = jax.lax.axis_index(PP)
         self.zeros = ctx.zeros_btd
@@ -760,7 +766,8 @@ class _TickLoop:
         for lane in range(program.lanes):
             taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
             self.lanes.append(_lane_switches(ctx, branches, fills, taken,
-                                             any(adds[b] for b in taken)))
+                                             any(adds[b] for b in taken), in_place))
+        self.writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
         self.res0 = res0
 
     def head_phase(self, pool, grads, loss, out, rows, row):
@@ -831,6 +838,10 @@ class _TickLoop:
             if kept:
                 kept, carry, out = jax.lax.switch(branch, switches.filing, inbox, read_only,
                                                   kept, carry, out, row)
+        if kept and not switches.in_place:  # `kept` holds what the action made
+            kept = {name: jax.lax.cond(self.writes[name][branch], _filed, _unfiled, res[name],
+                                       made, row[COL[_POOL_SLOT[name]]])
+                    for name, made in kept.items()}
         res = {**res, **kept}
         grads, loss = carry if switches.grads else (grads, carry[0])
         if tie is None:
@@ -960,16 +971,19 @@ class _LaneSwitches(NamedTuple):
       pools: the residual pools this lane's actions fill (`kept`).
       grads: whether its actions add to the gradients; `carry` is `(grads, loss)` if so,
         `(loss,)` if not.
+      in_place: False: `filing` returns, for `kept`, what the action made (zeros where it
+        fills nothing) instead of the updated pools.
     """
 
     plain: list
     filing: list
     pools: tuple[str, ...]
     grads: bool
+    in_place: bool = True
 
 
 def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, ...]],
-                   taken: set[int], grads: bool) -> _LaneSwitches:
+                   taken: set[int], grads: bool, in_place: bool = True) -> _LaneSwitches:
     """The switches of a lane whose table column takes the branches `taken`.
 
     `branches[b](inbox, slots, grads, loss, row) -> (made, grads, loss, out)` gets and returns
@@ -994,23 +1008,39 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
     def filing(b, fn):
         def run(inbox, read_only, kept, carry, out, row):
+            mine = _slots_of({**read_only, **kept}, row)
             if not filler[b] or b not in taken:
-                return kept, carry, out
-            made, g, loss, out = fn(inbox, _slots_of({**read_only, **kept}, row),
-                                    *unpack(carry), row)
-            kept = {name: _filed(leaves, made[name], row[COL[_POOL_SLOT[name]]])
-                    if fills[name][b] else list(leaves) for name, leaves in kept.items()}
-            return kept, pack(g, loss), out
+                return (kept if in_place else _zeros_like(mine, kept)), carry, out
+            made, g, loss, out = fn(inbox, mine, *unpack(carry), row)
+            if in_place:
+                made = {name: _filed(leaves, made[name], row[COL[_POOL_SLOT[name]]])
+                        if fills[name][b] else list(leaves) for name, leaves in kept.items()}
+            else:
+                made = {name: made[name] if fills[name][b] else
+                        _zeros_like(mine, {name: 0})[name] for name in kept}
+            return made, pack(g, loss), out
         return run
 
     return _LaneSwitches([plain(b, fn) for b, fn in enumerate(branches)],
-                         [filing(b, fn) for b, fn in enumerate(branches)], pools, grads)
+                         [filing(b, fn) for b, fn in enumerate(branches)], pools, grads,
+                         in_place)
+
+
+def _zeros_like(slots: dict, names) -> dict:
+    """Zero slots of the pools `names` (what a branch that fills nothing returns as made)."""
+    return {name: [_like(jnp.zeros_like(v), v) for v in slots[name]] for name in names}
 
 
 def _slots_of(pools: dict, row) -> dict:
     """Each residual pool's slot named by the table row (reads no action uses are dead)."""
     return {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
                    for p in leaves] for name, leaves in pools.items()}
+
+
+def _unfiled(leaves: list, values: list, slot) -> list:
+    """`_filed`'s other side: the pool as it was."""
+    del values, slot
+    return list(leaves)
 
 
 def _filed(leaves: list, values: list, slot) -> list:
@@ -1201,7 +1231,8 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
 
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
-                remat: str = "none", stage_layers=(), split_backward: bool = True):
+                remat: str = "none", stage_layers=(), split_backward: bool = True,
+                in_place: bool = True):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
@@ -1246,7 +1277,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
                     action_branch(ctx, b.kind, b.role) for b in program.branches]
     branches = [idle_branch(ctx)] + branches
-    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools)
+    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools, in_place)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
 
@@ -1277,7 +1308,8 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
                    overlap=plan.overlap, axis_sizes=dict(mesh.shape),
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
                    remat=plan.remat, stage_layers=plan.stage_layers,
-                   split_backward=plan.split_backward)
+                   split_backward=plan.split_backward,
+                   in_place=bool(plan.target is not None and plan.target.accelerator))
     batch_spec = data_spec(dict(mesh.shape))
     mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
                                  {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode,
