@@ -108,6 +108,18 @@ def build_facts(cfg) -> dict[str, int]:
             "moe_chunks": cfg.overlap.moe_chunks}
 
 
+# A mixture-of-experts block's statistics leaf (`models/moe.py`, `training/moe_stats.py`): a
+# zero parameter of this length per MoE layer whose "gradient" carries tokens per expert,
+# dropped assignments and the router loss. The Hugging Face layouts store no tensor for it.
+MOE_STATS = "moe_stats"
+
+
+def moe_stats_len(experts: int) -> int:
+    """Length of a `moe_stats` leaf: E + 2 entries, padded to a multiple of 128 so FSDP can
+    split it over any power-of-two dp up to 128 (it replicates leaves it cannot split)."""
+    return -(-(experts + 2) // 128) * 128
+
+
 def pipeline_units(cfg) -> int:
     """How many pieces the pipeline cuts the model into: mesh.pp x the virtual stages per
     device (two under zb-v), one without a pipeline. ResNet groups its residual blocks into

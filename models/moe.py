@@ -40,12 +40,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_overlap.model_api import MOE_STATS, moe_stats_len
 from jax_overlap.parallel.collectives import Parallel, psum_tp
 from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP
 from models.llama import Block, Llama, RMSNorm, Rope, _normal
 
-STATS = "moe_stats"
+STATS = MOE_STATS
+stats_len = moe_stats_len
 
 
 @dataclass(frozen=True)
@@ -168,12 +170,6 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
         # (E/ep, ep n, D) -> (E, n, D) over the ep group
         outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=groups))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-
-
-def stats_len(experts: int) -> int:
-    """Length of the `moe_stats` leaf: E + 2 entries, padded to a multiple of 128 so FSDP
-    can split it over any power-of-two dp up to 128 (it replicates leaves it cannot split)."""
-    return -(-(experts + 2) // 128) * 128
 
 
 # The side channel: identity on x, router-loss gradient and statistics in the backward ------

@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-STATS = "moe_stats"
+from jax_overlap.model_api import MOE_STATS
+
+STATS = MOE_STATS
 
 
 def take(grads: Any, experts: int) -> tuple[Any, dict]:
