@@ -115,9 +115,9 @@ MOE_STATS = "moe_stats"
 
 
 def moe_stats_len(experts: int) -> int:
-    """Length of a `moe_stats` leaf: E + 2 entries, padded to a multiple of 128 so FSDP can
-    split it over any power-of-two dp up to 128 (it replicates leaves it cannot split)."""
-    return -(-(experts + 2) // 128) * 128
+    """Length of a `moe_stats` leaf: tokens per expert (E), dropped assignments, router loss.
+    (FSDP stores a leaf no dp divides whole and sums its gradient like a replicated one's.)"""
+    return experts + 2
 
 
 def pipeline_units(cfg) -> int:

@@ -20,7 +20,7 @@ They are not in the reported `loss`: like Megatron's aux-loss scaler, the block 
 gradient in its backward (`_side_channel`), scaled to the step's global token mean, so no
 extra value has to cross the pipeline.
 
-Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2 padded) that its forward never
+Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2) that its forward never
 reads; its "gradient" is this microbatch's tokens per expert, dropped assignments and router
 loss. The step sums it over microbatches and devices like any gradient, takes it out before
 the optimizer (`jax_overlap.training.moe_stats`) and reports it.
@@ -259,8 +259,7 @@ class MoeBlock(Block):
         self.sow("intermediates", "router_loss_sum", aux_sum)  # tests differentiate it
         dropped = (~keep_bn).sum().astype(jnp.float32)
         stats = jax.lax.stop_gradient(jnp.concatenate(
-            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None],
-             jnp.zeros(stats_len(e) - e - 2)]))
+            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None]]))
         return _side_channel(out_btd, aux_sum, sink, stats,
                              (spec.loss_scale, par.tp_axis, par.tp))
 
