@@ -103,9 +103,9 @@ def build_model(cfg) -> StagedModel:
 def build_facts(cfg) -> dict[str, int]:
     """What a builder may ask for by name: `tp`, the tensor-parallel degree its layout is
     built for (Llama's kv-head split), `pipeline_units`, and for a mixture of experts `ep`
-    (experts split over groups of ep dp ranks) and `moe_chunks` (`overlap.moe_chunks`)."""
-    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep,
-            "moe_chunks": cfg.overlap.moe_chunks}
+    (experts split over groups of ep dp ranks; the plan's `overlap.moe_chunks` reaches the
+    blocks as `Parallel.moe_chunks`)."""
+    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep}
 
 
 # A mixture-of-experts block's statistics leaf (`models/moe.py`, `training/moe_stats.py`): a

@@ -63,10 +63,9 @@ class MoeSpec:
     # Gradient of the summed router losses: 1 / (global tokens x MoE layers), the step's
     # mean (its loss is the sum over the global batch's tokens / their count).
     loss_scale: float = 1.0
-    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts; tokens are
-    # sent in `chunks` pieces (each chunk's all-to-all can run under the previous one's GEMMs).
+    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts (the tokens
+    # travel in `Parallel.moe_chunks` pieces, the plan's `overlap.moe_chunks`).
     ep: int = 1
-    chunks: int = 1
 
     def capacity_for(self, t: int) -> int:
         """Slots per expert per sequence of `t` tokens."""
@@ -140,7 +139,7 @@ def swiglu_experts(x_ecd, w_gu_ed2f, w_down_efd, dt):
     return jnp.einsum("ecf,efd->ecd", h_ecf, w_down_efd.astype(dt))
 
 
-def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
+def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int = 1):
     """The experts' SwiGLU on their tokens, the experts split over groups of `spec.ep` dp
     ranks (inside the step's shard_map).
 
@@ -158,7 +157,7 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
     w_gu = jax.lax.dynamic_slice_in_dim(w_gu_ed2f, first, e_local, axis=0)
     w_down = jax.lax.dynamic_slice_in_dim(w_down_efd, first, e_local, axis=0)
     n = x_end.shape[1]
-    bounds = [round(i * n / spec.chunks) for i in range(spec.chunks + 1)]
+    bounds = [round(i * n / chunks) for i in range(chunks + 1)]
     outs = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
@@ -237,7 +236,7 @@ class MoeBlock(Block):
         expert_bn, slot_bn, gate_bn, keep_bn, probs_bte = route(logits_bte, spec, capacity)
         x_end = dispatch(y_btd.astype(dt), expert_bn, slot_bn, spec, capacity)
         if par.active and spec.ep > 1:
-            out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt)
+            out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt, par.moe_chunks)
         else:
             out_end = swiglu_experts(x_end, w_gu_ed2f, w_down_efd, dt)
         out_btd = combine(out_end, expert_bn, slot_bn, gate_bn, spec, b, t, capacity)
@@ -306,15 +305,15 @@ class MoeLlama(Llama):
     moe_every: int = 1
 
     @classmethod
-    def from_config(cls, cfg, tp: int = 1, ep: int = 1, chunks: int = 1) -> "MoeLlama":
+    def from_config(cls, cfg, tp: int = 1, ep: int = 1) -> "MoeLlama":
         """From the config's `model` and `train.global_batch` (the router losses' mean);
-        `tp`, `ep` and `chunks` (`overlap.moe_chunks`) as `model_api.build_facts` gives them."""
+        `tp` and `ep` as `model_api.build_facts` gives them."""
         m = cfg.model
         base = Llama.from_config(m, tp=tp)
         units = m.layers // m.moe_every
         tokens = cfg.train.global_batch * m.seq_len
         spec = MoeSpec(m.experts, m.experts_per_token, m.expert_capacity, m.shared_experts,
-                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units), ep, chunks)
+                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units), ep)
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         fields["num_layers"] = units
         return cls(**fields, moe=spec, moe_every=m.moe_every)
