@@ -31,7 +31,7 @@ flight for the whole tick's `conditional`: its GEMMs run while the activations t
 tables are generated for that latency (a consumer on another stage runs two ticks after its
 producer), which lengthens the ramp. Both rings' permutes are then in flight at once, which
 needs the `gpu_overlap` preset's parallel-collective limit of 2. What XLA's GPU scheduler
-did with this loop, per jaxlib version: `docs/xla_notes.md`.
+did with this loop, per jaxlib version: `docs/design/xla_notes.md`.
 
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
 *input*; it stays in its slot until the last backward action of that (microbatch, chunk) (B,
