@@ -73,6 +73,9 @@ def check(key, dp, tp, pp=1, extra=()):
         hlo = jax.jit(steplib.make_loss_and_grads(model, plan, mesh)).lower(
             staged, steplib.put_batch(batch, mesh)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
+        if pp == 1 and "overlap.param_sharding=fsdp" not in extra:
+            # one scanned unit: per chunk a dispatch and a combine, forward and backward
+            assert hlo.count("all_to_all") == 4 * plan.parallel().moe_chunks
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     # The statistics "gradient": tokens per expert and dropped assignments are counts, equal
     # on every mesh (the same tokens drop), and the router losses' value.
