@@ -46,6 +46,7 @@ def test_gpu_recipe_plans_for_its_gpus(path):
     assert (plan.dp, plan.pp, plan.tp, plan.dcn) == (dp, pp, tp, dcn)
     assert plan.num_devices == (16 if shape == "2hosts" else 8)
     assert cfg.train.precision == "bf16"
+    assert cfg.checkpoint.every_steps > 0 and cfg.checkpoint.async_save  # resumable
     assert fits_memory(plan.memory_estimate, plan.target), (
         f"{_name(path)}: estimated {plan.memory_estimate / 1e9:.1f} GB per GPU does not fit")
     if shape == "fsdp8":
