@@ -200,7 +200,8 @@ class OverlapConfig:
     zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
     # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
     # so chunk i's all-to-all can run under chunk i-1's expert GEMMs (models/moe.py).
-    moe_chunks: int = 1
+    # auto: 4 on a GPU with ep > 1, else 1.
+    moe_chunks: int | Literal["auto"] = "auto"
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves dp gradient traffic
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
     # sequence per microbatch under remat full, replicated otherwise.

@@ -319,7 +319,7 @@ def _check_llama(mo: ModelConfig, tp: int, p: list[str]) -> None:
 def _check_moe(cfg: Config, p: list[str]) -> None:
     """model.experts and the keys that go with it (models/moe.py)."""
     mo, m = cfg.model, cfg.mesh
-    if cfg.overlap.moe_chunks < 1:
+    if cfg.overlap.moe_chunks != "auto" and cfg.overlap.moe_chunks < 1:
         p.append(f"overlap.moe_chunks: must be >= 1, got {cfg.overlap.moe_chunks}")
     if mo.experts == 0:
         if m.ep > 1:

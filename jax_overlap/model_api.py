@@ -103,9 +103,21 @@ def build_model(cfg) -> StagedModel:
 def build_facts(cfg) -> dict[str, int]:
     """What a builder may ask for by name: `tp`, the tensor-parallel degree its layout is
     built for (Llama's kv-head split), `pipeline_units`, and for a mixture of experts `ep`
-    (experts split over groups of ep dp ranks) and `moe_chunks` (`overlap.moe_chunks`)."""
-    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep,
-            "moe_chunks": cfg.overlap.moe_chunks}
+    (experts split over groups of ep dp ranks; the plan's `overlap.moe_chunks` reaches the
+    blocks as `Parallel.moe_chunks`)."""
+    return {"tp": cfg.mesh.tp, "pipeline_units": pipeline_units(cfg), "ep": cfg.mesh.ep}
+
+
+# A mixture-of-experts block's statistics leaf (`models/moe.py`, `training/moe_stats.py`): a
+# zero parameter of this length per MoE layer whose "gradient" carries tokens per expert,
+# dropped assignments and the router loss. The Hugging Face layouts store no tensor for it.
+MOE_STATS = "moe_stats"
+
+
+def moe_stats_len(experts: int) -> int:
+    """Length of a `moe_stats` leaf: tokens per expert (E), dropped assignments, router loss.
+    (FSDP stores a leaf no dp divides whole and sums its gradient like a replicated one's.)"""
+    return experts + 2
 
 
 def pipeline_units(cfg) -> int:

@@ -114,6 +114,8 @@ class OverlapPlan:
       dcn_comm_dtype: "fp32" or "bf16", what the gradient bytes crossing dcn travel in.
       dcn_delay_mode: "gradient" (the reduced gradient one step late) or "local" (each
         group's own update at once, the mean of the groups' updates one step late).
+      moe_chunks: expert parallelism's all-to-alls per MoE layer and direction (the tokens
+        in that many chunks, each one's all-to-all under another's expert GEMMs).
     """
 
     grad_bucket_bytes: int = 0
@@ -131,6 +133,7 @@ class OverlapPlan:
     dcn_delay_compensation: float = 0.0
     dcn_comm_dtype: str = "fp32"
     dcn_delay_mode: str = "local"
+    moe_chunks: int = 1
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -308,7 +311,8 @@ class ParallelPlan:
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
                         cm_grouped=self.overlap.cm_grouped,
-                        explicit_wgrad=not self.pipelined, attention=self.attention)
+                        explicit_wgrad=not self.pipelined, attention=self.attention,
+                        moe_chunks=self.overlap.moe_chunks)
 
     def compiler_options(self, environ=None) -> dict[str, str]:
         """Per-compile XLA options of the train step (`jax.jit(..., compiler_options=)`).
@@ -414,6 +418,7 @@ class ParallelPlan:
             dcn_delay_compensation=ov.dcn_delay_compensation,
             dcn_comm_dtype="fp32" if ov.dcn_comm_dtype == "auto" else ov.dcn_comm_dtype,
             dcn_delay_mode=ov.dcn_delay_mode,
+            moe_chunks=_resolve_moe_chunks(cfg, target, choices),
         )
         microbatches, remat = _resolve_microbatches(cfg, target, overlap, choices, attention)
         try:
@@ -553,6 +558,27 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             direction, why = "uni", "no collective matmul"
         choices["overlap.collective_matmul_direction"] = Choice(direction, why)
     return tp_comm, direction
+
+
+def _resolve_moe_chunks(cfg, target, choices) -> int:
+    """`overlap.moe_chunks`: `auto` is 4 on a GPU with expert parallelism, else 1 (a dense
+    model's plan records no choice)."""
+    chunks = cfg.overlap.moe_chunks
+    if chunks != "auto":
+        return chunks
+    if not cfg.model.experts:
+        return 1
+    if cfg.mesh.ep == 1:
+        chunks, why = 1, "no expert parallelism (mesh.ep = 1): no all-to-all to hide"
+    elif not target.accelerator:
+        chunks, why = 1, "CPU: collectives run synchronously, chunks would only add work"
+    else:
+        chunks, why = 4, (
+            "each chunk's all-to-all runs under another's expert GEMMs (Mixtral-8x7B shape, "
+            "2 layers, deviceless 8 x H100: all-to-all bytes under GEMMs 0.33 -> 0.75 at "
+            "ep8, 0.50 -> 0.88 at ep4 x tp2 against 1 chunk, estimated step within 1.5%)")
+    choices["overlap.moe_chunks"] = Choice(chunks, why)
+    return chunks
 
 
 # What `overlap.grad_bucket_mb: auto` picks on a GPU: the `gpu_overlap` preset's combine

@@ -20,7 +20,7 @@ They are not in the reported `loss`: like Megatron's aux-loss scaler, the block 
 gradient in its backward (`_side_channel`), scaled to the step's global token mean, so no
 extra value has to cross the pipeline.
 
-Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2 padded) that its forward never
+Metrics: every MoE block holds a zero parameter `moe_stats` (E + 2) that its forward never
 reads; its "gradient" is this microbatch's tokens per expert, dropped assignments and router
 loss. The step sums it over microbatches and devices like any gradient, takes it out before
 the optimizer (`jax_overlap.training.moe_stats`) and reports it.
@@ -40,12 +40,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_overlap.model_api import MOE_STATS, moe_stats_len
 from jax_overlap.parallel.collectives import Parallel, psum_tp
 from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP
 from models.llama import Block, Llama, RMSNorm, Rope, _normal
 
-STATS = "moe_stats"
+STATS = MOE_STATS
+stats_len = moe_stats_len
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,9 @@ class MoeSpec:
     # Gradient of the summed router losses: 1 / (global tokens x MoE layers), the step's
     # mean (its loss is the sum over the global batch's tokens / their count).
     loss_scale: float = 1.0
-    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts; tokens are
-    # sent in `chunks` pieces (each chunk's all-to-all can run under the previous one's GEMMs).
+    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts (the tokens
+    # travel in `Parallel.moe_chunks` pieces, the plan's `overlap.moe_chunks`).
     ep: int = 1
-    chunks: int = 1
 
     def capacity_for(self, t: int) -> int:
         """Slots per expert per sequence of `t` tokens."""
@@ -138,7 +139,7 @@ def swiglu_experts(x_ecd, w_gu_ed2f, w_down_efd, dt):
     return jnp.einsum("ecf,efd->ecd", h_ecf, w_down_efd.astype(dt))
 
 
-def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
+def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int = 1):
     """The experts' SwiGLU on their tokens, the experts split over groups of `spec.ep` dp
     ranks (inside the step's shard_map).
 
@@ -156,7 +157,7 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
     w_gu = jax.lax.dynamic_slice_in_dim(w_gu_ed2f, first, e_local, axis=0)
     w_down = jax.lax.dynamic_slice_in_dim(w_down_efd, first, e_local, axis=0)
     n = x_end.shape[1]
-    bounds = [round(i * n / spec.chunks) for i in range(spec.chunks + 1)]
+    bounds = [round(i * n / chunks) for i in range(chunks + 1)]
     outs = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
@@ -168,12 +169,6 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt):
         # (E/ep, ep n, D) -> (E, n, D) over the ep group
         outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=groups))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-
-
-def stats_len(experts: int) -> int:
-    """Length of the `moe_stats` leaf: E + 2 entries, padded to a multiple of 128 so FSDP
-    can split it over any power-of-two dp up to 128 (it replicates leaves it cannot split)."""
-    return -(-(experts + 2) // 128) * 128
 
 
 # The side channel: identity on x, router-loss gradient and statistics in the backward ------
@@ -241,7 +236,7 @@ class MoeBlock(Block):
         expert_bn, slot_bn, gate_bn, keep_bn, probs_bte = route(logits_bte, spec, capacity)
         x_end = dispatch(y_btd.astype(dt), expert_bn, slot_bn, spec, capacity)
         if par.active and spec.ep > 1:
-            out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt)
+            out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt, par.moe_chunks)
         else:
             out_end = swiglu_experts(x_end, w_gu_ed2f, w_down_efd, dt)
         out_btd = combine(out_end, expert_bn, slot_bn, gate_bn, spec, b, t, capacity)
@@ -263,8 +258,7 @@ class MoeBlock(Block):
         self.sow("intermediates", "router_loss_sum", aux_sum)  # tests differentiate it
         dropped = (~keep_bn).sum().astype(jnp.float32)
         stats = jax.lax.stop_gradient(jnp.concatenate(
-            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None],
-             jnp.zeros(stats_len(e) - e - 2)]))
+            [tokens_e, dropped[None], (aux_sum * spec.loss_scale)[None]]))
         return _side_channel(out_btd, aux_sum, sink, stats,
                              (spec.loss_scale, par.tp_axis, par.tp))
 
@@ -311,15 +305,15 @@ class MoeLlama(Llama):
     moe_every: int = 1
 
     @classmethod
-    def from_config(cls, cfg, tp: int = 1, ep: int = 1, chunks: int = 1) -> "MoeLlama":
+    def from_config(cls, cfg, tp: int = 1, ep: int = 1) -> "MoeLlama":
         """From the config's `model` and `train.global_batch` (the router losses' mean);
-        `tp`, `ep` and `chunks` (`overlap.moe_chunks`) as `model_api.build_facts` gives them."""
+        `tp` and `ep` as `model_api.build_facts` gives them."""
         m = cfg.model
         base = Llama.from_config(m, tp=tp)
         units = m.layers // m.moe_every
         tokens = cfg.train.global_batch * m.seq_len
         spec = MoeSpec(m.experts, m.experts_per_token, m.expert_capacity, m.shared_experts,
-                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units), ep, chunks)
+                       m.router_aux_loss, m.router_z_loss, 1.0 / (tokens * units), ep)
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
         fields["num_layers"] = units
         return cls(**fields, moe=spec, moe_every=m.moe_every)

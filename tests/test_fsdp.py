@@ -33,6 +33,34 @@ def test_block_layout_splits_every_block_leaf_over_dp():
     assert layout.fsdp.gathered_bytes == 4 * (768 + 24 + 256 + 32 + 512 + 16 + 512 + 32 + 128)
 
 
+def test_a_leaf_no_dp_divides_is_stored_whole_and_its_gradient_leaves_unreduced():
+    """A block leaf with no dim divisible by dp stays whole (replicated over dp);
+    `reduce_scatter_layer` hands its gradient back as this device's, dp-varying, for the
+    step to sum like any replicated parameter's (a psum there would be typed dp-varying and
+    no replicated out spec would take it)."""
+    from jax_overlap.overlap import fsdp
+
+    blocks = {"w": jax.ShapeDtypeStruct((2, 8, 4), np.float32),
+              "odd": jax.ShapeDtypeStruct((2, 6), np.float32)}
+    layout, specs = fsdp.block_layout(blocks, {"w": P(None, None, None), "odd": P(None, None)},
+                                      {"dp": 4}, "dp")
+    assert specs == {"w": P(None, "dp", None), "odd": P(None, None)}
+    assert layout.replicated == {0}  # leaves in tree order: odd, w
+    mesh = jax.make_mesh((4,), ("dp",), devices=jax.devices()[:4])
+
+    def per_device(w, odd):  # one layer's full gradients on each device: (8, 4), (6,)
+        g_odd, g_w = fsdp.reduce_scatter_layer([odd[0], w], layout, "dp", 4, "fp32")
+        return g_w, g_odd[None]
+
+    odd = np.arange(24, dtype=np.float32).reshape(4, 6)  # a different gradient per device
+    w = np.ones((4 * 8, 4), np.float32)
+    put = [jax.device_put(a, jax.NamedSharding(mesh, P("dp"))) for a in (w, odd)]
+    g_w, g_odd = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("dp"), P("dp")),
+                                       out_specs=(P("dp"), P("dp"))))(*put)
+    np.testing.assert_array_equal(g_odd, odd)  # untouched: the step sums it
+    np.testing.assert_array_equal(g_w, np.full((4 * 2, 4), 4.0))  # summed, each rank's 2 rows
+
+
 @pytest.fixture(scope="module")
 def reference():
     return gpt_reference()

@@ -26,11 +26,19 @@ MODELS = {
     "llama-gqa": ["model.kind=llama", "model.heads=4", "model.kv_heads=2",
                   "model.rope_scaling=llama3", "model.rope_original_max_len=4"],
     "llama-mqa": ["model.kind=llama", "model.heads=4", "model.kv_heads=1"],
+    # one unit of a dense layer then an MoE layer (the unit caches both layers' kv heads), 4
+    # experts top-2, a shared expert, dropless (decoding one token at a time then routes as
+    # the full forward does)
+    "moe": ["model.kind=llama", "model.heads=4", "model.kv_heads=2", "model.experts=4",
+            "model.experts_per_token=2", "model.shared_experts=1", "model.moe_every=2",
+            "model.expert_capacity=dropless"],
 }
 
 
 def tiny(kind, mesh=(1, 1)):
-    cfg = config.load(None, [*MODELS[kind], *SHAPE, f"mesh.dp={mesh[0]}", f"mesh.tp={mesh[1]}"])
+    ep = [f"mesh.ep={mesh[0]}"] if kind == "moe" else []  # experts split over the dp ranks
+    cfg = config.load(None, [*MODELS[kind], *SHAPE, f"mesh.dp={mesh[0]}", f"mesh.tp={mesh[1]}",
+                             *ep])
     model = build_model(cfg)
     # Norm scales away from 1 and biases away from 0, so every parameter is exercised.
     params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(7), p.shape),
@@ -49,7 +57,7 @@ def ids(batch=2, t=16, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (batch, t)).astype(np.int32)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama-gqa"])
+@pytest.mark.parametrize("kind", ["gpt", "llama-gqa", "moe"])
 def test_cache_decode_gives_the_full_forward_logits(kind):
     """Prefill 5 tokens, then 2, then one at a time to the end of the context: every
     position's logits equal the full forward's over the same 16 tokens (fp32)."""
@@ -94,7 +102,8 @@ def test_greedy_generation_is_the_full_forwards_argmax():
     assert np.array_equal(got, seq[:, 4:12])
 
 
-@pytest.mark.parametrize("kind", [pytest.param("gpt", marks=pytest.mark.slow), "llama-mqa"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt", marks=pytest.mark.slow), "llama-mqa",
+                                  pytest.param("moe", marks=pytest.mark.slow)])
 def test_dp_tp_mesh_generates_what_one_device_does(kind):
     """On dp=2 x tp=2 (llama-mqa: one kv head, replicated over tp) the parameters and the
     cache are sharded; greedy and seeded top-k samples are the single device's."""
@@ -114,7 +123,8 @@ def test_dp_tp_mesh_generates_what_one_device_does(kind):
             fn = generate.make_generate(model, plan, mesh, 4, 3, 10, temperature, top_k)
             out[mesh_shape, temperature] = np.asarray(fn(placed, prompt_bt, jax.random.key(3)))
         if mesh_shape == (2, 2):
-            assert len(placed["blocks"]["w_o"].sharding.device_set) == 4
+            blocks = placed["blocks"]["moe"] if kind == "moe" else placed["blocks"]
+            assert len(blocks["w_o"].sharding.device_set) == 4
     assert np.array_equal(out[(1, 1), 0.0], out[(2, 2), 0.0])
     assert np.array_equal(out[(1, 1), 1.0], out[(2, 2), 1.0])
     assert not np.array_equal(out[(1, 1), 0.0], out[(1, 1), 1.0])

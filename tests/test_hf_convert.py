@@ -16,8 +16,9 @@ from jax_overlap.hf import convert, layouts, safetensors_io
 from jax_overlap.model_api import build_model
 
 LLAMA = ["model.kind=llama", "model.heads=4", "model.kv_heads=2", "model.tied_embeddings=false"]
+MIXTRAL = [*LLAMA, "model.experts=4", "model.experts_per_token=2", "model.router_aux_loss=0.02"]
 MODELS = {"llama": LLAMA, "llama-tied": ["model.kind=llama", "model.tied_embeddings=true"],
-          "gpt2": ["model.kind=gpt"]}
+          "gpt2": ["model.kind=gpt"], "mixtral": MIXTRAL}
 
 
 def model_and_params(over):
@@ -39,6 +40,19 @@ def test_names_shapes_and_exact_round_trip(name):
         assert "lm_head.weight" not in tensors
     if name == "gpt2":
         assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    if name == "mixtral":  # router (E, D); expert 3 of layer 1: w1, w3 (F, D), w2 (D, F)
+        moe = params["blocks"]["moe"]
+        p = "model.layers.1.block_sparse_moe."
+        np.testing.assert_array_equal(tensors[p + "gate.weight"], moe["w_router"][1].T)
+        np.testing.assert_array_equal(tensors[p + "experts.3.w1.weight"],
+                                      moe["w_experts_gate_up"][1, 3, :, 0].T)
+        np.testing.assert_array_equal(tensors[p + "experts.3.w3.weight"],
+                                      moe["w_experts_gate_up"][1, 3, :, 1].T)
+        np.testing.assert_array_equal(tensors[p + "experts.3.w2.weight"],
+                                      moe["w_experts_down"][1, 3].T)
+        assert len(tensors) == 3 + 2 * (6 + 1 + 3 * 4)  # embed, norm, head; per layer: norms,
+        # q k v o, router, 3 per expert
+        assert not any("mlp." in n or "moe_stats" in n for n in tensors)
     back = layouts.params_from_hf(cfg.model, tensors)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back),
@@ -54,6 +68,26 @@ def test_config_json_round_trips():
         if "kv_heads" in want:
             want["kv_heads"] = cfg.model.kv_heads or cfg.model.heads  # 0 means = heads
         assert fields == want
+
+
+def test_mixtral_config_json_fields():
+    cfg, _ = model_and_params(MIXTRAL)
+    hf = layouts.hf_config(cfg.model)
+    assert hf["architectures"] == ["MixtralForCausalLM"] and hf["model_type"] == "mixtral"
+    assert (hf["num_local_experts"], hf["num_experts_per_tok"]) == (4, 2)
+    assert hf["router_aux_loss_coef"] == 0.02 and hf["sliding_window"] is None
+    fields = layouts.model_fields_from_hf({**hf, "head_dim": None})  # as transformers v5 saves
+    assert fields["expert_capacity"] == "dropless" and fields["moe_every"] == 1
+
+
+@pytest.mark.parametrize("over,message", [
+    (["model.moe_every=2"], "export needs moe_every=1 and shared_experts=0"),
+    (["model.shared_experts=1"], "export needs moe_every=1 and shared_experts=0")])
+def test_mixtral_export_refuses_what_mixtral_cannot_hold(tmp_path, over, message):
+    cfg, params = model_and_params([*MIXTRAL, *over])
+    with pytest.raises(config.ConfigError, match=message):
+        convert.export_params(cfg.model, params, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")  # nothing written
 
 
 def test_sharded_index_and_bf16_round_trip(tmp_path):
@@ -123,18 +157,58 @@ def wrong_shape(c):
     return {**c, "intermediate_size": 80}
 
 
+def write_mixtral(tmp_path, hf_cfg=None, tensors=None):
+    cfg, params = model_and_params(MIXTRAL)
+    out = tmp_path / "hf"
+    convert.export_params(cfg.model, params, str(out))
+    if hf_cfg is not None:
+        json.dump(hf_cfg(json.load(open(out / "config.json"))), open(out / "config.json", "w"))
+    if tensors is not None:
+        t = tensors(safetensors_io.read_tensors(str(out)))
+        os.remove(out / safetensors_io.SINGLE)
+        safetensors_io.write_tensors(str(out), t)
+    return str(out)
+
+
+def sliding(c):
+    return {**c, "sliding_window": 8}
+
+
+def drop_expert(t):
+    return {n: a for n, a in t.items() if ".experts.2." not in n}
+
+
+def more_experts(c):
+    return {**c, "num_local_experts": 5}
+
+
 @pytest.mark.parametrize("edit,message", [
     (dict(hf_cfg=bad_arch), "unknown architecture 'bert'"),
     (dict(tensors=drop_k), "missing tensors model.layers.0.self_attn.k_proj.weight"),
     (dict(hf_cfg=wrong_shape), "tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32]"),
+    (dict(hf_cfg=sliding, write=write_mixtral), "sliding_window 8 < max_position_embeddings 16"),
 ])
 def test_bad_hf_input_is_one_line(tmp_path, edit, message):
-    src = write_hf(tmp_path, **edit)
+    write = edit.pop("write", write_hf)
+    src = write(tmp_path, **edit)
     proc = run_cli("convert", "--from-hf", src, "--out", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(tensors=drop_expert), "missing tensors model.layers.0.block_sparse_moe.experts.2.w1"),
+    (dict(hf_cfg=more_experts), "missing tensors model.layers.0.block_sparse_moe.experts.4.w1"),
+    (dict(hf_cfg=wrong_shape), "tensor model.layers.0.block_sparse_moe.experts.0.w1.weight has "
+                               "shape [64, 32] but config.json implies [80, 32]")],
+    ids=["missing-expert", "experts", "d_ff"])
+def test_bad_mixtral_weights_are_one_line(tmp_path, edit, message):
+    src = write_mixtral(tmp_path, **edit)
+    with pytest.raises(config.ConfigError) as e:
+        convert.load_hf_params(src, convert.hf_run_config(src).model)
+    assert len(e.value.problems) == 1 and message in e.value.problems[0]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Against transformers (`make test-hf`; needs the `[hf]` extra: torch, transformers).
 
-Tiny random `LlamaForCausalLM` (grouped-query attention, Llama-3.1 RoPE scaling) and
-`GPT2LMHeadModel` are built here, no download. Import: HF weights -> jax_overlap, logits
+Tiny random `LlamaForCausalLM` (grouped-query attention, Llama-3.1 RoPE scaling),
+`MixtralForCausalLM` (4 experts, top-2) and `GPT2LMHeadModel` are built here, no download. Import: HF weights -> jax_overlap, logits
 compared in fp32. Export: jax_overlap weights -> `from_pretrained`, logits compared. Config:
 written config.json -> transformers -> read back gives the same model fields. Generate:
 greedy `jax-overlap generate` on a `convert --to-hf` export = transformers' `generate`.
@@ -43,6 +43,24 @@ def llama_hf(tied=False):
     return model.eval()
 
 
+def mixtral_hf():
+    """4 experts, top-2, grouped-query attention; the router spread out so that its top-2
+    choices are not near ties (a near tie could flip between fp32 implementations)."""
+    cfg = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=32, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("gate.weight"):
+                p.mul_(20.0)
+    return model.eval()
+
+
 def gpt2_hf():
     cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
                                   n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -76,8 +94,8 @@ def ids(seq_len=32, batch=2):
     return np.random.default_rng(0).integers(0, 256, (batch, seq_len)).astype(np.int32)
 
 
-@pytest.mark.parametrize("make", [llama_hf, lambda: llama_hf(tied=True), gpt2_hf],
-                         ids=["llama-gqa", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("make", [llama_hf, lambda: llama_hf(tied=True), gpt2_hf, mixtral_hf],
+                         ids=["llama-gqa", "llama-tied", "gpt2", "mixtral"])
 def test_import_matches_transformers_logits(tmp_path, make):
     hf_model = make()
     hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -92,13 +110,17 @@ def test_import_matches_transformers_logits(tmp_path, make):
 @pytest.mark.parametrize("over", [
     ["model.kind=llama", "model.heads=8", "model.kv_heads=2", "model.d_model=64",
      "model.rope_scaling=llama3", "model.rope_original_max_len=8", "model.rope_theta=5e5"],
-    ["model.kind=gpt", "model.d_model=64"]], ids=["llama-gqa", "gpt2"])
+    ["model.kind=gpt", "model.d_model=64"],
+    ["model.kind=llama", "model.heads=8", "model.kv_heads=2", "model.d_model=64",
+     "model.experts=4", "model.experts_per_token=2"]], ids=["llama-gqa", "gpt2", "mixtral"])
 @pytest.mark.parametrize("shard_mb", [0.0, 0.05])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, over, shard_mb):
     cfg = config.load(None, [*over, "model.layers=2", "model.seq_len=32", "model.d_ff=96",
                              "model.vocab=256"])
     model = build_model(cfg)
-    params = jax.tree.map(np.asarray, model.init(jax.random.key(1)))
+    params = jax.tree.map(np.array, model.init(jax.random.key(1)))
+    if cfg.model.experts:  # a router far from uniform: no near-tied top-2 choices
+        params["blocks"]["moe"]["w_router"] *= 20.0
     out = tmp_path / "export"
     files = convert.export_params(cfg.model, params, str(out), "fp32", int(shard_mb * 2**20))
     assert (len(files) > 1) == (shard_mb > 0)
@@ -163,6 +185,8 @@ GEN_MODELS = {
     "llama-gqa": ["model.kind=llama", "model.heads=4", "model.kv_heads=2",
                   "model.tied_embeddings=false"],
     "gpt2": ["model.kind=gpt"],
+    "mixtral": ["model.kind=llama", "model.heads=4", "model.kv_heads=2",
+                "model.tied_embeddings=false", "model.experts=4", "model.experts_per_token=2"],
 }
 
 

@@ -182,7 +182,8 @@ def test_report_json_has_the_documented_keys(cpu_mixed_text):
                 "exposed_comm_s_estimate", "target", "synchronous_only", "note"):
         assert key in data
     assert data["collectives"]["all-gather"] == {
-        "count": OUTER, "bytes": OUTER * 4 * BLOCK_BYTES, "async_bytes": 0}
+        "count": OUTER, "bytes": OUTER * 4 * BLOCK_BYTES, "async_bytes": 0,
+        "under_gemm_bytes": 0}
     # Synchronous collectives are fully exposed.
     assert data["exposed_comm_s_estimate"] == pytest.approx(data["total_comm_s_estimate"])
     assert data["exposed_comm_s_estimate"] > 0
@@ -273,6 +274,8 @@ def test_old_style_async_wrapper_and_cublas_gemm():
     assert reduce.gemm_flops_between == gemm_flops
     assert report.async_fraction == 1.0
     assert report.collective_bytes_under_gemm_fraction == 1.0
+    assert report.collectives["all-gather"].under_gemm_bytes == 64 * 64 * 2
+    assert report.collectives["all-reduce"].under_gemm_bytes == 1024 * 4
     hidden = gemm_flops / chip.peak_bf16_flops
     expected = (0.75 * 8192 / 1e9 - hidden) + (1.0 * 4096 / 1e9 - hidden)
     assert report.exposed_comm_s_estimate == pytest.approx(expected)

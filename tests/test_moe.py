@@ -3,9 +3,11 @@ losses' gradients, the statistics the step reports, and the single-device loss a
 on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mesh.
 
 Default run: two tiny meshes with drops, shared experts and dense layers between the MoE
-ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP). `make test-slow`:
+ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP over dp4, which stores
+the statistics leaf whole). `make test-slow`:
 pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
-remat, dropless, and configs/moe_tiny.yaml learning with balanced experts.
+remat, dropless, configs/moe_tiny.yaml learning with balanced experts, and a checkpoint
+saved with ep2 + FSDP resuming with ep1.
 """
 
 import jax
@@ -71,6 +73,9 @@ def check(key, dp, tp, pp=1, extra=()):
         hlo = jax.jit(steplib.make_loss_and_grads(model, plan, mesh)).lower(
             staged, steplib.put_batch(batch, mesh)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
+        if pp == 1 and "overlap.param_sharding=fsdp" not in extra:
+            # one scanned unit: per chunk a dispatch and a combine, forward and backward
+            assert hlo.count("all_to_all") == 4 * plan.parallel().moe_chunks
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     # The statistics "gradient": tokens per expert and dropped assignments are counts, equal
     # on every mesh (the same tokens drop), and the router losses' value.
@@ -86,7 +91,10 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 DEFAULT = [
     ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
-    ("drops", 2, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp"]),
+    # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
+    # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
+    ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
+                        "overlap.grad_bucket_mb=0.01"]),
 ]
 
 
@@ -231,3 +239,29 @@ def test_moe_tiny_learns_with_every_expert_in_use(tmp_path):
     steps = [r for r in records if "tokens_per_expert" in r]
     assert len(steps) == 200 and len(steps[-1]["tokens_per_expert"]) == 8
     assert min(r["expert_load_min"] for r in steps[-20:]) >= 0.25
+
+
+@pytest.mark.slow  # two compiled training runs: ~75 s on 2 busy cores
+def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
+    """Checkpoints hold the logical experts: a run saved with ep2 (and FSDP, so every expert
+    weight and its optimizer state is split over dp) resumes with ep1, replicated, and its
+    steps 3..4 are the straight run's (up to the reduction order)."""
+    import os
+    import shutil
+
+    from jax_overlap.training import loop as train
+
+    opts = ["train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=5",
+            "checkpoint.async_save=false"]
+    saved = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=2", "overlap.moe_chunks=2",
+                                                    "overlap.param_sharding=fsdp"]),
+                      str(tmp_path / "ep2"), progress=False, devices=jax.devices()[:2])
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(tmp_path, "ep2", "checkpoints"), ckpt)
+    shutil.rmtree(os.path.join(ckpt, "4"))  # as if the ep2 run had stopped at step 2
+    resumed = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=1",
+                                                      f"checkpoint.dir={ckpt}"]),
+                        str(tmp_path / "ep1"), progress=False, devices=jax.devices()[:2])
+    assert resumed.summary()["resumed_from"] == 2 and resumed.steps == 2
+    assert max(rel(a, b) for a, b in zip(resumed.losses, saved.losses[2:])) <= 1e-4
+    assert saved.losses[3] != saved.losses[1]  # steps 3..4 are not steps 1..2 again

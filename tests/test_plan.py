@@ -38,6 +38,23 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert piped.microbatches == 4  # fills two stages twice
 
 
+def test_auto_moe_chunks_split_the_all_to_alls_on_a_gpu_with_ep_only():
+    mixtral = f"{REPO}/configs/mixtral_8x7b.yaml"
+    small = ["model.layers=2"]
+    gpu = ParallelPlan.build(config.load(mixtral, small), target=H100)
+    assert gpu.overlap.moe_chunks == 4 and gpu.parallel().moe_chunks == 4
+    assert "all-to-all bytes under GEMMs" in gpu.choices["overlap.moe_chunks"].why
+    assert gpu.resolved_config(config.load(mixtral, small)).overlap.moe_chunks == 4
+    no_ep = ParallelPlan.build(config.load(mixtral, small + ["mesh.ep=1"]), target=H100)
+    assert no_ep.overlap.moe_chunks == 1
+    assert no_ep.choices["overlap.moe_chunks"].why.startswith("no expert parallelism")
+    cpu = ParallelPlan.build(config.load(mixtral, small))
+    assert cpu.overlap.moe_chunks == 1 and cpu.choices["overlap.moe_chunks"].why.startswith("CPU")
+    given = ParallelPlan.build(config.load(mixtral, small + ["overlap.moe_chunks=2"]),
+                               target=H100)
+    assert given.overlap.moe_chunks == 2 and "overlap.moe_chunks" not in given.choices
+
+
 def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
     assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("collective_matmul", "bi")

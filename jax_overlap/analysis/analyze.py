@@ -174,9 +174,12 @@ def format_report(cfg, plan, target: str, report, dcn: dict | None = None,
              f"dp={plan.dp} pp={plan.pp} tp={plan.tp}, "
              f"{plan.microbatches} microbatches, compiled for {target}"]
     lines.extend(plan.choice_lines())
-    lines.append(f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s}")
+    lines.append(f"{'collective':20s} {'count/step':>10s} {'MiB/step':>10s} "
+                 f"{'under GEMMs':>11s}")
     for kind, s in sorted(data["collectives"].items()):
-        lines.append(f"{kind:20s} {s['count']:>10.10g} {s['bytes'] / 2**20:10.2f}")
+        under = s["under_gemm_bytes"] / s["bytes"] if s["bytes"] else 0.0
+        lines.append(f"{kind:20s} {s['count']:>10.10g} {s['bytes'] / 2**20:10.2f} "
+                     f"{under:11.3f}")
     lines.append(f"async fraction of collective bytes:       {data['async_fraction']:.3f}")
     lines.append(f"collective bytes scheduled under GEMMs:   "
                  f"{data['collective_bytes_under_gemm_fraction']:.3f}")

@@ -63,11 +63,14 @@ class KindSummary:
       count: executions per step.
       bytes: bytes per step.
       async_bytes: bytes per step moved by async collectives.
+      under_gemm_bytes: bytes per step of async collectives with at least one GEMM
+        scheduled between start and done (an MoE step's all-to-alls: what hides).
     """
 
     count: int | float
     bytes: int | float
     async_bytes: int | float = 0
+    under_gemm_bytes: int | float = 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class HloReport:
             "is_scheduled": self.is_scheduled,
             "bytes_convention": BYTES_CONVENTION,
             "collectives": {
-                kind: {"count": s.count, "bytes": s.bytes, "async_bytes": s.async_bytes}
+                kind: {"count": s.count, "bytes": s.bytes, "async_bytes": s.async_bytes,
+                       "under_gemm_bytes": s.under_gemm_bytes}
                 for kind, s in self.collectives.items()
             },
             "async_fraction": self.async_fraction,
@@ -216,7 +220,9 @@ def analyze_module(module: HloModule, *, target: str = "cpu", chip: ChipSpec | N
             summary[kind] = KindSummary(
                 count=_tidy(sum(op.executions_per_step for op in of_kind)),
                 bytes=_tidy(sum(op.bytes_per_step for op in of_kind)),
-                async_bytes=_tidy(sum(op.bytes_per_step for op in of_kind if op.is_async)))
+                async_bytes=_tidy(sum(op.bytes_per_step for op in of_kind if op.is_async)),
+                under_gemm_bytes=_tidy(sum(op.bytes_per_step for op in of_kind
+                                           if op.under_gemm)))
     total = sum(op.bytes_per_step for op in ops)
     async_bytes = sum(op.bytes_per_step for op in ops if op.is_async)
     under = sum(op.bytes_per_step for op in ops if op.under_gemm)

@@ -70,11 +70,12 @@ def export_params(model_cfg, params: Any, out_dir: str, dtype: str = "fp32",
         import ml_dtypes
 
         np_dtype = ml_dtypes.bfloat16
+    hf_cfg = layouts.hf_config(model_cfg, name)  # refuses a model with no HF layout first
     host = _to_numpy(params)
     tensors = layouts.params_to_hf(model_cfg, host, np_dtype)
     files = safetensors_io.write_tensors(out_dir, tensors, shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(layouts.hf_config(model_cfg, name), f, indent=2, sort_keys=True)
+        json.dump(hf_cfg, f, indent=2, sort_keys=True)
     return files
 
 

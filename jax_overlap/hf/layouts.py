@@ -1,8 +1,15 @@
-"""Hugging Face <-> jax_overlap layouts for Llama (`LlamaForCausalLM`) and GPT-2
-(`GPT2LMHeadModel`): config.json fields and every tensor's name, shape and transpose.
+"""Hugging Face <-> jax_overlap layouts for Llama (`LlamaForCausalLM`), Mixtral
+(`MixtralForCausalLM`: our Llama with `model.experts` > 0, every layer MoE, no shared expert)
+and GPT-2 (`GPT2LMHeadModel`): config.json fields and every tensor's name, shape and transpose.
 
-Pure numpy; knows the parameter trees of `models/llama.py` and `models/gpt.py` by name only
-(the library never imports `models`).
+Pure numpy; knows the parameter trees of `models/llama.py`, `models/moe.py` and `models/gpt.py`
+by name only (the library never imports `models`).
+
+Mixtral: the router `block_sparse_moe.gate` (E, D) is our `w_router` (D, E); expert j's
+`w1` (gate) and `w3` (up), (F, D) each, are `w_experts_gate_up[j, :, 0 | 1, :]`, its `w2`
+(D, F) is `w_experts_down[j]`. HF routes dropless with the same softmax, top-k and
+renormalised gates as `models/moe.route`; our `moe_stats` leaf (statistics, always 0) has no
+HF tensor and is zeros on the way in.
 
 RoPE: `models/llama.py` rotates the two halves of each head (HF's `rotate_half`), the layout
 HF's q_proj/k_proj rows already have, so q and k need no permutation here. (Meta's original
@@ -15,9 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from jax_overlap.config import ConfigError
+from jax_overlap.model_api import MOE_STATS, moe_stats_len
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
-KIND_OF_MODEL_TYPE = {"llama": "llama", "gpt2": "gpt"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
+KIND_OF_MODEL_TYPE = {"llama": "llama", "mixtral": "llama", "gpt2": "gpt"}
 # Buffers some writers include that carry no parameters.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -64,12 +73,12 @@ def model_fields_from_hf(hf: dict, flag: str = "--from-hf", where: str = "") -> 
                 "seq_len": hf["n_positions"],
                 "tied_embeddings": bool(hf.get("tie_word_embeddings", True))}
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", d // heads) != d // heads:
+    if (hf.get("head_dim") or d // heads) != d // heads:
         raise _fail(flag, where, f"head_dim {hf['head_dim']} != hidden_size / "
                                  f"num_attention_heads = {d // heads} is not supported")
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise _fail(flag, where, "Llama with biases or an activation other than silu is not "
-                                 "supported")
+        raise _fail(flag, where, f"{model_type} with biases or an activation other than silu "
+                                 f"is not supported")
     rope = _rope_parameters(hf)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
@@ -86,7 +95,22 @@ def model_fields_from_hf(hf: dict, flag: str = "--from-hf", where: str = "") -> 
                       rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    if model_type == "mixtral":
+        fields.update(_mixtral_fields(hf, flag, where))
     return fields
+
+
+def _mixtral_fields(hf: dict, flag: str, where: str) -> dict:
+    """The MoE keys of a Mixtral config.json: every layer MoE, dropless, no shared expert."""
+    window = hf.get("sliding_window")
+    if window and window < hf["max_position_embeddings"]:
+        raise _fail(flag, where, f"sliding_window {window} < max_position_embeddings "
+                                 f"{hf['max_position_embeddings']}: sliding-window attention is "
+                                 f"not supported; set sliding_window to null")
+    return {"experts": int(hf["num_local_experts"]),
+            "experts_per_token": int(hf["num_experts_per_tok"]),
+            "expert_capacity": "dropless", "shared_experts": 0, "moe_every": 1,
+            "router_aux_loss": float(hf.get("router_aux_loss_coef", 0.001))}
 
 
 def hf_config(m, dtype: str = "float32") -> dict:
@@ -100,43 +124,67 @@ def hf_config(m, dtype: str = "float32") -> dict:
                 "scale_attn_weights": True, "torch_dtype": dtype, "dtype": dtype}
     if m.kind != "llama":
         raise ValueError(f"model.kind: {m.kind!r} has no Hugging Face layout; llama or gpt")
+    if m.experts and (m.moe_every != 1 or m.shared_experts):
+        raise ConfigError([f"model.moe_every={m.moe_every}, model.shared_experts="
+                           f"{m.shared_experts}: Mixtral (the Hugging Face MoE layout) has "
+                           f"every layer MoE and no shared expert; export needs moe_every=1 and "
+                           f"shared_experts=0"])
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=m.rope_factor,
                     low_freq_factor=m.rope_low_freq_factor,
                     high_freq_factor=m.rope_high_freq_factor,
                     original_max_position_embeddings=m.rope_original_max_len)
-    return {"architectures": [ARCHITECTURES["llama"]], "model_type": "llama",
-            "hidden_size": m.d_model, "num_hidden_layers": m.layers,
-            "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads or m.heads,
-            "head_dim": m.d_model // m.heads, "intermediate_size": m.d_ff,
-            "vocab_size": m.vocab, "max_position_embeddings": m.seq_len,
-            "rms_norm_eps": m.norm_eps, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": bool(m.tied_embeddings),
-            "rope_theta": m.rope_theta, "rope_parameters": rope, "torch_dtype": dtype,
-            "dtype": dtype}
+    model_type = "mixtral" if m.experts else "llama"
+    out = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+           "hidden_size": m.d_model, "num_hidden_layers": m.layers,
+           "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads or m.heads,
+           "head_dim": m.d_model // m.heads, "intermediate_size": m.d_ff,
+           "vocab_size": m.vocab, "max_position_embeddings": m.seq_len,
+           "rms_norm_eps": m.norm_eps, "hidden_act": "silu", "attention_bias": False,
+           "mlp_bias": False, "tie_word_embeddings": bool(m.tied_embeddings),
+           "rope_theta": m.rope_theta, "rope_parameters": rope, "torch_dtype": dtype,
+           "dtype": dtype}
+    if m.experts:
+        out.update(num_local_experts=m.experts, num_experts_per_tok=m.experts_per_token,
+                   router_aux_loss_coef=m.router_aux_loss, router_jitter_noise=0.0,
+                   sliding_window=None, output_router_logits=False)
+        del out["mlp_bias"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensors. Each layout is a list of (HF name with {i} for the layer, our path, to_ours,
-# to_hf, HF shape); the layer entries are stacked along our leading 'layers' axis.
+# Tensors. Each layout is a list of (HF name with {i} for the layer and {j} for the expert,
+# our path, HF shape); the layer entries are stacked along our leading 'layers' axis, the
+# expert entries along the axis after it. A path ending in an int is one half of a pair our
+# tree stacks on `PAIR_AXIS[name]` (counted with the layer axis): k/v, gate/up.
+
+PAIR_AXIS = {"w_kv": 3, "w_gate_up": 2, "w_experts_gate_up": 3}
 
 
 def _llama_entries(m):
     d, h, f, v = m.d_model, m.heads, m.d_ff, m.vocab
     kv, hd = m.kv_heads or m.heads, m.d_model // m.heads
     p = "model.layers.{i}."
+    blk = ("blocks", "moe") if m.experts else ("blocks",)
     out = [("model.embed_tokens.weight", ("embed", "wte"), (v, d)),
            ("model.norm.weight", ("head", "norm", "scale"), (d,)),
-           (p + "input_layernorm.weight", ("blocks", "attn_norm", "scale"), (d,)),
-           (p + "post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), (d,)),
-           (p + "self_attn.q_proj.weight", ("blocks", "w_q"), (h * hd, d)),
-           (p + "self_attn.k_proj.weight", ("blocks", "w_kv", 0), (kv * hd, d)),
-           (p + "self_attn.v_proj.weight", ("blocks", "w_kv", 1), (kv * hd, d)),
-           (p + "self_attn.o_proj.weight", ("blocks", "w_o"), (d, h * hd)),
-           (p + "mlp.gate_proj.weight", ("blocks", "w_gate_up", 0), (f, d)),
-           (p + "mlp.up_proj.weight", ("blocks", "w_gate_up", 1), (f, d)),
-           (p + "mlp.down_proj.weight", ("blocks", "w_down"), (d, f))]
+           (p + "input_layernorm.weight", (*blk, "attn_norm", "scale"), (d,)),
+           (p + "post_attention_layernorm.weight", (*blk, "mlp_norm", "scale"), (d,)),
+           (p + "self_attn.q_proj.weight", (*blk, "w_q"), (h * hd, d)),
+           (p + "self_attn.k_proj.weight", (*blk, "w_kv", 0), (kv * hd, d)),
+           (p + "self_attn.v_proj.weight", (*blk, "w_kv", 1), (kv * hd, d)),
+           (p + "self_attn.o_proj.weight", (*blk, "w_o"), (d, h * hd))]
+    if m.experts:
+        x = p + "block_sparse_moe."
+        out += [(x + "gate.weight", (*blk, "w_router"), (m.experts, d)),
+                (x + "experts.{j}.w1.weight", (*blk, "w_experts_gate_up", 0), (f, d)),
+                (x + "experts.{j}.w3.weight", (*blk, "w_experts_gate_up", 1), (f, d)),
+                (x + "experts.{j}.w2.weight", (*blk, "w_experts_down"), (d, f))]
+    else:
+        out += [(p + "mlp.gate_proj.weight", ("blocks", "w_gate_up", 0), (f, d)),
+                (p + "mlp.up_proj.weight", ("blocks", "w_gate_up", 1), (f, d)),
+                (p + "mlp.down_proj.weight", ("blocks", "w_down"), (d, f))]
     if not m.tied_embeddings:
         out.append(("lm_head.weight", ("head", "w_out"), (v, d)))
     return out
@@ -170,19 +218,36 @@ def entries(m):
     return _llama_entries(m) if m.kind == "llama" else _gpt2_entries(m)
 
 
+def _layers(m, name):
+    return range(m.layers) if "{i}" in name else [None]
+
+
+def _experts(m, name):
+    return range(m.experts) if "{j}" in name else [None]
+
+
 def expected_shapes(m) -> dict[str, tuple]:
     """Every HF tensor name of model config `m` with its shape."""
     out = {}
     for name, _, shape in entries(m):
-        for i in (range(m.layers) if "{i}" in name else [None]):
-            out[name.format(i=i)] = tuple(shape)
+        for i in _layers(m, name):
+            for j in _experts(m, name):
+                out[name.format(i=i, j=j)] = tuple(shape)
     return out
 
 
+def _key(path) -> str:
+    """The leaf's own name: the last string of its path ('w_kv' for ('blocks', 'w_kv', 0))."""
+    return [k for k in path if isinstance(k, str)][-1]
+
+
+TRANSPOSED = ("w_gate_up", "w_down", "w_out", "w_router", "w_experts_gate_up", "w_experts_down")
+
+
 def _hf_to_ours(m, path, a: np.ndarray) -> np.ndarray:
-    """One HF tensor (one layer) -> our array (without the layer axis)."""
+    """One HF tensor (one layer, one expert) -> our array (without the layer/expert axes)."""
     d, h, hd = m.d_model, m.heads, m.d_model // m.heads
-    key = path[1] if path[0] == "blocks" else path[-1]
+    key = _key(path)
     if m.kind == "llama":
         if key == "w_q":
             return a.T.reshape(d, h, hd)
@@ -190,7 +255,7 @@ def _hf_to_ours(m, path, a: np.ndarray) -> np.ndarray:
             return a.T.reshape(d, -1, hd)  # (D, KV, hd), stacked over k/v by the caller
         if key == "w_o":
             return a.T.reshape(h, hd, d)
-        if key in ("w_gate_up", "w_down", "w_out"):
+        if key in TRANSPOSED:
             return a.T
         return a
     if key == "w_qkv":  # (D, 3D) [q heads | k heads | v heads] -> (D, H, 3 hd)
@@ -206,13 +271,13 @@ def _hf_to_ours(m, path, a: np.ndarray) -> np.ndarray:
 
 def _ours_to_hf(m, path, a: np.ndarray) -> np.ndarray:
     d, h, hd = m.d_model, m.heads, m.d_model // m.heads
-    key = path[1] if path[0] == "blocks" else path[-1]
+    key = _key(path)
     if m.kind == "llama":
         if key in ("w_q", "w_kv"):
             return a.reshape(d, -1).T
         if key == "w_o":
             return a.reshape(h * hd, d).T
-        if key in ("w_gate_up", "w_down", "w_out"):
+        if key in TRANSPOSED:
             return a.T
         return a
     if key == "w_qkv":
@@ -255,25 +320,34 @@ def params_from_hf(m, tensors: dict, flag: str = "--from-hf", where: str = "") -
                    for n, a in tensors.items()}
     params: dict = {}
     pending: dict = {}
+
+    def one(name, i, j):
+        return _hf_to_ours(m, path, np.asarray(tensors[name.format(i=i, j=j)], np.float32))
+
     for name, path, _ in entries(m):
-        layers = range(m.layers) if "{i}" in name else [None]
-        arrs = [_hf_to_ours(m, path, np.asarray(tensors[name.format(i=i)], np.float32))
-                for i in layers]
+        arrs = [np.stack([one(name, i, j) for j in _experts(m, name)]) if "{j}" in name
+                else one(name, i, None) for i in _layers(m, name)]
         value = np.stack(arrs) if "{i}" in name else arrs[0]
         if isinstance(path[-1], int):  # one half of a stacked pair (k/v, gate/up)
             pending.setdefault(path[:-1], {})[path[-1]] = value
             if len(pending[path[:-1]]) < 2:
                 continue
             pair = pending.pop(path[:-1])
-            axis = 3 if path[1] == "w_kv" else 2  # (L, D, KV, 2, hd) / (L, D, 2, F)
-            value = np.stack([pair[0], pair[1]], axis=axis)
+            # (L, D, KV, 2, hd) / (L, D, 2, F) / (L, E, D, 2, F)
+            value = np.stack([pair[0], pair[1]], axis=PAIR_AXIS[_key(path)])
             path = path[:-1]
-        node = params
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = value
+        _put(params, path, value)
+    if m.experts:  # the statistics leaf: no HF tensor, always 0
+        _put(params, ("blocks", "moe", MOE_STATS),
+             np.zeros((m.layers, moe_stats_len(m.experts)), np.float32))
     params.setdefault("head", {})
     return params
+
+
+def _put(tree: dict, path, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
 
 
 def params_to_hf(m, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
@@ -286,11 +360,13 @@ def params_to_hf(m, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
             node = node[k]
         full = np.asarray(node, np.float32)
         if pair is not None:
-            axis = 3 if path[1] == "w_kv" else 2
-            full = np.take(full, pair, axis=axis)
-        for i in (range(m.layers) if "{i}" in name else [None]):
-            one = full[i] if i is not None else full
-            out[name.format(i=i)] = np.ascontiguousarray(_ours_to_hf(m, path, one)).astype(dtype)
+            full = np.take(full, pair, axis=PAIR_AXIS[_key(path)])
+        for i in _layers(m, name):
+            layer = full[i] if i is not None else full
+            for j in _experts(m, name):
+                one = layer[j] if j is not None else layer
+                out[name.format(i=i, j=j)] = np.ascontiguousarray(
+                    _ours_to_hf(m, path, one)).astype(dtype)
     return out
 
 

@@ -29,8 +29,9 @@ prologue's gathers one at a time, and each slot read before it is rewritten.
 Each block moves as ONE all-gather (forward) and ONE reduce-scatter (backward) per gradient
 group: leaves split over tp and leaves replicated over tp carry different types inside
 shard_map and are not concatenated (see `buckets`), so with tp in the mesh a block is 2+2
-collectives (XLA may combine each pair). Leaves with no dim divisible by dp stay replicated
-and their gradients are psum'd.
+collectives (XLA may combine each pair). Leaves with no dim divisible by dp stay replicated;
+their gradients leave the stack as this device's (dp-varying, unreduced) and the step sums
+them over dp with the embedding's and head's, as any replicated parameter's (`replicated`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap.overlap import buckets
-from jax_overlap.parallel.compat import to_varying
+from jax_overlap.parallel.compat import to_varying, varying_axes
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class BlockLayout:
     def gathered_bytes(self) -> int:
         """Bytes of one gathered block per device (fp32)."""
         return sum(u.nbytes for u in self.units)
+
+    @property
+    def replicated(self) -> frozenset[int]:
+        """Indices (in one block's leaf order) of the leaves stored whole: no dim divisible
+        by dp. Their gradients come out of `reduce_scatter_layer` unreduced."""
+        return frozenset(u.leaf for u in self.units if u.split_dim is None)
 
 
 def block_layout(abstract_blocks: Any, block_specs: Any, axis_sizes: dict[str, int],
@@ -169,15 +176,22 @@ def gather_layer(shards: Sequence[jax.Array], layout: BlockLayout, axis: str, dp
 
 def reduce_scatter_layer(grads: Sequence[jax.Array], layout: BlockLayout, axis: str, dp: int,
                          comm_dtype: str) -> list[jax.Array]:
-    """One layer's full gradients -> summed over dp, each rank's shard; one op per group."""
+    """One layer's full gradients -> summed over dp, each rank's shard; one op per split
+    group. Leaves stored whole (`layout.replicated`) keep this device's gradient: a psum
+    here would be dp-invariant in value but typed dp-varying (a cotangent has its primal's
+    type), which no replicated out spec accepts; the step reduces them instead."""
     out: list[Any] = [None] * len(grads)
     for members, split in layout.groups:
         units = [layout.units[i] for i in members]
+        if not split:
+            for u in units:
+                g = grads[u.leaf].astype(jnp.float32)
+                out[u.leaf] = g if axis in varying_axes(g) else to_varying(g, (axis,))
+            continue
         values = [grads[u.leaf].astype(jnp.float32) for u in units]
         flat = buckets.reduce_flat(buckets.pack(values, units, dp, split), axis, split, comm_dtype)
         for u, v in zip(units, buckets.unpack(flat, units, dp, split)):
-            # psum'd (replicated) leaves are dp-invariant; their parameter is dp-varying.
-            out[u.leaf] = v if split else to_varying(v, (axis,))
+            out[u.leaf] = v
     return out
 
 
@@ -205,7 +219,8 @@ def windowed_blocks(block_fn: Callable[[Any, jax.Array], jax.Array], layout: Blo
     Returns:
       `f(shards, x) -> x`: `shards` is the stacked (L, ...) 'blocks' subtree as stored
       (this rank's split), differentiable in both arguments; the gradient of `shards` is
-      already summed over dp (and in the same split).
+      already summed over dp (and in the same split), but for `layout.replicated` leaves:
+      this device's, for the caller to sum.
     """
 
     def layer_shards(stacked: Sequence[jax.Array], layer) -> list[jax.Array]:

@@ -46,6 +46,9 @@ class Parallel:
     # target): "plain" einsums, "fused" (cuDNN flash attention), or "xla" (the fused code
     # path through XLA's implementation, for tests); `parallel.attention`.
     attention: str = "plain"
+    # Expert parallelism: an MoE layer sends its tokens to their experts and back in this
+    # many chunks (`overlap.moe_chunks` resolved by the plan; `models/moe.expert_parallel`).
+    moe_chunks: int = 1
 
     @property
     def active(self) -> bool:

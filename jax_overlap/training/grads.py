@@ -113,6 +113,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         layers = fsdp.windowed_blocks(block, layout.fsdp,
                                       ov.window, DP, dp, ov.grad_comm_dtype, low)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
+    # Of those, the ones stored whole: their gradients leave the FSDP stack unreduced.
+    fsdp_whole = _fsdp_whole(fsdp_leaves, layout.fsdp)
     # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
     marked = (*data, TP) if layout.plan is not None and axis_sizes[TP] > 1 else data
     # FSDP blocks: their reduce-scatter sits in a custom VJP, whose cotangent varies over dcn
@@ -140,7 +142,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
             (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
             leaves, treedef = jax.tree.flatten(grads)
             dims = treedef.flatten_up_to(layout.split_dims)
-            todo = [i for i in range(len(leaves)) if i not in fsdp_leaves]
+            todo = [i for i in range(len(leaves)) if i not in fsdp_leaves or i in fsdp_whole]
             reduced = buckets.reduce_gradients([leaves[i] for i in todo], ov.grad_bucket_bytes,
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
@@ -157,11 +159,27 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         loss_last, grads = _bucketed_last_microbatch(
             model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
             ov.grad_comm_dtype)
+        if fsdp_whole:  # FSDP block leaves stored whole: summed over dp after the backward
+            leaves, treedef = jax.tree.flatten(grads)
+            whole = sorted(fsdp_whole)
+            for i, g in zip(whole, buckets.reduce_gradients(
+                    [leaves[i] for i in whole], ov.grad_bucket_bytes, ov.grad_comm_dtype, DP)):
+                leaves[i] = g
+            grads = jax.tree.unflatten(treedef, leaves)
         return jax.lax.psum(loss + loss_last, data), grads
 
     batch_in = {"inputs": data_spec(axis_sizes), "targets": data_spec(axis_sizes)}
     return slow_axis.wrap_step(per_device, mesh, layout.param_specs, layout.grad_specs,
                                batch_in, mode, ov.dcn_comm_dtype)
+
+
+def _fsdp_whole(fsdp_leaves: frozenset[int], block_layout) -> frozenset[int]:
+    """The FSDP block leaves (indices in the whole tree) stored whole: no dim divisible by
+    dp (`fsdp.BlockLayout.replicated`, indexed within one block)."""
+    if block_layout is None:
+        return frozenset()
+    ordered = sorted(fsdp_leaves)
+    return frozenset(ordered[i] for i in block_layout.replicated)
 
 
 def _global_count(model, targets, data: tuple[str, ...], replicas: int) -> jax.Array:

@@ -82,6 +82,10 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
     if cfg.model.kind not in ("llama", "gpt"):
         raise ConfigError([f"--to-hf {run_dir}: model.kind {cfg.model.kind} has no Hugging "
                            f"Face layout (llama, gpt)"])
+    try:
+        architecture = layouts.hf_config(cfg.model)["architectures"][0]
+    except ConfigError as e:
+        raise ConfigError([f"--to-hf {run_dir}: {e.problems[0]}"]) from None
     check_out_dir(out_dir)
     if os.path.exists(os.path.join(out_dir, "config.json")):
         raise ConfigError([f"--out {out_dir}: already holds a config.json; pick a new "
@@ -103,5 +107,4 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
         os.chmod(os.path.join(out_dir, name), 0o644)
     return {"out": out_dir, "step": step, "files": files, "dtype": dtype,
             "tokenizer": run_tokenizer.kind_of(tok),
-            "architecture": layouts.ARCHITECTURES["llama" if cfg.model.kind == "llama"
-                                                  else "gpt2"]}
+            "architecture": architecture}

@@ -1,6 +1,6 @@
 """MoE router statistics out of the gradients, into the step's metrics.
 
-An MoE block (`models/moe.py`) holds a zero parameter `moe_stats` of shape (E + 2 padded) that its
+An MoE block (`models/moe.py`) holds a zero parameter `moe_stats` of shape (E + 2) that its
 forward never reads; its backward writes the block's statistics as that parameter's
 "gradient": tokens per expert (E), dropped assignments, the router losses' value. The
 gradient machinery (microbatch accumulation, dp reductions, the pipeline) sums them over the
@@ -15,12 +15,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-STATS = "moe_stats"
+from jax_overlap.model_api import MOE_STATS
+
+STATS = MOE_STATS
 
 
 def take(grads: Any, experts: int) -> tuple[Any, dict]:
     """(grads with every `moe_stats` leaf zeroed, metrics); no metrics without MoE blocks.
-    Each leaf's entries: tokens per expert (`experts`), dropped, router loss, padding.
+    Each leaf's entries: tokens per expert (`experts`), dropped, router loss.
 
     Metrics (global batch, one step): `moe_tokens_per_expert` (E,) the routed assignments per
     expert, mean over MoE layers; `moe_dropped_tokens` assignments over capacity, summed over
@@ -45,7 +47,6 @@ def take(grads: Any, experts: int) -> tuple[Any, dict]:
     if not found:
         return grads, {}
     stats = jnp.concatenate([s.reshape(-1, s.shape[-1]) for s in found]).astype(jnp.float32)
-    stats = stats[:, :experts + 2]
     tokens_le = stats[:, :-2]
     mean_l = tokens_le.mean(-1)
     load_min = jnp.min(tokens_le.min(-1) / jnp.maximum(mean_l, 1e-9))
