@@ -83,20 +83,20 @@ def test_two_collective_permutes_per_tick_inside_the_loop(compiled):
     up = {(b, a) for a, b in down}
     assert sorted(map(_pairs, in_body), key=sorted) == sorted([down, up], key=sorted)
     assert program.down_pairs == tuple((s, s + 1) for s in range(PP - 1))
-    # The actions sit behind two conditionals per lane, each with a branch per action (+
-    # idle): one runs the actions that file nothing into a residual pool, the other those
-    # that do (F here: 1F1B without a split backward keeps the embedding's, the chunks' and
-    # the head's residuals). On a CPU (this compile) a two-way conditional per pool then
-    # files what the action made (on a GPU the filing branches update the pools in place).
+    # The actions sit behind one conditional with one branch per action kind (+ idle) on a
+    # CPU (this compile); after it, one two-way conditional per residual pool files what the
+    # action made into its slot (taken only by the actions that fill that pool). 1F1B at
+    # pp > 1 without a split backward keeps the embedding's, the chunks' and the head's
+    # residuals. (On a GPU a second switch runs the filling actions, which update the pools
+    # in place.)
     conditionals = [line for line in comps[body] if " conditional(" in line]
     switches = [line for line in conditionals if f"/{LANE_SCOPE}0/" in line]
-    assert len(switches) == 2, conditionals
-    for line in switches:
-        branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
-        assert len(branches.split(",")) == 1 + len(program.branches)
-    fills = [line for line in conditionals if line not in switches]
-    assert len(fills) == 3 and all(len(re.search(
-        r"branch_computations=\{([^}]*)\}", line).group(1).split(",")) == 2 for line in fills)
+    branches = [re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
+                for line in conditionals]
+    assert sorted(map(len, branches)) == [2, 2, 2, 1 + len(program.branches)], branches
+    assert len(switches) >= 1 and all(f"/{LANE_SCOPE}0/" in line for line in conditionals
+                                      if len(re.search(r"branch_computations=\{([^}]*)\}",
+                                                       line).group(1).split(",")) > 2)
 
 
 def test_per_step_collective_counts_from_the_hlo_reader(compiled):

@@ -834,10 +834,14 @@ class _TickLoop:
         read_only = {name: p for name, p in res.items() if name not in kept}
         # The named scope marks the switches in the compiled HLO for `analysis.step_estimate`.
         with jax.named_scope(f"{LANE_SCOPE}{lane}"):
-            carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
-            if kept:
-                kept, carry, out = jax.lax.switch(branch, switches.filing, inbox, read_only,
-                                                  kept, carry, out, row)
+            if switches.in_place:
+                carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
+                if kept:
+                    kept, carry, out = jax.lax.switch(branch, switches.filing, inbox,
+                                                      read_only, kept, carry, out, row)
+            else:  # one switch: each conditional copies what it passes through on a CPU
+                kept, carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry,
+                                                  row)
         if kept and not switches.in_place:  # `kept` holds what the action made
             kept = {name: jax.lax.cond(self.writes[name][branch], _filed, _unfiled, res[name],
                                        made, row[COL[_POOL_SLOT[name]]])
@@ -964,15 +968,16 @@ class _LaneSwitches(NamedTuple):
 
     Attributes:
       plain: per branch, `(inbox, pools, carry, row) -> (carry, out)`: the action, if it
-        fills no pool; a no-op otherwise.
+        fills no pool; a no-op otherwise. Not `in_place`: every action, returning
+        `(made, carry, out)` with `made` what it made for the lane's pools (zeros where it
+        fills nothing), and no `filing` switch.
       filing: per branch, `(inbox, read_only, kept, carry, out, row) -> (kept, carry, out)`:
         the action, if it fills a pool, its slots of `kept` updated in place; else the
         operands passed through.
       pools: the residual pools this lane's actions fill (`kept`).
       grads: whether its actions add to the gradients; `carry` is `(grads, loss)` if so,
         `(loss,)` if not.
-      in_place: False: `filing` returns, for `kept`, what the action made (zeros where it
-        fills nothing) instead of the updated pools.
+      in_place: whether the filing switch updates the pools in place (see `plain`).
     """
 
     plain: list
@@ -1000,6 +1005,13 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
     def plain(b, fn):
         def run(inbox, res, carry, row):
+            if not in_place:
+                mine = _slots_of(res, row)
+                if b not in taken:
+                    return _zeros_like(mine, pools), carry, ctx.zeros_btd
+                made, g, loss, out = fn(inbox, mine, *unpack(carry), row)
+                return ({name: made[name] if fills[name][b] else _zeros_like(mine, [name])[name]
+                         for name in pools}, pack(g, loss), out)
             if filler[b] or b not in taken:
                 return carry, ctx.zeros_btd
             _, g, loss, out = fn(inbox, _slots_of(res, row), *unpack(carry), row)
@@ -1008,17 +1020,13 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
     def filing(b, fn):
         def run(inbox, read_only, kept, carry, out, row):
-            mine = _slots_of({**read_only, **kept}, row)
             if not filler[b] or b not in taken:
-                return (kept if in_place else _zeros_like(mine, kept)), carry, out
-            made, g, loss, out = fn(inbox, mine, *unpack(carry), row)
-            if in_place:
-                made = {name: _filed(leaves, made[name], row[COL[_POOL_SLOT[name]]])
-                        if fills[name][b] else list(leaves) for name, leaves in kept.items()}
-            else:
-                made = {name: made[name] if fills[name][b] else
-                        _zeros_like(mine, {name: 0})[name] for name in kept}
-            return made, pack(g, loss), out
+                return kept, carry, out
+            made, g, loss, out = fn(inbox, _slots_of({**read_only, **kept}, row),
+                                    *unpack(carry), row)
+            kept = {name: _filed(leaves, made[name], row[COL[_POOL_SLOT[name]]])
+                    if fills[name][b] else list(leaves) for name, leaves in kept.items()}
+            return kept, pack(g, loss), out
         return run
 
     return _LaneSwitches([plain(b, fn) for b, fn in enumerate(branches)],
