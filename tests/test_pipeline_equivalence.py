@@ -375,16 +375,11 @@ def _traced_tick(cfg):
     return closed.jaxpr, program, tick
 
 
-def _switch_branches(tick):
-    """The branches of the tick's action switch (the conditional with the most branches;
-    the others file residuals into their pools)."""
-    conds = [e for e in tick.eqns if e.primitive.name == "cond"]
-    return max(conds, key=lambda e: len(e.params["branches"])).params["branches"]
-
-
-def test_a_tick_runs_one_action_through_a_switch():
-    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch,
-    and each residual pool is written only by a conditional taken where the action fills it."""
+def test_a_tick_runs_its_action_through_two_switches():
+    """Idle ticks are cheap: all model work of a tick sits in the branches of two switches
+    on the table's branch. The first runs the actions that file no residuals; the second
+    those that do (F, a split B), and only its branches for them write a residual pool: its
+    other branches, and every branch of the first, move no pool data."""
     _, program, tick = _traced_tick(pipeline_cfg("zb-h1", 4, 2, 1, 4))
     outside = [e.primitive.name for e in tick.eqns]
     assert outside.count("ppermute") == 2
@@ -396,22 +391,31 @@ def test_a_tick_runs_one_action_through_a_switch():
     written = {tuple(e.invars[0].aval.shape)[1:] for e in tick.eqns
                if e.primitive.name in ("scatter", "dynamic_update_slice")}
     assert written and written <= arrival, (written, arrival)
-    branches = _switch_branches(tick)
-    assert len(branches) == 1 + len(program.branches)
-    fills = [e for e in tick.eqns if e.primitive.name == "cond"
-             and e.params["branches"] is not branches]
-    pools = [name for name in tick_program.RESIDUAL_POOLS if program.residual_slots(name) > 0]
-    assert outside.count("cond") == 1 + len(fills) and 0 < len(fills) <= len(pools)
-    for fill in fills:
-        skip, write = (b.jaxpr for b in fill.params["branches"])
-        assert "dynamic_update_slice" in _primitives(write)
-        assert "dot_general" not in _primitives(write)
-        assert "dynamic_update_slice" not in _primitives(skip)
-    assert "dot_general" not in _primitives(branches[tick_program.IDLE].jaxpr)
-    # Every action computes, a split B of virtual stage 0 too (it pulls back into the
-    # embedding, so its W is only the weight GEMMs, as on the other chunks).
-    for (kind, role, _), branch in zip(program.branches, branches[1:]):
-        assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
+    conds = [e for e in tick.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 2
+    plain, filing = ([b.jaxpr for b in e.params["branches"]] for e in conds)
+    assert len(plain) == len(filing) == 1 + len(program.branches)
+    fills = [any(program.fills(name)[b] for name in tick_program.RESIDUAL_POOLS)
+             for b in range(len(plain))]
+    assert not fills[tick_program.IDLE] and sum(fills) > 0
+    for b, ((kind, role, _), fills_b) in enumerate(zip(program.branches, fills[1:]), start=1):
+        runs, skips = (filing[b], plain[b]) if fills_b else (plain[b], filing[b])
+        # Every action computes, a split B of virtual stage 0 too (it pulls back into the
+        # embedding, so its W is only the weight GEMMs, as on the other chunks).
+        assert "dot_general" in _primitives(runs), (kind, role)
+        assert ("dynamic_update_slice" in _primitives(runs)) == fills_b, (kind, role)
+        assert not {"dot_general", "dynamic_update_slice"} & set(_primitives(skips)), (kind,
+                                                                                     role)
+    for branch in (plain[tick_program.IDLE], filing[tick_program.IDLE]):
+        assert not {"dot_general", "dynamic_update_slice"} & set(_primitives(branch))
+
+
+def _switch_branches(tick):
+    """Per table branch, the switch branch that runs its action: the filing switch's (the
+    second) for an action that fills a residual pool, the first switch's otherwise."""
+    plain, filing = (e.params["branches"] for e in tick.eqns if e.primitive.name == "cond")
+    return [f if "dynamic_update_slice" in _primitives(f.jaxpr) else p
+            for p, f in zip(plain, filing)]
 
 
 def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
