@@ -177,7 +177,8 @@ def test_the_gpu_step_runs_cudnn_flash_attention_and_no_score_tensor():
                              "model.d_ff=256", f"model.seq_len={t}", "mesh.dp=2", "mesh.tp=2",
                              # one code path per microbatch (buckets give the last its own)
                              "overlap.grad_bucket_mb=0"])
-    model, plan = built = analyze.build_plan(cfg, "h100")
+    built = analyze.build_plan(cfg, "h100")
+    plan = built.plan
     assert plan.attention == "fused"
     devices = deviceless.gpu_topology_devices("h100", plan.num_devices)
     text = analyze.lower_train_step(cfg, devices, "h100", built).compile().as_text()
