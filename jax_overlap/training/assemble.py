@@ -74,6 +74,12 @@ class Run:
         """NamedSharding per parameter leaf (the plan's layout)."""
         return steplib.param_shardings(self.model, self.mesh, self.plan.layout)
 
+    def place_params(self, logical: Any) -> Any:
+        """Parameters in the model's logical layer order (`model.init`'s, a checkpoint's, a
+        Hugging Face import's) put in the plan's staged order on the mesh."""
+        return jax.device_put(layout.to_staged(logical, self.plan.layer_perm),
+                              self.param_shardings())
+
     def state_shardings(self, optimizer=None) -> Any:
         """NamedShardings of the train state (parameters in the plan's staged layout)."""
         staged = jax.eval_shape(self._staged_init, jax.random.key(self.cfg.train.seed))

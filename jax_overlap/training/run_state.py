@@ -65,10 +65,5 @@ def placed_params(run, run_dir: str | None, hf_dir: str | None, logical: Any = N
     if run_dir:
         params, step = newest_params(run, run_dir)
         return params, {"run_dir": run_dir, "step": step}
-    import jax
-
-    from jax_overlap.pipeline import layout
-
-    params = jax.device_put(layout.to_staged(logical, run.plan.layer_perm),
-                            run.param_shardings())
+    params = run.place_params(logical)
     return params, {"from_hf": hf_dir}
