@@ -147,3 +147,18 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
                                                   "model.attention=plain"], NO_XLA_REMAT)
     est = memory.plan_step_memory(cfg.model, cfg.train.precision, plan).total
     assert est == pytest.approx(xla, rel=0.15), (est / 2**30, xla / 2**30)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.tied_embeddings=false"]],
+                         ids=["tied", "untied"])
+def test_formula_parameter_count_is_the_traced_one(overrides):
+    """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
+    need it before any model is built) and `calibrate.param_counts` (traced shapes, per TP
+    rank and per leaf: what the calibrated costs are keyed on). On a GPT they agree exactly."""
+    from jax_overlap.analysis.calibrate import param_counts
+
+    for path in (TINY, GPT_1P3B):
+        cfg = config.load(path, overrides)
+        traced = param_counts(cfg, 1)
+        embed, block = memory.param_elements(cfg.model)
+        assert (traced.per_layer, traced.embed + traced.head) == (block, embed), path
