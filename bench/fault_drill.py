@@ -22,7 +22,7 @@
    (parameters, optimizer state, RNG, data position, guard) are compared.
 
 The local checkpoint tier is on (`checkpoint.local_every`, default 1 here: every step; off by
-default for users, see docs/resilience.md) in a directory of its own under /dev/shm.
+default for users, see docs/guides/fault_tolerance.md) in a directory of its own under /dev/shm.
 
 `--processes 2`: the same with two JAX processes of 4 CPU devices each (gloo on loopback);
 each kill SIGKILLs one process (the other stops through the watchdog or a failed

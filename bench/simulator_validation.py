@@ -17,7 +17,8 @@ Two predictions are reported: `predicted` from the pieces timed in the same pair
     python bench/simulator_validation.py [--rounds 3] [--steps 3]
     python bench/simulator_validation.py --quick
 
-Writes bench/results/simulator_validation.json and docs/simulator_validation.md. `--quick`
+Writes bench/results/simulator_validation.json and bench/results/simulator_validation.md (its
+table goes into docs/results.md). `--quick`
 checks that the bench runs: `QUICK_PLANS` (one pipelined plan, so dp and pp links) of a
 tiny model, one round of one pair, LLVM at -O0; it prints the table and writes neither file.
 """
@@ -98,8 +99,8 @@ def main() -> int:
                     help="(step, calibration) pairs per plan per round (default 3)")
     ap.add_argument("--out", help="results JSON (default bench/results/"
                                   "simulator_validation.json; none with --quick)")
-    ap.add_argument("--doc", help="markdown page (default docs/simulator_validation.md; none "
-                                  "with --quick)")
+    ap.add_argument("--doc", help="markdown page (default bench/results/"
+                                  "simulator_validation.md; none with --quick)")
     ap.add_argument("--quick", action="store_true",
                     help="one plan of a tiny model, one pair: checks the bench runs")
     args = ap.parse_args()
@@ -113,7 +114,7 @@ def main() -> int:
         args.rounds, args.steps = args.rounds or 3, args.steps or 3
         args.out = args.out or os.path.join(ROOT, "bench", "results",
                                             "simulator_validation.json")
-        args.doc = args.doc or os.path.join(ROOT, "docs", "simulator_validation.md")
+        args.doc = args.doc or os.path.join(ROOT, "bench", "results", "simulator_validation.md")
 
     from jax_overlap import config
     from jax_overlap.parallel.mesh import force_host_devices
@@ -251,7 +252,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def markdown_page(doc: dict, table: str) -> str:
-    """docs/simulator_validation.md."""
+    """The page of the table (bench/results/simulator_validation.md).."""
     n = len(doc["rows"])
     off = [r for r in doc["rows"] if abs(r["error"]) > doc["target"]]
     outliers = ("Outside the target: " + "; ".join(

@@ -45,7 +45,7 @@ VARIANTS = {
     "diloco": ["diloco.inner_steps=8", "diloco.fragments=2", "diloco.delay=1",
                "diloco.outer_dtype=bf16"],
     # Outer SGD without momentum at lr 1 (the synced fragment is the groups' mean): at
-    # H = 8 with two groups, Nesterov's 0.7 / 0.9 overshoots (docs/slow_axis.md).
+    # H = 8 with two groups, Nesterov's 0.7 / 0.9 overshoots (docs/guides/slow_links.md).
     "diloco_tuned": ["diloco.inner_steps=8", "diloco.fragments=2", "diloco.delay=1",
                      "diloco.outer_dtype=bf16", "diloco.outer_lr=1.0",
                      "diloco.outer_momentum=0.0"],

@@ -21,7 +21,7 @@ one. METHOD:
 
 Prints the final loss and the mean of the last 20 steps; --out writes the curve (JSON).
 `--stability`: the largest stable a*h of m' = b1 m + (1 - b1) h x, theta' = theta - a m for a
-fresh, stale and partly fresh x (the linear model of docs/slow_axis.md, section 2b).
+fresh, stale and partly fresh x (the linear model of docs/guides/slow_links.md, section 2b).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ improved by the tick simulation (`tune.search_split`: one-layer moves while the 
 shorter, what `jax-overlap tune` does for its leading pipelined plans), `table` (the schedule
 table's idle fraction, what equal action costs would give), `floor` (the least bubble any
 whole-layer split can have from stage imbalance alone: the embedding and a head on the last
-virtual stage are extra work on their stages; see docs/pipeline_costs.md), `speedup` (even
+virtual stage are extra work on their stages; see docs/guides/pipelines.md), `speedup` (even
 tick step / this one).
 """
 

@@ -17,6 +17,7 @@ import sys
 from jax_overlap.config import Config, ConfigError
 
 USER_ERROR = 2
+JSON_HELP = "print one JSON document instead of text"
 
 
 def _non_negative_int(text: str) -> int:
@@ -60,8 +61,10 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default="", help="host:port of process 0 (multi-process)")
-    p.add_argument("--num-processes", type=int, default=0)
-    p.add_argument("--process-id", type=int, default=-1)
+    p.add_argument("--num-processes", type=int, default=0,
+                   help="processes in the run (0: distributed.num_processes or JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=-1,
+                   help="this process's rank (-1: distributed.process_id or JAX_PROCESS_ID)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,10 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("schedule", help="print a pipeline schedule as a table")
-    p.add_argument("--schedule", required=True)
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--microbatches", type=int, required=True)
-    p.add_argument("--virtual", type=int, default=1)
+    p.add_argument("--schedule", required=True,
+                   help="gpipe, 1f1b, interleaved, zb-h1 or zb-v")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages (mesh.pp)")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    p.add_argument("--virtual", type=int, default=1,
+                   help="chunks per stage (interleaved: >= 2; zb-v: 2)")
     p.add_argument("--transfer-latency", type=int, default=1,
                    help="ticks between stages: 2 overlaps transfers with the next tick")
     p.add_argument("--paired", action="store_true",
@@ -91,21 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="action times and one transfer's, e.g. 18.5,18.1,9.3,0.6: report "
                         "weighted_bubble, the executor's bubble at these costs (and choose "
                         "a --paired table for them)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("analyze", help="collectives and overlap of the compiled train step")
     _add_config_args(p)
-    p.add_argument("--target", default="cpu", choices=["cpu", "a100", "h100", "h200"])
+    p.add_argument("--target", default="cpu", choices=["cpu", "a100", "h100", "h200"],
+                   help="compile for these devices; a GPU target compiles deviceless (no GPU "
+                        "needed) and adds the step estimate")
     p.add_argument("--top", type=_non_negative_int, default=0, metavar="N",
                    help="on a GPU target: also list the N costliest non-GEMM kernels of the "
                         "step estimate")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("profile", help="trace N steps and compute CCOR, bubble, exposed comm")
     _add_config_args(p)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--logdir", default="")
+    p.add_argument("--steps", type=int, default=3, help="steps traced after the warm-up")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--logdir", default="",
+                   help="keep the trace here, for XProf / Perfetto (default: runs/profile)")
 
     p = sub.add_parser("prepare-data", help="tokenize text files into token shards")
     p.add_argument("--input", nargs="+", required=True, metavar="FILES_OR_GLOB",
@@ -116,24 +124,29 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--train-tokenizer", type=_positive(int), default=0, metavar="VOCAB",
                      help="train a byte-level BPE of VOCAB (257..1048576) tokens on the input "
                           "first")
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="the last fraction of the tokens, written as the held-out split")
+    p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"],
+                   help="token dtype on disk (auto: uint16 where the vocabulary fits)")
     p.add_argument("--max-bytes", type=_positive(int), default=0,
                    help="read at most this many bytes (default: all)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     p = sub.add_parser("tune", help="rank parallel plans with the calibrated simulator")
     _add_config_args(p)
-    p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--hardware", default="cpu_here")
-    p.add_argument("--measure", type=int, default=0)
+    p.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    p.add_argument("--hardware", default="cpu_here",
+                   help="a profile of configs/hardware/ (name or path): link and compute speeds")
+    p.add_argument("--measure", type=int, default=0,
+                   help="run the top this many plans for real (0..16) and compare")
     p.add_argument("--estimate", type=_non_negative_int, default=0, metavar="K",
                    help="compile the top K plans for --target GPUs (deviceless) and rank them "
                         "by the estimate of their compiled step")
-    p.add_argument("--target", default="h100", choices=["a100", "h100", "h200"])
+    p.add_argument("--target", default="h100", choices=["a100", "h100", "h200"],
+                   help="the GPUs --estimate compiles for")
     p.add_argument("--out", default="", help="write the best plan's config here (YAML); "
                                               "nothing is written without it")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--allow-stale", action="store_true",
                    help="the best plan may train with stale gradients (overlap.dcn_delay=1 "
                         "or Streaming DiLoCo across hosts)")
@@ -148,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-mb", type=_positive(float), default=0.0,
                    help="--to-hf: shards of at most this many MiB with an index (default: "
                         "one file)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's config (repeatable)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("evaluate", help="mean next-token loss and perplexity over a text file")
     src = p.add_mutually_exclusive_group(required=True)
@@ -158,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True,
                    help="a text file (tokenized with the model's tokenizer), or a "
                         "prepare-data directory (its held-out split is scored)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's config (repeatable)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("generate", help="continue a prompt with a run's or an HF model")
     # One of the two, checked by cmd_generate (one line, not argparse's usage block).
@@ -170,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: 64, or as many as model.seq_len leaves after the prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest (0: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's config (repeatable)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     return parser
 
 

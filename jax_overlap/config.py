@@ -30,7 +30,7 @@ class MeshConfig:
     tp: int = 1  # tensor-parallel shards (Megatron-style, inside each block)
     # Slow data axis, outermost: groups of dp x pp x tp devices on different hosts (or slices)
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
-    # first, so only 1/dp of them crosses dcn (docs/slow_axis.md).
+    # first, so only 1/dp of them crosses dcn (docs/guides/slow_links.md).
     dcn: int = 1
     # Expert parallelism (model.experts > 0): each group of ep consecutive dp ranks splits the
     # experts among itself, tokens travelling to their experts and back with all-to-alls
@@ -43,15 +43,17 @@ class MeshConfig:
 
 @dataclass
 class ModelConfig:
+    # gpt (decoder), llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), bert (MLM
+    # encoder) or resnet (image classifier); your own: docs/guides/custom_models.md
     kind: Literal["gpt", "bert", "resnet", "llama"] = "gpt"
-    layers: int = 4
-    d_model: int = 128
-    heads: int = 4
-    d_ff: int = 512
+    layers: int = 4  # blocks; divisible by pp x virtual_stages (or set pipeline.stage_layers)
+    d_model: int = 128  # hidden size
+    heads: int = 4  # attention heads; divisible by mesh.tp
+    d_ff: int = 512  # feed-forward hidden size (llama: the SwiGLU's); divisible by mesh.tp
     # >= the tokenizer's size (256 for bytes); auto: the data's tokenizer size (the shards'
     # index for data.source=tokens, else data.tokenizer) rounded up to a multiple of mesh.tp
     vocab: int | Literal["auto"] = 256
-    seq_len: int = 64
+    seq_len: int = 64  # tokens per sequence
     tied_embeddings: bool = True  # output layer reuses the token embedding
     # What each block keeps for its backward (jax_overlap/parallel/remat.py): none keeps
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
@@ -62,30 +64,29 @@ class ModelConfig:
     # (GPU, bf16/fp16, head dim a multiple of 8 up to 128); plain the einsum path that
     # materialises the [b, h, T, T] probabilities; auto fused where the target allows it.
     attention: Literal["auto", "fused", "plain"] = "auto"
-    # Llama only (docs/llama_and_hf.md; the other models ignore them): key/value heads of
-    # grouped-query attention (0: = heads), RoPE base and optional Llama-3.1 frequency
-    # scaling, RMSNorm epsilon. d_ff is the SwiGLU's hidden size.
+    # Llama (the other models ignore the Llama keys; docs/guides/data_and_hf.md): key/value
+    # heads of grouped-query attention (0: = heads); split over tp when kv_heads >= tp,
+    # replicated otherwise.
     kv_heads: int = 0
-    rope_theta: float = 10000.0
-    rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    norm_eps: float = 1e-5
-    # Mixture of experts (Llama only, models/moe.py): experts per MoE layer (0: dense);
-    # the router's top-k; each expert's capacity per sequence, `dropless` (never drops) or
-    # a factor of the even share (ceil(factor * seq_len * k / experts) tokens, the rest
-    # dropped, first choices first); shared experts every token passes through; every
-    # moe_every-th layer is MoE (the others dense); the load-balancing and router z-loss
-    # coefficients. d_ff is each expert's hidden size.
+    rope_theta: float = 10000.0  # Llama: the RoPE base
+    rope_scaling: Literal["none", "llama3"] = "none"  # Llama: Llama-3.1 frequency scaling
+    rope_factor: float = 8.0  # Llama, rope_scaling llama3: the scaling factor
+    rope_low_freq_factor: float = 1.0  # Llama, rope_scaling llama3: low-frequency factor
+    rope_high_freq_factor: float = 4.0  # Llama, rope_scaling llama3: high-frequency factor
+    rope_original_max_len: int = 8192  # Llama, rope_scaling llama3: the pre-training length
+    norm_eps: float = 1e-5  # Llama: the RMSNorm epsilon
+    # Mixture of experts (Llama only, models/moe.py; d_ff is each expert's hidden size):
+    # experts per MoE layer (0: dense).
     experts: int = 0
-    experts_per_token: int = 2
+    experts_per_token: int = 2  # MoE: the router's top-k
+    # MoE: each expert's capacity per sequence, `dropless` (never drops) or a factor of the
+    # even share (ceil(factor * seq_len * k / experts) tokens, the rest dropped, first
+    # choices first).
     expert_capacity: float | Literal["dropless"] = "dropless"
-    shared_experts: int = 0
-    moe_every: int = 1
-    router_aux_loss: float = 0.01
-    router_z_loss: float = 0.001
+    shared_experts: int = 0  # MoE: experts every token passes through
+    moe_every: int = 1  # MoE: every moe_every-th layer is MoE (the others dense)
+    router_aux_loss: float = 0.01  # MoE: the load-balancing loss coefficient
+    router_z_loss: float = 0.001  # MoE: the router z-loss coefficient
 
 
 
@@ -95,16 +96,16 @@ class DataConfig:
     # file: `path` to a UTF-8/bytes text file; synthetic: a learnable random Markov stream;
     # tokens: `path` to a `jax-overlap prepare-data` directory (token shards, read by Grain).
     source: Literal["stdlib", "file", "synthetic", "tokens"] = "stdlib"
-    path: str = ""
+    path: str = ""  # the text file (file) or prepare-data directory (tokens)
     max_bytes: int = 8_000_000  # how much of the corpus to load (stdlib, file)
     # bytes, or a Hugging Face tokenizer.json for stdlib/file (tokens: the shards' own; a path
     # given here must be the one they were made with)
     tokenizer: str = "bytes"
-    # Written by train into a run's config.json (a config need not set them): the kind
-    # (bytes, tokenizers, synthetic) and sha256 of the tokenizer the run's tokens were made
-    # with; the run dir keeps that tokenizer.json (jax_overlap/data/run_tokenizer.py).
+    # Written by train into a run's config.json (a config need not set it): the kind of the
+    # tokenizer the run's tokens were made with; the run dir keeps that tokenizer.json
+    # (jax_overlap/data/run_tokenizer.py).
     tokenizer_kind: Literal["", "bytes", "tokenizers", "synthetic"] = ""
-    tokenizer_sha256: str = ""
+    tokenizer_sha256: str = ""  # written by train: the sha256 of that tokenizer
     # stdlib/file/synthetic: the corpus's last fraction, held out for train.eval_every
     # (tokens: the split prepare-data --val-fraction wrote)
     val_fraction: float = 0.05
@@ -112,21 +113,21 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    seed: int = 0
+    steps: int = 100  # optimizer steps
+    seed: int = 0  # initialisation, data order and sampling all derive from (seed, step)
     global_batch: int = 16  # sequences per optimizer step, over all devices
     lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warmup to lr, then cosine decay
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # decoupled (AdamW / LAMB)
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     # bf16 / fp16: that compute dtype, fp32 master weights; fp16 adds dynamic loss scaling
     # (training/loss_scale.py): start at loss_scale_init, x2 after loss_scale_growth_interval
     # clean steps, /2 and the step skipped on overflow.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    loss_scale_init: float = 65536.0
-    loss_scale_growth_interval: int = 2000
-    optimizer: Literal["adamw", "lamb"] = "adamw"
+    loss_scale_init: float = 65536.0  # fp16: the first loss scale
+    loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
+    optimizer: Literal["adamw", "lamb"] = "adamw"  # lamb: layer-wise trust ratios (large batches)
     log_every: int = 1  # metrics.jsonl gets every step; the progress bar refreshes this often
     eval_every: int = 0  # held-out loss and perplexity every this many steps; 0: off
     eval_batches: int = 4  # global batches of held-out data per evaluation
@@ -134,8 +135,8 @@ class TrainConfig:
     # sample_tokens tokens (fewer if model.seq_len is shorter) in metrics.jsonl and
     # TensorBoard's text tab (jax_overlap/training/sample_hook.py); 0: off
     sample_every: int = 0
-    sample_prompt: str = ""
-    sample_tokens: int = 32
+    sample_prompt: str = ""  # the prompt of sample_every ("": a default)
+    sample_tokens: int = 32  # tokens per sample_every continuation
 
 
 @dataclass
@@ -159,12 +160,12 @@ class PipelineConfig:
     # twice the unpaired schedule's activations per stage. auto: on a GPU at latency 1, off
     # on a CPU (collectives are synchronous there; pairing only adds permutes).
     paired: bool | Literal["auto"] = "auto"
-    # Paired tables only. pair_search: steps of a search over which ticks run pairs, so the
-    # actions sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the
-    # whole step; ~35 ms a step at p = 4, m = 16, done once when the plan is built).
-    # tick_costs: [F, B, W], measured per-action tick times (`bench/pipeline.py` prints
-    # them) or ratios; null: equal.
+    # Paired tables only: steps of a search over which ticks run pairs, so the actions
+    # sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the whole
+    # step; ~35 ms a step at p = 4, m = 16, done once when the plan is built).
     pair_search: int = 0
+    # Paired tables only: [F, B, W], measured per-action tick times (`bench/pipeline.py`
+    # prints them) or ratios; null: equal.
     tick_costs: list[float] | None = None
     # Layers per virtual stage, in model order (pp x virtual_stages counts summing to
     # model.layers): even (equal chunks), auto (balanced by cost, counting the embedding on
@@ -175,12 +176,12 @@ class PipelineConfig:
     # each microbatch (its last hidden state broadcast over pp, the softmax statistics and
     # the hidden state's gradient summed over pp), so no stage carries the head's ~2 layers
     # of extra work. Needs pp > 1, a model whose head supports it (the built-in decoders)
-    # and vocab / tp divisible by pp.
-    vocab_parallel: bool = False
+    # and vocab / tp divisible by pp. auto: on a GPU at pp > 1 where the model supports it
+    # (plan.AUTO_VOCAB_PARALLEL_WHY); off on CPU.
+    vocab_parallel: bool | Literal["auto"] = "auto"
     # zb-h1 / zb-v: W as only the weight-gradient GEMMs (F keeps each weight matmul's input
     # and B its output gradient in stash slots until W) or as the chunk's whole backward.
-    # auto: split, but on a GPU under a remat policy that recomputes (there the slots' traffic
-    # every tick costs more than W's recompute).
+    # auto: split (plan.AUTO_SPLIT_WHY).
     split_backward: bool | Literal["auto"] = "auto"
 
 
@@ -189,6 +190,7 @@ class OverlapConfig:
     # 0: one reduction per gradient leaf, after the backward. auto: the plan picks (64 MiB
     # buckets issued during the backward on a GPU with dp > 1; 0 on a CPU).
     grad_bucket_mb: float | Literal["auto"] = "auto"
+    # backward: buckets in the order the backward completes them (last layer first)
     bucket_order: Literal["backward", "largest_first"] = "backward"
     # backward order: reduce the embedding's gradients before the first layer's, so the
     # first layer's weight-gradient GEMMs can hide them (see buckets.pack_units); pays off
@@ -199,13 +201,14 @@ class OverlapConfig:
     # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
     # so chunk i's all-to-all can run under chunk i-1's expert GEMMs (models/moe.py).
     moe_chunks: int = 1
-    grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"
+    grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves dp gradient traffic
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
     # sequence per microbatch under remat full, replicated otherwise.
     param_sharding: Literal["auto", "replicated", "fsdp"] = "auto"
     window: int = 2  # fsdp: all-gather block l+window while block l computes
     # auto: the plan picks (collective_matmul with tp > 1 on a GPU, plain elsewhere)
     tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"
+    # bi: a bidirectional ring (half the steps); auto: bi where seq_len / tp is even
     collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
     # XLA flag preset (overlap/xla_flags.py), applied before JAX starts. auto: gpu_overlap
     # when the step runs on (or is compiled for) a GPU, none on a CPU.
@@ -221,7 +224,7 @@ class OverlapConfig:
     # DC-ASGD delay compensation of the one-step-late gradient: g + lambda * g * g * (the
     # update applied since it was computed); 0 applies it as it is.
     dcn_delay_compensation: float = 0.0
-    # With dcn_delay 1, what arrives one step late (docs/slow_axis.md). gradient: the whole
+    # With dcn_delay 1, what arrives one step late (docs/guides/slow_links.md). gradient: the whole
     # reduced gradient, applied to the shared parameters (one device's training with each
     # gradient a step late). local: each dcn group applies its own update (from its fresh
     # fast-axis-reduced gradient) at once; the mean of the groups' updates replaces it one
@@ -233,13 +236,13 @@ class OverlapConfig:
 
 @dataclass
 class DilocoConfig:
-    # Streaming DiLoCo over dcn (docs/slow_axis.md): each dcn group trains on its own for
+    # Streaming DiLoCo over dcn (docs/guides/slow_links.md): each dcn group trains on its own for
     # inner_steps (H) steps per fragment sync; 0 is off. Needs mesh.dcn > 1.
     inner_steps: int = 0
     fragments: int = 1  # parameter fragments, synced in turn (every H / fragments steps)
     delay: int = 0  # tau: inner steps between issuing a fragment's sync and applying it
     outer_lr: float = 0.7  # outer Nesterov SGD
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.9  # the outer Nesterov momentum
     # dtype the outer gradient crosses dcn in; int8 is per-fragment absmax scaled
     outer_dtype: Literal["fp32", "bf16", "int8"] = "bf16"
     # with delay > 0, how much of the local fragment is kept when the synced one arrives
@@ -251,14 +254,14 @@ class DilocoConfig:
 class CheckpointConfig:
     dir: str = ""  # empty: <run_dir>/checkpoints
     every_steps: int = 0  # 0 disables checkpointing
-    keep: int = 3
-    async_save: bool = True
+    keep: int = 3  # committed checkpoints kept
+    async_save: bool = True  # write in the background while training continues
     # When committed checkpoints exist but none verifies: refuse (exit 2, nothing changed), or
     # restart from step 0 on purpose (the bad steps are quarantined, the summary lists them).
     on_unreadable: Literal["refuse", "restart"] = "refuse"
-    # The fast local tier (docs/resilience.md): a copy of every process's own shards every
-    # `local_every` accepted steps, written in the background; 0 turns it off. The newest
-    # step that verifies in either tier is resumed. Needs checkpoint.every_steps > 0.
+    # The fast local tier (docs/guides/fault_tolerance.md): a copy of every process's own
+    # shards every `local_every` accepted steps, written in the background; 0 turns it off.
+    # The newest step that verifies in either tier is resumed. Needs checkpoint.every_steps > 0.
     local_every: int = 0
     local_keep: int = 2  # local steps kept (1 or 2)
     local_dir: str = ""  # empty: /dev/shm/jax_overlap where it exists, else the system temp dir
@@ -269,12 +272,12 @@ class CheckpointConfig:
 
 @dataclass
 class GuardConfig:
-    enabled: bool = True
-    spike_sigma: float = 6.0
-    window: int = 20
+    enabled: bool = True  # skip non-finite or spiking steps in-graph, roll back after max_skips
+    spike_sigma: float = 6.0  # a loss this many standard deviations above the window's is a spike
+    window: int = 20  # steps of loss history the spike test uses
     max_skips: int = 3  # consecutive bad steps before a rollback
     skip_batches: int = 1  # batches skipped past the ones that caused a rollback
-    lr_scale_on_rollback: float = 1.0
+    lr_scale_on_rollback: float = 1.0  # multiply lr by this after each rollback
 
 
 @dataclass
@@ -291,8 +294,8 @@ class FaultConfig:
 @dataclass
 class DistributedConfig:
     coordinator: str = ""  # host:port of process 0; empty: from env or single process
-    num_processes: int = 1
-    process_id: int = 0
+    num_processes: int = 1  # processes in the run (one per host on GPUs)
+    process_id: int = 0  # this process's rank, 0 .. num_processes - 1
     timeout_s: int = 300  # survivors give up on a lost process after this long
 
 
@@ -478,7 +481,7 @@ def resolve_vocab(cfg: Config) -> Config:
     size, _ = data_vocab(cfg.data)
     return dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, vocab=padded_vocab(size, max(1, cfg.mesh.tp) * (
-            cfg.mesh.pp if cfg.pipeline.vocab_parallel else 1))))
+            cfg.mesh.pp if cfg.pipeline.vocab_parallel is True else 1))))
 
 
 def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

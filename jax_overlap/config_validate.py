@@ -66,7 +66,7 @@ def _model_problems(cfg: Config) -> list[str]:
         if ov.tp_comm not in ("plain", "auto") and mo.seq_len % m.tp:
             p.append(f"model.seq_len: {mo.seq_len} is not divisible by mesh.tp={m.tp}, which "
                      f"overlap.tp_comm={ov.tp_comm} needs; use a multiple of {m.tp}")
-    if pl.vocab_parallel:
+    if pl.vocab_parallel is True:
         if m.pp == 1:
             p.append("pipeline.vocab_parallel: needs mesh.pp > 1 (it splits the head over the "
                      "pipeline stages); set it to false")

@@ -427,15 +427,15 @@ class ParallelPlan:
             raise ConfigError([str(e)]) from None
         perm = None
         num_layers = model.num_layers if model is not None else cfg.model.layers
-        vocab_parallel = pl.vocab_parallel and m.pp > 1
+        vocab_parallel = _resolve_vocab_parallel(cfg, target, model, choices)
         if vocab_parallel and model is not None and not getattr(model, "vocab_parallel_head",
                                                                 False):
             raise ConfigError([
                 f"pipeline.vocab_parallel: model {type(model).__name__} does not declare "
                 f"vocab_parallel_head (its head must slice its output layer with "
-                f"collectives.vocab_columns and use vocab_cross_entropy, docs/custom_models.md); "
+                f"collectives.vocab_columns and use vocab_cross_entropy, docs/guides/custom_models.md); "
                 f"set it to false"])
-        split = _resolve_stage_layers(cfg, num_layers, schedule, choices)
+        split = _resolve_stage_layers(cfg, num_layers, schedule, choices, vocab_parallel)
         if m.pp > 1:
             perm = _layer_permutation(num_layers, schedule, split)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
@@ -486,7 +486,8 @@ def _layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None
 
 
 def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
-                          choices: dict[str, Choice]) -> tuple[int, ...]:
+                          choices: dict[str, Choice], vocab_parallel: bool = False
+                          ) -> tuple[int, ...]:
     """`pipeline.stage_layers` as layers per virtual stage (`auto` resolved from the model's
     FLOPs: `pipeline.stage_split`)."""
     from jax_overlap.pipeline import stage_split
@@ -504,7 +505,7 @@ def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
             raise ConfigError([str(e)]) from None
     mo = cfg.model
     block, embed, head = stage_split.transformer_costs(mo.d_model, mo.d_ff, mo.vocab, mo.seq_len)
-    if cfg.pipeline.vocab_parallel:  # every stage runs 1/pp of the head: no stage is heavier
+    if vocab_parallel:  # every stage runs 1/pp of the head: no stage is heavier
         head = 0.0
     try:
         split = stage_split.auto_split(num_layers, schedule.placement, schedule.stages,
@@ -713,30 +714,65 @@ def _resolve_paired(cfg: Config, target: Target, choices: dict[str, Choice]) -> 
     return True
 
 
+# Why `pipeline.vocab_parallel: auto` splits the LM head over the stages on a GPU (measured;
+# docs/results.md).
+AUTO_VOCAB_PARALLEL_WHY = (
+    "GPU: the last stage no longer runs the whole head and loss while the others wait (GPT-1.3B "
+    "pp4 x dp2, deviceless 8 x H100, estimated step: 1F1B paired 1.44 -> 1.29 s, ZB-V "
+    "1.79 -> 1.56 s)")
+
+
+def auto_vocab_parallel(cfg: Config, accelerator: bool) -> tuple[bool, str]:
+    """`pipeline.vocab_parallel` (`auto` resolved by the config alone) and why."""
+    m, mo, value = cfg.mesh, cfg.model, cfg.pipeline.vocab_parallel
+    if value != "auto":
+        return bool(value) and m.pp > 1, "set in the config"
+    if m.pp == 1:
+        return False, "pp = 1: no stages to split the head over"
+    if mo.kind == "resnet":
+        return False, "resnet's head is a small classifier with no vocabulary to split"
+    if not isinstance(mo.vocab, int) or mo.vocab % (m.tp * m.pp):
+        return False, (f"model.vocab {mo.vocab} is not divisible by mesh.tp x mesh.pp = "
+                       f"{m.tp * m.pp} (pad it to split the head)")
+    if not accelerator:
+        return False, ("CPU: the head stays on the last stage (every collective is "
+                       "synchronous there: the head phase's psums over pp add work, they hide "
+                       "nothing)")
+    return True, AUTO_VOCAB_PARALLEL_WHY
+
+
+def _resolve_vocab_parallel(cfg: Config, target: Target, model, choices: dict[str, Choice]
+                            ) -> bool:
+    """`pipeline.vocab_parallel`, `auto` resolved (a choice only where there is a pipeline)."""
+    value, why = auto_vocab_parallel(cfg, bool(target.accelerator))
+    if cfg.pipeline.vocab_parallel != "auto":
+        return value
+    if value and model is not None and not getattr(model, "vocab_parallel_head", False):
+        value, why = False, f"model {type(model).__name__} does not declare vocab_parallel_head"
+    if cfg.mesh.pp > 1:
+        choices["pipeline.vocab_parallel"] = Choice(value, why)
+    return value
+
+
 def _resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
                    choices: dict[str, Choice]) -> bool:
     """`pipeline.split_backward`, `auto` resolved for a split-backward schedule: W only the
-    weight-gradient GEMMs, but on a GPU under a recomputing remat policy."""
+    weight-gradient GEMMs."""
     value = cfg.pipeline.split_backward
     if not schedule.split_backward or value != "auto":
         return schedule.split_backward and value is not False
-    if not _auto_splits_backward(target.accelerator, remat):
-        choices["pipeline.split_backward"] = Choice(
-            False, f"GPU, model.remat={remat}: W's operands and output gradients would go "
-                   f"through stash slots every tick, which costs more than W recomputing the "
-                   f"chunk's backward (GPT-1.3B pp4 x dp2 ZB-V paired, estimated step 2.47 s "
-                   f"split, 2.01 s not)")
-        return False
-    choices["pipeline.split_backward"] = Choice(
-        True, "W only the weight-gradient GEMMs, from operands and output gradients kept "
-              "in stash slots")
+    choices["pipeline.split_backward"] = Choice(True, AUTO_SPLIT_WHY[bool(target.accelerator)])
     return True
 
 
-def _auto_splits_backward(accelerator: bool, remat: str) -> bool:
-    """What `pipeline.split_backward: auto` becomes for a split-backward schedule: split,
-    but on a GPU under a remat policy that recomputes."""
-    return not accelerator or remat == "none"
+# Why `pipeline.split_backward: auto` splits (measured; docs/results.md).
+AUTO_SPLIT_WHY = {
+    True: ("W only the weight-gradient GEMMs, from operands and output gradients B keeps in "
+           "stash slots (GPT-1.3B pp4 x dp2 ZB-V paired, vocab-parallel, deviceless 8 x H100: "
+           "estimated step 1.56 s split, 1.81 s not)"),
+    False: "W only the weight-gradient GEMMs, from operands and output gradients B keeps in "
+           "stash slots",
+}
 
 
 def _resolve_attention(cfg: Config, target: Target, choices: dict[str, Choice]) -> str:
@@ -769,7 +805,8 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
 
     m, pl = cfg.mesh, cfg.pipeline
     count = max(1, cfg.train.global_batch // (m.dcn * m.dp * max(micro_batch, 1)))
-    vocab_parallel = pl.vocab_parallel and m.pp > 1
+    # As the plan resolves it on a GPU (the only target with a memory estimate).
+    vocab_parallel = auto_vocab_parallel(cfg, accelerator=True)[0]
     slots, split = None, False
     if m.pp > 1:
         try:
@@ -779,9 +816,7 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                                            overlap.buckets_in_loop, vocab_parallel)
         except ValueError:  # no table for this count: the rough slot counts
             slots = PipelineSlots.rough(m.pp, count, pl.virtual_stages)
-        # As `_resolve_split` decides it on a GPU (the only target with a memory estimate).
-        split = split and (pl.split_backward is True or (
-            pl.split_backward == "auto" and _auto_splits_backward(True, remat)))
+        split = split and pl.split_backward is not False
     return step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
                       zero1=overlap.zero1, fsdp=overlap.fsdp, remat=remat, attention=attention,
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",

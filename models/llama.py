@@ -17,7 +17,7 @@ TP layout:
 
 RoPE uses the half-split ("rotate_half") convention of Hugging Face's `LlamaForCausalLM`,
 so HF q/k projection weights load without the Meta-format permutation (see
-`jax_overlap/hf/llama.py` and docs/llama_and_hf.md).
+`jax_overlap/hf/llama.py` and docs/guides/data_and_hf.md).
 """
 
 from __future__ import annotations

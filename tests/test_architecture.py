@@ -156,7 +156,7 @@ def test_engine_does_not_read_parallel_config_sections():
 
 # Lowest first; a module may import its own floor's modules and those below, never above. A
 # name is a subpackage (`jax_overlap.hardware`) or a top-level module (`jax_overlap.config`);
-# `models` is the built-in models' package. docs/architecture.md draws the same floors.
+# `models` is the built-in models' package. docs/design/architecture.md draws the same floors.
 FLOORS = [
     ["jax_overlap.errors", "jax_overlap.hardware"],  # the ConfigError; chips, links, memory
     ["jax_overlap.parallel"],  # mesh, collectives, collective matmul, partition

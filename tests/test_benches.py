@@ -32,6 +32,7 @@ TESTED = {
     "gpu.py": "test_gpu_quick_on_cpu",
     "loader.py": "test_loader_quick",
     "overlap.py": "test_overlap_quick",
+    "overlap_headline.py": "test_overlap_headline_quick",
     "pipeline.py": "test_pipeline_quick",
     "pipeline_overlap.py": "test_pipeline_overlap_quick",
     "remat.py": "test_remat_quick",
@@ -347,3 +348,43 @@ def test_zero_bubble_quick():
         assert r["best"] == min(r["table"], r["paired"], r["search"])
     assert len(doc["timings"]) == 5 and all(t["seconds"] >= 0 and t["ticks"] > 0
                                             for t in doc["timings"])
+
+
+def _headline_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "overlap_headline", os.path.join(REPO, "bench", "overlap_headline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overlap_headline_arithmetic():
+    """The estimated step is the compiled step's GPU estimate plus the exposed communication;
+    iter/s is its inverse (no compile: canned analyze reports)."""
+    h = _headline_module()
+    report = {"estimate": {"step_ms": 80.0, "mfu": 0.4}, "exposed_comm_s_estimate": 0.02,
+              "total_comm_s_estimate": 0.05, "collective_bytes_under_gemm_fraction": 0.6}
+    r = h.row(report)
+    assert r["step_ms"] == pytest.approx(100.0) and r["iter_per_s"] == pytest.approx(10.0)
+    assert r["comm_ms"] == pytest.approx(50.0) and r["exposed_comm_ms"] == pytest.approx(20.0)
+    # GPT-1.3B's shape: 1.31e9 parameters with its embedding.
+    assert h.parameters(h.SIZES["1.2B"]) == pytest.approx(1.31e9, rel=0.01)
+    assert h.parameters(h.SIZES["3B"]) == pytest.approx(2.96e9, rel=0.02)
+    slow = {**report, "exposed_comm_s_estimate": 0.07}
+    text = h.table({"1.2B": {"params": 1.31e9, "variants": {"no overlap": h.row(slow),
+                                                             "defaults": r}}})
+    assert "+50%" in text and "9.5" in text and "13.1" in text  # the design's figures beside
+
+
+@pytest.mark.slow  # two deviceless GPU compiles (~25 s of CPU)
+def test_overlap_headline_quick():
+    out = run_bench("overlap_headline.py")
+    header, rows = table_rows(out, "model ", 2)
+    assert header[:4] == ["model", "params", "variant", "step_ms"]
+    base, best = rows
+    assert base[2:4] == ["no", "overlap"] and best[2] == "defaults"
+    # no overlap: nothing under GEMMs; the defaults hide part of the gradient reduction
+    assert float(base[8]) == 0.0 and float(best[7]) > 0.0
+    assert float(best[4]) > float(base[5])  # iter/s

@@ -111,7 +111,7 @@ def test_grouped_steps_are_right_under_stage_divergent_branches():
     take different `lax.switch` branches at each tick, the busy branch running a collective
     matmul over 'tp', and a 'pp' ppermute after every tick. The grouped steps give the
     one-device result. (Ring ppermutes there are matched with the other stage's 'pp'
-    permute by XLA:CPU and give wrong numbers: `docs/xla_notes.md`.)"""
+    permute by XLA:CPU and give wrong numbers: `docs/design/xla_notes.md`.)"""
     tp, b, t, d = 2, 1, 8, 4
     mesh = meshlib.make_mesh(2, 2, tp, jax.devices()[:8])
     rng = np.random.default_rng(0)

@@ -1,7 +1,8 @@
 """The fault drill with two JAX processes x 4 CPU devices (gloo): kills of one process, then
 both restart from the newest step every process's local tier (or the persistent tier) holds,
 and end bit-identical to an uninterrupted run. Slow (every launch starts two JAX processes);
-the full drill is `python bench/fault_drill.py --processes 2 --kills 5` (docs/resilience.md)."""
+the full drill is `python bench/fault_drill.py --processes 2 --kills 5`
+(docs/guides/fault_tolerance.md)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_bf16_gathers_matrices_in_bf16_and_computes_the_same():
         f = jax.jit(assembled.loss_and_grads())
         args = (assembled.place_params(params), assembled.put_batch(batch))
         # The lowered module: XLA:CPU widens bf16 collectives to f32 when it compiles (a GPU
-        # keeps them; the deviceless Llama-3-8B analysis in docs/llama_and_hf.md).
+        # keeps them; the deviceless Llama-3-8B analysis in docs/guides/data_and_hf.md).
         report = analyze_hlo(f.lower(*args).as_text(dialect="hlo"))
         return f(*args), report.collectives.get("all-gather")
 

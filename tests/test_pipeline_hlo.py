@@ -134,7 +134,7 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
                  "model.heads=4", "model.d_ff=1024", "model.seq_len=128",
                  "pipeline.schedule=1f1b", "pipeline.microbatches=8", "train.global_batch=32",
                  "pipeline.transfer_latency=2", "overlap.grad_bucket_mb=1",
-                 "overlap.xla_preset=gpu_overlap"]
+                 "overlap.xla_preset=gpu_overlap", "pipeline.vocab_parallel=false"]
     proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json", "--top", "3",
                    *[a for o in overrides for a in ("--set", o)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -178,7 +178,9 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
 def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
     """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: both lanes send on both rings,
     four permutes a tick, and each runs beside the other lane's `conditional` (its GEMMs), not
-    beside the slot writes after it (the executor ties each lane's arrivals to its results)."""
+    beside the slot writes after it (the executor ties each lane's arrivals to its results).
+    With the vocabulary-parallel head (the GPU default), XLA schedules the head phase before
+    the backward lane and leaves the forward lane's two sends synchronous."""
     from helpers import last_json_line, run_cli
 
     from jax_overlap.analysis import deviceless
@@ -189,7 +191,7 @@ def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
                  "model.heads=4", "model.d_ff=64", "model.seq_len=16", "data.source=synthetic",
                  "pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.paired=true",
                  "pipeline.microbatches=8", "train.global_batch=16",
-                 "overlap.xla_preset=gpu_overlap"]
+                 "overlap.xla_preset=gpu_overlap", "pipeline.vocab_parallel=false"]
     proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
                    *[a for o in overrides for a in ("--set", o)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

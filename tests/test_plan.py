@@ -167,15 +167,25 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
     latency2 = ParallelPlan.build(config.load(GPT_1P3B, [
         "mesh.dp=2", "mesh.pp=4", "pipeline.transfer_latency=2"]), target=H100)
     assert not latency2.schedule.paired
-    # ZB-V: W as only the weight GEMMs on a CPU; on a GPU under full remat the whole chunk's
-    # backward (stash slots every tick cost more); an explicit value wins.
+    # ZB-V: W as only the weight GEMMs on every target (under full remat on a GPU too: B
+    # keeps W's operands); the head split over the stages on a GPU only; explicit values win.
     zbv = ["mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"]
     gpu = ParallelPlan.build(config.load(GPT_1P3B, zbv), target=H100)
-    assert gpu.remat == "full" and not gpu.split_backward
-    assert gpu.choices["pipeline.split_backward"].value is False
-    assert ParallelPlan.build(config.load(GPT_1P3B, zbv)).split_backward
-    forced = config.load(GPT_1P3B, zbv + ["pipeline.split_backward=true"])
-    assert ParallelPlan.build(forced, target=H100).split_backward
+    assert gpu.remat == "full" and gpu.split_backward and gpu.vocab_parallel
+    assert gpu.choices["pipeline.split_backward"].value is True
+    assert gpu.choices["pipeline.vocab_parallel"].why.startswith("GPU")
+    cpu = ParallelPlan.build(config.load(GPT_1P3B, zbv))
+    assert cpu.split_backward and not cpu.vocab_parallel
+    assert cpu.choices["pipeline.vocab_parallel"].why.startswith("CPU")
+    forced = config.load(GPT_1P3B, zbv + ["pipeline.split_backward=false",
+                                          "pipeline.vocab_parallel=false"])
+    plan = ParallelPlan.build(forced, target=H100)
+    assert not plan.split_backward and not plan.vocab_parallel
+    assert "pipeline.vocab_parallel" not in plan.choices
+    odd = config.load(GPT_1P3B, zbv + ["model.vocab=50257"])
+    plan = ParallelPlan.build(odd, target=H100)
+    assert not plan.vocab_parallel and "not divisible" in plan.choices[
+        "pipeline.vocab_parallel"].why
     assert not ParallelPlan.build(cfg, target=H100).split_backward  # 1f1b: nothing to split
     huge = config.load(GPT_1P3B, ["model.attention=plain", "pipeline.microbatches=1"])
     plan = ParallelPlan.build(huge, target=H100)  # 32 sequences per microbatch
@@ -306,7 +316,7 @@ def test_analyze_names_the_knobs_that_would_hide_more():
 
 def test_collective_matmul_under_a_pipeline_runs_grouped_steps():
     """Ring permutes inside the executor's per-stage branches are matched with other stages'
-    permutes (wrong loss, `docs/xla_notes.md`), so at pp > 1 an explicit collective matmul
+    permutes (wrong loss, `docs/design/xla_notes.md`), so at pp > 1 an explicit collective matmul
     runs grouped all-gather / reduce-scatter steps; `auto` picks sequence parallelism there
     (the grouped steps are not measured to beat it). At pp = 1 the ring stays."""
     pp2 = ["mesh.pp=2", "mesh.dp=2", "mesh.tp=2", "pipeline.microbatches=2"]

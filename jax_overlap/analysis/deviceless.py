@@ -14,7 +14,7 @@ library) to the same version as jax/jaxlib and pulls no CUDA libraries. The mini
 that works is ``jax-cuda12-pjrt`` alone (the compiler lives in its
 ``xla_cuda_plugin.so``); without ``jax-cuda12-plugin`` every process logs
 "cuda_plugin_extension is not found." once. The versions this was checked with:
-``docs/xla_notes.md``.
+``docs/design/xla_notes.md``.
 
 The plugin's XLA parses ``XLA_FLAGS`` when it compiles, so a flag it does not know
 aborts the process there (see :mod:`jax_overlap.overlap.xla_flags`). Per-compile options can

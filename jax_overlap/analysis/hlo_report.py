@@ -10,7 +10,7 @@ chip -- link-time estimates: each collective costs
 is credited with the GEMMs under it at the chip's peak rate.
 
 What XLA's GPU pipeline did with the programs this reader was built on (which passes
-move collectives, which flags counter them, per jaxlib version): ``docs/xla_notes.md``.
+move collectives, which flags counter them, per jaxlib version): ``docs/design/xla_notes.md``.
 """
 
 from __future__ import annotations

@@ -535,7 +535,7 @@ def predict(
         (each stage's row as soon as its inputs are there) or ``ticks`` (the executor's
         ticks, each stage waiting for its ring neighbours at every permute). None: ``ticks``
         for a pipelined plan on a device with asynchronous collectives (a GPU), else
-        ``events`` (what `docs/simulator_validation.md` checks against CPU steps).
+        ``events`` (what `docs/results.md` checks against CPU steps).
 
     Returns:
       The :class:`Prediction`.
@@ -1120,7 +1120,7 @@ def tune_command(
     if not allow_stale and stale is not None and stale.step_time_s < best.step_time_s:
         text += (f"\nfaster with stale gradients: {stale.candidate.label()} "
                  f"({stale.step_time_s * 1e3:.3f} ms; --allow-stale to pick it: it changes "
-                 f"the optimisation, docs/slow_axis.md)")
+                 f"the optimisation, docs/guides/slow_links.md)")
     if slow_rows:
         text += ("\n\nacross hosts (mesh.dcn = hosts; dp inside a host):\n"
                  + format_slow_table(slow_rows)

@@ -20,7 +20,7 @@ but no datasheet prints are derived from those, with the arithmetic in the comme
 :func:`render_target_config` writes every field of :class:`GpuDeviceInfo`: some are
 required (without them the compiler crashes or targets the wrong architecture), others
 change the compiled program or feed XLA's cost models. Which was which, for one
-jaxlib: ``docs/xla_notes.md``.
+jaxlib: ``docs/design/xla_notes.md``.
 """
 
 from __future__ import annotations

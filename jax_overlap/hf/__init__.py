@@ -1,1 +1,1 @@
-"""Hugging Face interop: `config.json` + safetensors in and out (docs/llama_and_hf.md)."""
+"""Hugging Face interop: `config.json` + safetensors in and out (docs/guides/data_and_hf.md)."""

@@ -3,7 +3,7 @@
 The plain delayed reduction (`delay.py`) applies every step's gradient one step late to the
 shared parameters. With Adam near its edge of stability that is expensive: in a linear
 model of one sharp direction, the EMA momentum (b1 = 0.9) stays stable up to a step 38x
-larger with a fresh gradient than with one a step old (docs/slow_axis.md). Here the fresh
+larger with a fresh gradient than with one a step old (docs/guides/slow_links.md). Here the fresh
 part of the gradient -- the dcn group's own, reduced exactly over the fast axes -- is applied
 at once, and only what crosses dcn is late:
 

@@ -26,7 +26,7 @@ older spelling as ``fallback``, used when the preferred one is unknown (XLA rena
 ``xla_gpu_enable_pipelined_<collective>=true`` to ``xla_gpu_pipeline_<collective>=on``;
 jaxlib 0.11.2 and 0.12 accept both, the old one as a deprecated alias).
 
-Why these flags and not others: see ``docs/xla_notes.md`` for what was measured on
+Why these flags and not others: see ``docs/design/xla_notes.md`` for what was measured on
 deviceless H100/H200 compiles. ``xla_gpu_collective_permute_decomposer_
 threshold`` with ``xla_gpu_enable_pipelined_p2p`` overlaps a pipeline ring fully but
 aborts the compiler on other loops, so it is deliberately absent.
@@ -115,7 +115,7 @@ _GPU_OVERLAP: tuple[XlaFlag, ...] = (
             "bucket reduce-scatters up to 64 MiB"),
     # CollectivePermuteMotion moves a pipeline loop's ppermute to the top of the next
     # iteration, where (after fusion) every matmul of the body waits for it; without
-    # the pass the transfer overlaps independent matmuls (docs/xla_notes.md).
+    # the pass the transfer overlaps independent matmuls (docs/design/xla_notes.md).
     XlaFlag("xla_disable_hlo_passes", "collective-permute-motion",
             "keep pipeline ppermutes where they can overlap independent matmuls"),
     # A bidirectional collective matmul keeps two ring transfers in flight at once, and so does

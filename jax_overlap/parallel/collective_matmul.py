@@ -20,7 +20,7 @@ that XLA's GPU pipeline cannot undo the overlap:
     the loop would leave its GEMM free of the loop, to be merged with another GEMM, and the
     last transfer with nothing to hide under.
 What XLA did that led to this shape (DotMerger, CollectivePermuteMotion, the exposed
-transfers it cost on GPT-1.3B): `docs/xla_notes.md`.
+transfers it cost on GPT-1.3B): `docs/design/xla_notes.md`.
 
 Directions:
   uni: one ring (rank r sends to r+1): tp-1 transfers of a (B, T/tp, .) chunk.
@@ -38,7 +38,7 @@ of a `ppermute`. The pipeline executor runs every block inside a `lax.switch` wh
 differs from stage to stage; a collective-permute there is matched with whatever
 collective-permute the other stages run at that moment (XLA:CPU keys a permute's rendezvous by
 channel id and the whole device set of its pairs, and JAX gives every permute channel 1), so
-the ring read another stage's buffers (`docs/xla_notes.md`). An all-gather or reduce-scatter
+the ring read another stage's buffers (`docs/design/xla_notes.md`). An all-gather or reduce-scatter
 has replica groups -- the tp peers, who all run the same branch -- so it is correct under
 divergent branches. Each rank's local chunk is cut into `pieces` (tp, or the largest divisor
 of T/tp below it) along the sequence; step j gathers (scatters) piece j of every chunk while

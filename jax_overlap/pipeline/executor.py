@@ -31,7 +31,7 @@ flight for the whole tick's `conditional`: its GEMMs run while the activations t
 tables are generated for that latency (a consumer on another stage runs two ticks after its
 producer), which lengthens the ramp. Both rings' permutes are then in flight at once, which
 needs the `gpu_overlap` preset's parallel-collective limit of 2. What XLA's GPU scheduler
-did with this loop, per jaxlib version: `docs/xla_notes.md`.
+did with this loop, per jaxlib version: `docs/design/xla_notes.md`.
 
 Stash: per stage a pool of activation-sized slots. A received activation is a virtual stage's
 *input*; it stays in its slot until the last backward action of that (microbatch, chunk) (B,
@@ -737,65 +737,74 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     Returns:
       (grads, loss) accumulated over the step on this device.
     """
-    stage = jax.lax.axis_index(PP)
-    zeros = ctx.zeros_btd
-    # A pool is filed at a slot the stage's table row names, so what an action files varies
-    # over pp even where the pool's initial zeros do not: typed so from the start, the
-    # filing switch's branches (and the scan's carry) agree.
-    res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(zeros))), res0)
-    # Per lane, the branches its table column takes, and whether any of them adds to the
-    # gradients (a paired schedule's forward lane does not: its switches then neither take
-    # nor return the accumulators, which XLA would otherwise copy in every branch).
-    fills = {name: program.fills(name) for name in res0}
-    adds = [False] + [b.kind != "F" for b in program.branches]
-    lanes = []
-    for lane in range(program.lanes):
-        taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
-        lanes.append(_lane_switches(ctx, branches, fills, taken,
-                                    any(adds[b] for b in taken)))
+    return _TickLoop(ctx, program, branches, res0).run(pool_sbtd)
 
-    def head_phase(pool, grads, loss, out, rows, row):
+
+class _TickLoop:
+    """`run_ticks`'s loop: the per-lane switches, built once, and one tick of each kind."""
+
+    def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict):
+        self.ctx, self.program = ctx, program
+        self.stage = jax.lax.axis_index(PP)
+        self.zeros = ctx.zeros_btd
+        # A pool is filed at a slot the stage's table row names, so what an action files varies
+        # over pp even where the pool's initial zeros do not: typed so from the start, the
+        # filing switch's branches (and the scan's carry) agree.
+        res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(ctx.zeros_btd))), res0)
+        # Per lane, the branches its table column takes, and whether any of them adds to the
+        # gradients (a paired schedule's forward lane does not: its switches then neither take
+        # nor return the accumulators, which XLA would otherwise copy in every branch).
+        fills = {name: program.fills(name) for name in res0}
+        adds = [False] + [b.kind != "F" for b in program.branches]
+        self.lanes = []
+        for lane in range(program.lanes):
+            taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
+            self.lanes.append(_lane_switches(ctx, branches, fills, taken,
+                                             any(adds[b] for b in taken)))
+        self.res0 = res0
+
+    def head_phase(self, pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring). The flag is read from stage
         # 0's row (every stage's says the same), so it is pp-invariant and every stage takes
         # the same side of the cond: the collectives inside meet.
-        if not program.vocab_parallel:
+        if not self.program.vocab_parallel:
             return pool, grads, loss
         mb1 = rows[0, 0, COL["head_mb"]]
         slot = row[COL["head_slot"]]  # `trash` but on the stage whose F made the output
-        mine = slot != program.trash
+        mine = slot != self.program.trash
         # Only the head's accumulators go through the cond (the pool and the blocks' stay
         # outside it, so nothing large is handed to a conditional that might copy it).
         acc = {k: grads[k] for k in ("embed", "head")}
 
         def run(acc, loss):
             y = jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP)  # over pp
-            y = _like(y, zeros)
-            w = ctx.params
+            y = _like(y, self.zeros)
+            w = self.ctx.params
             part, pull = jax.vjp(
-                lambda we, wh, y_: ctx.pieces.head(we, wh, y_, ctx.targets_mbt[mb1 - 1]),
+                lambda we, wh, y_: self.ctx.pieces.head(we, wh, y_, self.ctx.targets_mbt[mb1 - 1]),
                 w["embed"], w["head"], y)
             d_embed, d_head, dy = pull(jnp.ones_like(part))
-            dy = _like(jax.lax.psum(dy, PP), zeros)  # the stages' partial sums, over pp
+            dy = _like(jax.lax.psum(dy, PP), self.zeros)  # the stages' partial sums, over pp
             acc = _accumulate(acc, {"embed": d_embed, "head": d_head}, None, blocks=False)
             loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
-            return dy, _like(acc, {k: ctx.grads0[k] for k in acc}), _like(loss, ctx.loss0)
+            return dy, _like(acc, {k: self.ctx.grads0[k] for k in acc}), _like(loss, self.ctx.loss0)
 
         with jax.named_scope(HEAD_SCOPE):
-            dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (zeros, acc, loss),
+            dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (self.zeros, acc, loss),
                                          acc, loss)
         return pool.at[slot].set(dy), {**grads, **acc}, loss
 
-    def slots(pool, row):
+    def slots(self, pool, row):
         # The two slots an action can read: its input and its output gradient.
         return {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
 
-    def read_inbox(pool, row):
+    def read_inbox(self, pool, row):
         # The action's slots, tied to the pool that holds them: arrivals filed into the pool
         # after this point then update it in place. Without the tie nothing orders these
         # reads before those writes, and XLA copies the whole pool every tick.
-        return jax.lax.optimization_barrier((pool, slots(pool, row)))
+        return jax.lax.optimization_barrier((pool, self.slots(pool, row)))
 
-    def act(pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
+    def act(self, pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
         # Two switches on the row's branch. The first runs the actions that file nothing
         # into a residual pool (idle, B without a split, W...) and gets the pools read-only:
         # a branch reads its (microbatch, chunk)'s slots itself, so only the actions that use
@@ -809,10 +818,10 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         # Likewise the activation pool: the switches get only the two slots an action can
         # read (its input and its output gradient). Handed the pool, they would hold it as
         # an operand while the other lane's arrivals are filed into it, and XLA would copy it.
-        switches = lanes[lane]
+        switches = self.lanes[lane]
         branch = row[COL["branch"]]
         if inbox is None:
-            inbox = slots(pool, row)
+            inbox = self.slots(pool, row)
         carry = (grads, loss) if switches.grads else (loss,)
         kept = {name: res[name] for name in switches.pools}
         read_only = {name: p for name, p in res.items() if name not in kept}
@@ -834,47 +843,47 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         out, tie = jax.lax.optimization_barrier((out, tie))
         return res, grads, loss, out, tie
 
-    def tick(carry, rows):
+    def tick(self, carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)[0]
+        row = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)[0]
         # File last tick's arrivals.
-        if program.down_pairs:
+        if self.program.down_pairs:
             pool = _file(pool, row, "down", inbox_down)
-        if program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
+        if self.program.up_pairs:  # with 2 stages both neighbours are +1: one ring suffices
             pool = _file(pool, row, "up", inbox_up)
-        if program.local_handoff:
+        if self.program.local_handoff:
             pool = _file(pool, row, "self", inbox_self)
-        res, grads, loss, out = act(pool, res, grads, loss, row)
-        pool, grads, loss = head_phase(pool, grads, loss, out, rows, row)
-        inbox_down = _ring(out, program.down_pairs, zeros)
-        inbox_up = _ring(out, program.up_pairs, zeros)
-        inbox_self = out if program.local_handoff else inbox_self
+        res, grads, loss, out = self.act(pool, res, grads, loss, row)
+        pool, grads, loss = self.head_phase(pool, grads, loss, out, rows, row)
+        inbox_down = _ring(out, self.program.down_pairs, self.zeros)
+        inbox_up = _ring(out, self.program.up_pairs, self.zeros)
+        inbox_self = out if self.program.local_handoff else inbox_self
         return (pool, res, inbox_down, inbox_up, inbox_self, grads, loss), None
 
-    def skewed_tick(carry, rows_now_next):
+    def skewed_tick(self, carry, rows_now_next):
         # Tick t sends tick t-1's output, so the transfers and this tick's action have no
         # data dependency: the ppermutes start before the action and finish after it. What
         # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
         pool, res, pending, inbox_self, grads, loss = carry
         rows, rows_next = rows_now_next
-        row = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)[0]
-        row_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)[0]
-        arrival_down = _ring(pending, program.down_pairs, zeros)
-        arrival_up = _ring(pending, program.up_pairs, zeros)
-        if program.local_handoff:  # same stage: readable one tick after it was made
+        row = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)[0]
+        row_next = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)[0]
+        arrival_down = _ring(pending, self.program.down_pairs, self.zeros)
+        arrival_up = _ring(pending, self.program.up_pairs, self.zeros)
+        if self.program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
-        pool, inbox = read_inbox(pool, row)
-        res, grads, loss, out, (arrival_down, arrival_up) = act(
+        pool, inbox = self.read_inbox(pool, row)
+        res, grads, loss, out, (arrival_down, arrival_up) = self.act(
             pool, res, grads, loss, row, inbox, tie=(arrival_down, arrival_up))
-        pool, grads, loss = head_phase(pool, grads, loss, out, rows, row)
-        if program.down_pairs:
+        pool, grads, loss = self.head_phase(pool, grads, loss, out, rows, row)
+        if self.program.down_pairs:
             pool = _file(pool, row_next, "down", arrival_down)
-        if program.up_pairs:
+        if self.program.up_pairs:
             pool = _file(pool, row_next, "up", arrival_up)
         return (pool, res, out, out, grads, loss), None
 
-    def file_all(pool, row, inboxes, lane):
-        down_pairs, up_pairs, handoff = program.lane_rings[lane]
+    def file_all(self, pool, row, inboxes, lane):
+        down_pairs, up_pairs, handoff = self.program.lane_rings[lane]
         down, up, own = inboxes
         if down_pairs:
             pool = _file(pool, row, "down", down)
@@ -884,13 +893,13 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
             pool = _file(pool, row, "self", own)
         return pool
 
-    def send(out, lane):
+    def send(self, out, lane):
         # Only the rings this lane's actions send on (one each for a paired 1F1B); a
         # same-stage hand-off is the value itself.
-        down_pairs, up_pairs, _ = program.lane_rings[lane]
-        return _ring(out, down_pairs, zeros), _ring(out, up_pairs, zeros), out
+        down_pairs, up_pairs, _ = self.program.lane_rings[lane]
+        return _ring(out, down_pairs, self.zeros), _ring(out, up_pairs, self.zeros), out
 
-    def paired_tick(carry, rows_now_next):
+    def paired_tick(self, carry, rows_now_next):
         # Lane 0 runs the forward, lane 1 the backward, each as a skewed half-tick: what
         # the other lane produced last is sent before this lane's action and filed after
         # it, just before the other lane runs again. So the backward's output (tick t-1)
@@ -899,37 +908,40 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
         # latency-1 table expects.
         pool, res, pending_b, grads, loss = carry
         rows, rows_next = rows_now_next
-        lanes = jax.lax.dynamic_index_in_dim(rows, stage, 0, keepdims=False)
-        lanes_next = jax.lax.dynamic_index_in_dim(rows_next, stage, 0, keepdims=False)
-        arrival_b = send(pending_b, 1)
-        pool, inbox = read_inbox(pool, lanes[0])
-        res, grads, loss, out_f, arrival_b = act(pool, res, grads, loss, lanes[0], inbox,
-                                                 tie=arrival_b)
-        pool, grads, loss = head_phase(pool, grads, loss, out_f, rows, lanes[0])
-        pool = file_all(pool, lanes[1], arrival_b, 1)
-        arrival_f = send(out_f, 0)
-        pool, inbox = read_inbox(pool, lanes[1])
-        res, grads, loss, out_b, arrival_f = act(pool, res, grads, loss, lanes[1], inbox,
-                                                 tie=arrival_f, lane=1)
-        pool = file_all(pool, lanes_next[0], arrival_f, 0)
+        now = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)
+        next_ = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)
+        arrival_b = self.send(pending_b, 1)
+        pool, inbox = self.read_inbox(pool, now[0])
+        res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
+                                                      tie=arrival_b)
+        pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
+        pool = self.file_all(pool, now[1], arrival_b, 1)
+        arrival_f = self.send(out_f, 0)
+        pool, inbox = self.read_inbox(pool, now[1])
+        res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
+                                                      tie=arrival_f, lane=1)
+        pool = self.file_all(pool, next_[0], arrival_f, 0)
         return (pool, res, out_b, grads, loss), None
 
-    table = jnp.asarray(program.table)
-    if program.lanes == 2:
-        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
-        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
-        carry0 = (pool_sbtd, res0, zeros, ctx.grads0, ctx.loss0)
-        (_, _, _, grads, loss), _ = jax.lax.scan(paired_tick, carry0, (table, table_next))
-    elif program.skewed:
-        # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
-        nothing = np.full((1, *program.table.shape[1:]), program.trash, np.int32)
-        table_next = jnp.asarray(np.concatenate([program.table[1:], nothing]))
-        carry0 = (pool_sbtd, res0, zeros, zeros, ctx.grads0, ctx.loss0)
-        (_, _, _, _, grads, loss), _ = jax.lax.scan(skewed_tick, carry0, (table, table_next))
-    else:
-        carry0 = (pool_sbtd, res0, zeros, zeros, zeros, ctx.grads0, ctx.loss0)
-        (_, _, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry0, table)
-    return grads, loss
+    def run(self, pool_sbtd):
+        """(grads, loss) after scanning the table."""
+        start = (self.ctx.grads0, self.ctx.loss0)
+        table = jnp.asarray(self.program.table)
+        if self.program.lanes == 2:
+            nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
+            table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
+            carry0 = (pool_sbtd, self.res0, self.zeros, *start)
+            (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
+        elif self.program.skewed:
+            # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
+            nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
+            table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
+            carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, *start)
+            (*_, grads, loss), _ = jax.lax.scan(self.skewed_tick, carry0, (table, table_next))
+        else:
+            carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, self.zeros, *start)
+            (*_, grads, loss), _ = jax.lax.scan(self.tick, carry0, table)
+        return grads, loss
 
 
 # Which table column names an action's slot in each residual pool.

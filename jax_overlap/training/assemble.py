@@ -154,6 +154,12 @@ class Run:
                 for k, (shape, dtype) in example.items()}
 
 
+def job_devices(cfg: Config) -> list:
+    """The devices a run uses when none are named: all of the job's (their number must be
+    the config's mesh size)."""
+    return jax.devices()
+
+
 def assemble(cfg: Config, devices: list | None = None, *, target: Any = None,
              model: Any = None) -> Run:
     """The run of `cfg`: model, plan, mesh and optimizer.
@@ -173,7 +179,7 @@ def assemble(cfg: Config, devices: list | None = None, *, target: Any = None,
       ConfigError: the devices do not match the mesh, or the plan refuses the config.
     """
     if devices is None and target is None:
-        devices = jax.devices()
+        devices = job_devices(cfg)
     if devices is not None:
         devices = list(devices)
         check_device_count(cfg, len(devices))

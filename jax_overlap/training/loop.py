@@ -18,7 +18,8 @@ Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir
 * With `checkpoint.local_every` > 0, also a local tier (each process's shards under /dev/shm,
   every N steps, in the background); a restart takes the newest step that verifies in either
   tier. The run dir is locked for the run, and a refused run (lock held, another state layout,
-  no checkpoint verifies) leaves it unchanged (`resilience/run_dir_guard.py`, docs/resilience.md).
+  no checkpoint verifies) leaves it unchanged (`resilience/run_dir_guard.py`,
+  docs/guides/fault_tolerance.md).
 
 Pre-emption: SIGTERM or SIGINT lets the step in progress finish, saves, waits for the commit,
 prints one line and returns normally, so the CLI exits 0 with `"preempted": true` in the summary.
@@ -168,7 +169,7 @@ def run(cfg: Config, run_dir: str, progress: bool = True, devices: list | None =
       progress: show a progress bar on process 0.
       devices: run on these devices (default: all of the job's; their number must match the mesh).
       model: a `jax_overlap.model_api.StagedModel` to train instead of the one `model.kind`
-        names (bring your own model; see docs/custom_models.md). A model with a
+        names (bring your own model; see docs/guides/custom_models.md). A model with a
         `data_stream(cfg)` method supplies its own batches.
 
     Returns:
