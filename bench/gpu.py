@@ -56,22 +56,18 @@ def time_size(name: str, steps: int) -> dict:
     import jax
 
     from jax_overlap import config
-    from jax_overlap import plan as plan_lib
-    from jax_overlap.model_api import build_model
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.data import streams as data
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
     from jax_overlap.training.loop import peak_flops
 
     cfg = config.load(TINY, overrides_for(name))
     device = jax.devices()[0]
-    mesh = plan_lib.mesh_from_config(cfg, [device])
-    model = build_model(cfg)
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
-    step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    run = assemble(cfg, [device])
+    model = run.model
+    state = run.init_state()
+    step = run.train_step()
     stream = data.stream_from_config(cfg)
-    batches = [steplib.put_batch(stream.batch(i), mesh) for i in range(2)]
+    batches = [run.put_batch(stream.batch(i)) for i in range(2)]
     state, m = step(state, batches[0])
     float(m["loss"])
     times = []

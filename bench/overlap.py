@@ -122,21 +122,18 @@ def measure(overrides: list[str], steps: int) -> dict:
     model's own come first: `QUICK_MODEL` in quick mode)."""
     import jax
 
-    from jax_overlap import config, model_api
-    from jax_overlap import plan as plan_lib
+    from jax_overlap import config
     from jax_overlap.overlap import dp_layout
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.data import streams as data
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
     cfg = config.load("configs/default.yaml", overrides)
-    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
-    model = model_api.build_model(cfg)
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
-    batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
+    run = assemble(cfg, jax.devices()[: cfg.num_devices])
+    mesh, model = run.mesh, run.model
+    state = run.init_state()
+    batch = run.put_batch(data.stream_from_config(cfg).batch(0))
     t0 = time.perf_counter()
-    compiled = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train)).lower(state, batch).compile()
+    compiled = run.train_step().lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     times = []
     for i in range(steps + 1):
@@ -152,7 +149,7 @@ def measure(overrides: list[str], steps: int) -> dict:
            "loss": float(metrics["loss"]), "temp_mb": mem.temp_size_in_bytes / 2**20,
            "peak_mb": peak / 2**20}
     row.update(collective_summary(compiled.as_text(), mesh))
-    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape))
+    layout = dp_layout.dp_layout(model, run.plan.overlap, dict(mesh.shape))
     row["buckets"] = len(layout.plan.buckets) if layout.plan else 0
     # The CPU backend upcasts a bf16 all-reduce to f32 after the rounding; on a GPU the
     # bucket buffers travel as bf16, half their f32 bytes.
@@ -196,17 +193,13 @@ def lower_gspmd_step(cfg, devices):
     from jax.sharding import PartitionSpec as P
 
     from jax_overlap.analysis.analyze import abstract_inputs, target_of
-    from jax_overlap.model_api import build_model
-    from jax_overlap.parallel.mesh import DP, make_mesh
-    from jax_overlap.plan import ParallelPlan
+    from jax_overlap.parallel.mesh import DP
     from jax_overlap.training import grads as gradslib
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
-    mesh = make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
-    model = build_model(cfg)
-    plan = ParallelPlan.build(cfg, model, target_of("h100"))
-    optimizer = steplib.make_optimizer(cfg.train)
-    state, batch = abstract_inputs(cfg, plan, model, mesh, optimizer)
+    run = assemble(cfg, target=target_of("h100")).on(devices)
+    mesh, model, plan, optimizer = run.mesh, run.model, run.plan, run.optimizer
+    state, batch = abstract_inputs(run)
     m = plan.microbatches
 
     dp_rows = NamedSharding(mesh, P(None, DP))

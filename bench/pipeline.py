@@ -216,12 +216,10 @@ def main() -> None:
     force_host_devices(DEVICES)
     import jax
 
-    from jax_overlap import config, model_api
-    from jax_overlap import plan as plan_lib
+    from jax_overlap import config
     from jax_overlap.pipeline import executor, layout
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.data import streams as data
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
     base = (QUICK_MODEL if args.quick else MODEL) + list(args.overrides)
 
@@ -229,22 +227,22 @@ def main() -> None:
 
     def setup(overrides):
         cfg = config.load(os.path.join(REPO, "configs", "tiny.yaml"), base + overrides)
-        model = model_api.build_model(cfg)
-        mesh = plan_lib.mesh_from_config(cfg, jax.devices()[:DEVICES])
+        run = assemble(cfg, jax.devices()[:DEVICES])
         key = repr(cfg.model)
         if key not in inits:
-            inits[key] = model.init(jax.random.key(0))
-        params = layout.to_staged(inits[key], ParallelPlan.build(cfg).layer_perm)
-        params = jax.device_put(params, steplib.param_shardings(model, mesh))
-        batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
-        return cfg, model, mesh, params, batch
+            inits[key] = run.model.init(jax.random.key(0))
+        params = layout.to_staged(inits[key], run.plan.layer_perm)
+        params = jax.device_put(params, run.param_shardings())
+        batch = run.put_batch(data.stream_from_config(cfg).batch(0))
+        return run, params, batch
 
     baselines, again = {}, {}
     for name, mesh_set in (("dp8", ["mesh.dp=8", "mesh.tp=1"]),
                            ("dp2xtp4", ["mesh.dp=2", "mesh.tp=4"])):
-        cfg, model, mesh, params, batch = setup(mesh_set + ["mesh.pp=1",
-                                                            "pipeline.microbatches=1"])
-        compile_s, step_s, compiled = timed(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh),
+        run, params, batch = setup(mesh_set + ["mesh.pp=1",
+                                               "pipeline.microbatches=1"])
+        cfg, model, mesh = run.cfg, run.model, run.mesh
+        compile_s, step_s, compiled = timed(run.loss_and_grads(),
                                             (params, batch), args.reps)
         baselines[name] = {"step_s": step_s, "compile_s": compile_s, "microbatches": 1}
         again[name] = (compiled, (params, batch))
@@ -261,10 +259,11 @@ def main() -> None:
         work_base[m] = (name, k, exact)
         if name in baselines:
             continue
-        cfg, model, mesh, params, batch = setup(["mesh.dp=8", "mesh.tp=1", "mesh.pp=1",
-                                                 f"pipeline.microbatches={k}"])
+        run, params, batch = setup(["mesh.dp=8", "mesh.tp=1", "mesh.pp=1",
+                                    f"pipeline.microbatches={k}"])
+        cfg, model, mesh = run.cfg, run.model, run.mesh
         compile_s, step_s, compiled = timed(
-            steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh),
+            run.loss_and_grads(),
             (params, batch), args.reps)
         baselines[name] = {"step_s": step_s, "compile_s": compile_s, "microbatches": k}
         again[name] = (compiled, (params, batch))
@@ -280,9 +279,10 @@ def main() -> None:
 
     pipe = ["mesh.dp=2", f"mesh.pp={STAGES}", "mesh.tp=1"]
     # One tick of each action kind, every stage busy with it (TICK_M-sized microbatches).
-    cfg, model, mesh, params, batch = setup(pipe + ["pipeline.schedule=zb-h1",
-                                                    f"pipeline.microbatches={TICK_M}"])
-    plan = ParallelPlan.build(cfg, model)
+    run, params, batch = setup(pipe + ["pipeline.schedule=zb-h1",
+                                       f"pipeline.microbatches={TICK_M}"])
+    cfg, model, mesh = run.cfg, run.model, run.mesh
+    plan = run.plan
     ticks = {}
     for kind, split in (("idle", True), ("FB", True), ("B", True), ("W", True),
                         ("B", False)):
@@ -308,14 +308,15 @@ def main() -> None:
                        # (a noisy tick that measured below the idle one still counts)
                        "pipeline.tick_costs=[{}]".format(",".join(
                            f"{max(cost[k], 1e-3):.4f}" for k in "FBW"))] if paired else [])
-            cfg, model, mesh, params, batch = setup(pipe + [
+            run, params, batch = setup(pipe + [
                 f"pipeline.schedule={name}", f"pipeline.microbatches={m}",
                 f"pipeline.virtual_stages={chunks}", f"pipeline.paired={str(paired).lower()}",
                 *search])
-            fn = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
+            cfg, model, mesh = run.cfg, run.model, run.mesh
+            fn = run.loss_and_grads()
             compile_s, step_s, compiled = timed(fn, (params, batch), args.reps)
             program = fn.program
-            plan = ParallelPlan.build(cfg, model)
+            plan = run.plan
             micro = batch["inputs"].shape[0] // 2 // m  # sequences per microbatch (dp = 2)
             act = micro * cfg.model.seq_len * cfg.model.d_model * 4  # one fp32 activation
             stash = (program.slots + 1) * act + sum(

@@ -89,7 +89,6 @@ def main() -> int:
         xla_flags.apply_preset(args.preset)
     from jax_overlap import config
     from jax_overlap.analysis import analyze
-    from jax_overlap.plan import ParallelPlan
 
     rows = []
     todo = QUICK_ROWS if args.quick else ROWS
@@ -105,8 +104,9 @@ def main() -> int:
             f"pipeline.schedule={name}", f"pipeline.virtual_stages={v}",
             f"pipeline.transfer_latency={latency}", f"overlap.grad_bucket_mb={bucket_mb}",
             f"pipeline.paired={str(paired).lower()}", *args.overrides])
-        program = ParallelPlan.build(cfg).program
-        data = analyze.analyze(cfg, args.target).to_json()
+        built = analyze.build_plan(cfg, args.target)
+        program = built.plan.program
+        data = analyze.analyze(cfg, args.target, built).to_json()
         permute_ops, total, under = bytes_of(data["ops"], "collective-permute")
         _, dp_total, dp_under = bytes_of(data["ops"], "all-reduce")
         rows.append({"schedule": name, "virtual_stages": v, "transfer_latency": latency,

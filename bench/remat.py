@@ -60,25 +60,21 @@ def peak_bytes(compiled) -> int | None:
 def cpu_rows(groups, policies, base, reps: int) -> list[dict]:
     import jax
 
-    from jax_overlap import config, model_api
-    from jax_overlap import plan as plan_lib
+    from jax_overlap import config
     from jax_overlap.pipeline import layout
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.data import streams as data
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
     rows = []
     for group, overrides in groups:
         for policy in policies:
             cfg = config.load(os.path.join(REPO, "configs", "default.yaml"),
                               base + overrides + [f"model.remat={policy}"])
-            model = model_api.build_model(cfg)
-            plan = ParallelPlan.build(cfg, model)
-            mesh = plan_lib.mesh_from_config(cfg, jax.devices()[:cfg.num_devices])
-            params = layout.to_staged(model.init(jax.random.key(0)), plan.layer_perm)
-            params = jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout))
-            batch = steplib.put_batch(data.stream_from_config(cfg).batch(0), mesh)
-            fn = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))
+            run = assemble(cfg, jax.devices()[:cfg.num_devices])
+            params = layout.to_staged(run.model.init(jax.random.key(0)), run.plan.layer_perm)
+            params = jax.device_put(params, run.param_shardings())
+            batch = run.put_batch(data.stream_from_config(cfg).batch(0))
+            fn = jax.jit(run.loss_and_grads())
             compiled = fn.lower(params, batch).compile()
             jax.block_until_ready(compiled(params, batch))
             times = []
@@ -103,7 +99,7 @@ def gpu_rows(groups, policies) -> list[dict]:
             cfg = config.load(os.path.join(REPO, "configs", "gpt_1p3b.yaml"),
                               overrides + [f"model.remat={policy}"])
             built = analyze.build_plan(cfg, "h100")
-            devices = deviceless.gpu_topology_devices("h100", built[1].num_devices)
+            devices = deviceless.gpu_topology_devices("h100", built.plan.num_devices)
             compiled = analyze.lower_train_step(cfg, devices, "h100", built).compile()
             rows.append({"where": "8xh100 deviceless", "group": group, "remat": policy,
                          "peak_bytes": peak_bytes(compiled), "step_ms": None})

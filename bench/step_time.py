@@ -42,7 +42,7 @@ def main() -> None:
         args.steps = args.steps or 10
         args.out = args.out or "bench/results/step_time.json"
 
-    from jax_overlap import config, model_api
+    from jax_overlap import config
     from jax_overlap.cli import prepare_backend
 
     cfg = config.load(args.config, (["data.source=synthetic"] if args.quick else [])
@@ -55,20 +55,18 @@ def main() -> None:
     import jax
     import optax
 
-    from jax_overlap import plan as plan_lib
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.data import streams as data
     from jax_overlap.training import grads as gradslib
     from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
-    mesh = plan_lib.mesh_from_config(cfg)
-    model = model_api.build_model(cfg)
-    optimizer = steplib.make_optimizer(cfg.train)
+    run = assemble(cfg)
+    mesh, model, optimizer = run.mesh, run.model, run.optimizer
     stream = data.stream_from_config(cfg)
-    batches = [steplib.put_batch(stream.batch(i), mesh) for i in range(args.steps + 1)]
+    batches = [run.put_batch(stream.batch(i)) for i in range(args.steps + 1)]
 
-    ours = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    ours = run.train_step()
+    state = run.init_state()
 
     def gspmd_step(state, batch):
         loss, grads = jax.value_and_grad(
@@ -81,7 +79,7 @@ def main() -> None:
                                         jax.eval_shape(model.init, jax.random.key(0)))
     gspmd = jax.jit(gspmd_step, in_shardings=(shardings, None), out_shardings=(shardings, None),
                     donate_argnums=(0,))
-    state_g = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
+    state_g = run.init_state()
 
     fns, states = {"ours": ours, "gspmd": gspmd}, {"ours": state, "gspmd": state_g}
     times: dict[str, list[float]] = {k: [] for k in fns}

@@ -234,8 +234,8 @@ def check_train_request(cfg: Config, run_dir: str) -> None:
     """What can be refused before JAX starts: paths, a held run dir, a run dir holding another
     run (`resilience/run_identity.py`), memory (on CPU, where the devices share the host's
     RAM; a GPU's memory is checked once JAX knows it)."""
-    from jax_overlap import plan as plan_lib
     from jax_overlap.resilience import lock, preflight, run_identity
+    from jax_overlap.training.assemble import plan_for
 
     ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     problems = preflight.path_problems(run_dir, ckpt_dir, cfg.checkpoint.every_steps > 0)
@@ -244,7 +244,7 @@ def check_train_request(cfg: Config, run_dir: str) -> None:
         held = lock.holder_problem(run_dir) or run_identity.another_run(run_dir, cfg.to_dict())
         problems = [held] if held else []
     if not problems and not glob.glob("/dev/nvidia[0-9]*"):
-        plan = plan_lib.ParallelPlan.build(cfg)
+        plan = plan_for(cfg)
         problems = preflight.memory_problems(
             cfg.model, cfg.train, cfg.data, plan, device_bytes=None,
             local_devices=max(1, cfg.num_devices // max(1, cfg.distributed.num_processes)),

@@ -227,3 +227,30 @@ def test_models_read_no_parallel_config_section():
     bad = {os.path.relpath(p, REPO): r for p in _modules((MODELS,)).values()
            if (r := _section_reads(p))}
     assert bad == {}
+
+
+# Who builds a `ParallelPlan`: `training/assemble.py` (every run, and `plan_for` for the tools
+# that only price or check a plan) and the tuner's candidate loop. Everything else assembles.
+PLAN_BUILDERS = {"jax_overlap/training/assemble.py", "jax_overlap/analysis/tune.py"}
+
+
+def _plan_builds(path: str) -> list[int]:
+    """Lines of `ParallelPlan.build(...)` calls (also as `plan_lib.ParallelPlan.build`)."""
+    return [node.lineno for node in ast.walk(ast.parse(open(path).read()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "build"
+            and (getattr(node.func.value, "id", None) == "ParallelPlan"
+                 or getattr(node.func.value, "attr", None) == "ParallelPlan")]
+
+
+def test_plans_are_built_only_by_assemble_and_the_tuner(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("a = ParallelPlan.build(cfg)\nb = plan_lib.ParallelPlan.build(cfg, m)\n"
+                     "c = Other.build(cfg)\n")
+    assert _plan_builds(str(probe)) == [1, 2]
+    bad = {}
+    for m, path in _modules().items():
+        rel = os.path.relpath(path, REPO).replace(os.sep, "/")
+        if rel not in PLAN_BUILDERS and (calls := _plan_builds(path)):
+            bad[rel] = calls
+    assert bad == {}

@@ -20,11 +20,10 @@ from jax_overlap import config
 from jax_overlap.analysis import deviceless
 from jax_overlap.config import ConfigError
 from jax_overlap.parallel import attention
-from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.pipeline import layout
 from jax_overlap.plan import ParallelPlan, Target
-from jax_overlap.training import step as steplib
+from jax_overlap.training.assemble import assemble
 from models.bert import BERT
 from models.gpt import GPT
 from models.llama import Llama
@@ -107,14 +106,11 @@ def test_fused_step_matches_single_device(references, case):
     _, params, batch, ref_loss, ref_grads = references(cls, cfg.model.kind)
     model = (Llama.from_config(cfg.model, tp=cfg.mesh.tp) if cls is Llama
              else cls.from_config(cfg.model))
-    plan = dataclasses.replace(ParallelPlan.build(cfg, model), attention="xla")
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    plan = dataclasses.replace(run.plan, attention="xla")
+    run = dataclasses.replace(run, plan=plan)
     assert plan.parallel().attention == "xla"
-    mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp,
-                             jax.devices()[: cfg.num_devices])
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm),
-                            steplib.param_shardings(model, mesh, plan.layout))
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
-        staged, steplib.put_batch(batch, mesh))
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
 
@@ -177,7 +173,8 @@ def test_the_gpu_step_runs_cudnn_flash_attention_and_no_score_tensor():
                              "model.d_ff=256", f"model.seq_len={t}", "mesh.dp=2", "mesh.tp=2",
                              # one code path per microbatch (buckets give the last its own)
                              "overlap.grad_bucket_mb=0"])
-    model, plan = built = analyze.build_plan(cfg, "h100")
+    built = analyze.build_plan(cfg, "h100")
+    plan = built.plan
     assert plan.attention == "fused"
     devices = deviceless.gpu_topology_devices("h100", plan.num_devices)
     text = analyze.lower_train_step(cfg, devices, "h100", built).compile().as_text()

@@ -9,13 +9,10 @@ import pytest
 from helpers import REPO, max_rel_err, rel
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
-from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
-from jax_overlap.training import step as steplib
 from models.bert import BERT, IGNORE, MASK_ID
 
 TINY_YAML = os.path.join(REPO, "configs", "bert_tiny.yaml")
@@ -92,14 +89,10 @@ def test_attention_is_bidirectional(reference):
 
 def _mesh_run(model, params, batch, overrides):
     cfg = config.load(TINY_YAML, EQUIV + overrides)
-    mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp,
-                             jax.devices()[: cfg.num_devices])
-    perm = ParallelPlan.build(cfg).layer_perm
-    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
-    loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
-                                    steplib.param_shardings(model, mesh)),
-                     steplib.put_batch(batch, mesh))
-    return float(loss), layout.to_logical(grads, perm)
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    fn = jax.jit(run.loss_and_grads())
+    loss, grads = fn(run.place_params(params), run.put_batch(batch))
+    return float(loss), layout.to_logical(grads, run.plan.layer_perm)
 
 
 MESHES = {
@@ -142,14 +135,12 @@ def test_bert_tiny_learns():
     steps is at least 1.5 nats below the first step's (~ln 256 = 5.5)."""
     cfg = config.load(TINY_YAML)
     model = BERT.from_config(cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
-    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    state, train_step = run.init_state(), run.train_step()
     stream = model.data_stream(cfg)
     losses = []
     for i in range(cfg.train.steps):
-        state, metrics = train_step(state, steplib.put_batch(stream.batch(i), mesh))
+        state, metrics = train_step(state, run.put_batch(stream.batch(i)))
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < losses[0] - 1.5, losses

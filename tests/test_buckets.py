@@ -11,8 +11,8 @@ from jax_overlap import config
 from jax_overlap.analysis.hlo_parse import called_computations, parse_module
 from jax_overlap.analysis.hlo_report import analyze_hlo
 from jax_overlap.overlap import buckets, dp_layout
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.plan import Target
+from jax_overlap.training.assemble import assemble, plan_for
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
@@ -91,7 +91,7 @@ def test_split_dim_prefers_free_large_dims():
 def test_plan_covers_every_layer_of_the_gpt_once():
     cfg = config.load(TINY, ["overlap.grad_bucket_mb=0.01", "overlap.zero1=true"])
     model = GPT.from_config(cfg.model)
-    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
+    layout = dp_layout.dp_layout(model, plan_for(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
     plan = layout.plan
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     leaves = jax.tree.leaves(abstract)
@@ -133,18 +133,15 @@ def _compile(reference, overrides, dp=2, tp=4, pp=1):
 
 
 def _compile_uncached(reference, overrides, dp, tp, pp):
-    from jax_overlap.pipeline import layout as staging
-
     model, params, batch, _, _ = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", *overrides])
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    staged = staging.to_staged(params, ParallelPlan.build(cfg).layer_perm)
-    args = (jax.device_put(staged, steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)),
-            steplib.put_batch(batch, mesh))
-    lowered = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(*args)
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
+    mesh = run.mesh
+    args = (run.place_params(params), run.put_batch(batch))
+    lowered = jax.jit(run.loss_and_grads()).lower(*args)
     compiled = lowered.compile()
     compiled.lowered_text = lowered.as_text()
-    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape))
+    layout = dp_layout.dp_layout(model, run.plan.overlap, dict(mesh.shape))
     return compiled, args, layout, mesh
 
 
@@ -297,7 +294,7 @@ def test_buckets_and_bf16_with_the_pipeline(reference):
                             2 * 2.0 ** -8)):
         compiled, args, _, _ = _compile(reference, options, dp=2, tp=2, pp=2)
         loss, grads = compiled(*args)
-        perm = ParallelPlan.build(config.load(TINY, ["mesh.pp=2"])).layer_perm
+        perm = plan_for(config.load(TINY, ["mesh.pp=2"])).layer_perm
         assert rel(float(loss), ref_loss) <= 1e-5
         assert max_rel_err(staging.to_logical(grads, perm), ref_grads) <= bound
 
@@ -353,16 +350,17 @@ def gpu_report(overrides: list[str], config_path: str = "configs/default.yaml",
         pytest.skip(deviceless.unavailable_reason() or "no CUDA plugin")
     cfg = config.load(config_path, overrides)
     model = GPT.from_config(cfg.model)
+    planned = assemble(cfg, target=Target(), model=model)  # the CPU plan, compiled for H100s
 
     def build(devices):
-        mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, devices)
+        run = planned.on(devices)
+        mesh = run.mesh
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               jax.eval_shape(model.init, jax.random.key(0)),
-                              steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout))
+                              run.param_shardings())
         tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P("dp")))
-        return jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(
-            params, {"inputs": tokens, "targets": tokens})
+        return jax.jit(run.loss_and_grads()).lower(params, {"inputs": tokens, "targets": tokens})
 
     text = deviceless.compile_for("h100", cfg.num_devices, build,
                                   compiler_options=compiler_options)
@@ -391,11 +389,7 @@ def test_zero1_state_shardings_with_pipeline():
     """With pp > 1 the executor reduces whole gradients; ZeRO-1 still stores the optimizer
     state split over dp (GSPMD slices the gradient for the update)."""
     cfg = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "mesh.tp=2", "overlap.zero1=true"])
-    model = GPT.from_config(cfg.model)
-    mesh = meshlib.make_mesh(2, 2, 2)
-    opt = steplib.make_optimizer(cfg.train)
-    sh = steplib.state_shardings(model, mesh, opt, jax.eval_shape(model.init, jax.random.key(0)),
-                                 ParallelPlan.build(cfg, model).layout)
+    sh = assemble(cfg, jax.devices()[:8], model=GPT.from_config(cfg.model)).state_shardings()
     adam = sh.opt_state[1][0]
     assert sh.params["blocks"]["w_in"].spec == jax.sharding.PartitionSpec("pp", None, "tp")
     assert adam.mu["blocks"]["w_in"].spec == jax.sharding.PartitionSpec("pp", "dp", "tp")

@@ -11,8 +11,7 @@ from jax_overlap import config
 from jax_overlap.parallel import collective_matmul as cm
 from jax_overlap.parallel import compat
 from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import step as steplib
+from jax_overlap.training.assemble import assemble
 
 
 def _tp_mesh(tp):
@@ -165,10 +164,8 @@ def reference():
 def _model_matches(reference, overrides, dp=2, tp=4):
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", *overrides])
-    mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
-        jax.device_put(params, steplib.param_shardings(model, mesh)),
-        steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * tp], model=model)
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
 

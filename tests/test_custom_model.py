@@ -16,8 +16,6 @@ import pytest
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
-from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
@@ -26,7 +24,7 @@ from jax_overlap.parallel.collectives import (
     vocab_embed,
 )
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
 from jax_overlap.training import step as steplib
 
@@ -110,13 +108,10 @@ def reference():
 def test_custom_model_matches_single_device(reference, overrides):
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, ["model.layers=4", *overrides])
-    mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp,
-                             jax.devices()[: cfg.num_devices])
-    perm = ParallelPlan.build(cfg).layer_perm
-    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
-    loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
-                                    steplib.param_shardings(model, mesh)),
-                     steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    mesh, perm = run.mesh, run.plan.layer_perm
+    fn = jax.jit(run.loss_and_grads())
+    loss, grads = fn(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
     # The TP-split weights stay split: each device holds half of d_ff.
@@ -128,13 +123,11 @@ def test_custom_model_trains_with_the_library_step():
     model = ShiftMLP()
     cfg = config.load(TINY, ["model.layers=4", "mesh.dp=2", "mesh.tp=2", "train.steps=12",
                              "train.lr=0.01"])
-    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
-    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    state, train_step = run.init_state(), run.train_step()
     losses = []
     for i in range(cfg.train.steps):
-        state, metrics = train_step(state, steplib.put_batch(np_batch(cfg, i), mesh))
+        state, metrics = train_step(state, run.put_batch(np_batch(cfg, i)))
         losses.append(float(metrics["loss"]))
     # Byte-level text from ~ln 256 = 5.5: byte statistics alone take off over a nat in 12 steps.
     assert np.mean(losses[-3:]) < losses[0] - 1.0, losses

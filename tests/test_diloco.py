@@ -12,8 +12,7 @@ from helpers import TINY
 from jax_overlap import config
 from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
 from jax_overlap.overlap import diloco
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 from models.gpt import GPT
@@ -21,14 +20,13 @@ from models.gpt import GPT
 MESH = ["mesh.dcn=2", "mesh.dp=2", "mesh.tp=2"]
 
 
-def _plan(extra):
+def _run(extra):
     cfg = config.load(TINY, MESH + ["diloco.inner_steps=4", "diloco.fragments=2", *extra])
-    model = GPT.from_config(cfg.model)
-    return cfg, model, ParallelPlan.build(cfg, model)
+    return assemble(cfg, jax.devices()[:8], model=GPT.from_config(cfg.model))
 
 
 def test_fragments_are_issued_in_turn_and_land_tau_steps_later():
-    _, _, plan = _plan(["diloco.delay=1"])
+    plan = _run(["diloco.delay=1"]).plan
     d = plan.diloco
     assert plan.slow_mode == "local" and d.period == 2
     assert [diloco.issued(d, t) for t in range(10)] == [-1, -1, 0, -1, 1, -1, 0, -1, 1, -1]
@@ -54,9 +52,9 @@ def test_outer_nesterov_step_on_one_fragment(dtype):
     """Fragment 0 (the first layer of each stacked leaf, and the embedding) moves by outer
     Nesterov SGD on the dcn-mean of (global - local); fragment 1 (the second layer, the
     head) is untouched. int8: within the stated bound absmax / 254 per element."""
-    _, model, plan = _plan([f"diloco.outer_dtype={dtype}", "diloco.outer_lr=0.7",
-                            "diloco.outer_momentum=0.9"])
-    mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
+    run = _run([f"diloco.outer_dtype={dtype}", "diloco.outer_lr=0.7",
+                "diloco.outer_momentum=0.9"])
+    model, plan, mesh = run.model, run.plan, run.mesh
     params, local, momentum = _outer_inputs(plan, model, mesh)
     issue, _ = diloco.make_outer(plan, mesh)
     new_p, new_m = jax.jit(issue)(jnp.int32(2), params, local, momentum)  # issues fragment 0
@@ -87,8 +85,8 @@ def test_outer_sync_bytes_per_inner_step_are_at_most_one_h_th_of_synchronous():
     """From the compiled outer sync: every fragment's branch counted once (one sync of each
     per H inner steps), bf16, 1/dp of each fragment per device: per inner step at most 1/H of
     the synchronous reduction's bytes across dcn (the whole fp32 gradient / dp per step)."""
-    _, model, plan = _plan(["diloco.outer_dtype=bf16"])
-    mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
+    run = _run(["diloco.outer_dtype=bf16"])
+    model, plan, mesh = run.model, run.plan, run.mesh
     params, local, momentum = _outer_inputs(plan, model, mesh)
     issue, _ = diloco.make_outer(plan, mesh)
     text = jax.jit(issue).lower(jnp.int32(2), params, local, momentum).compile().as_text()

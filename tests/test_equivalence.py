@@ -6,9 +6,7 @@ import pytest
 from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
@@ -26,10 +24,9 @@ def reference():
 def test_loss_and_grads_match_single_device(reference, dp, tp):
     cfg, model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}"])
-    mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    loss_and_grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
-    sharded = jax.device_put(params, steplib.param_shardings(model, mesh))
-    loss, grads = loss_and_grads(sharded, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * tp], model=model)
+    mesh = run.mesh
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
     # The gradients come back sharded as the parameters are, not gathered.
@@ -47,11 +44,8 @@ def test_remat_policies_match_single_device(reference, remat, extra):
     """pp = 1 under each remat policy: the plain scan, the bucketed last microbatch, FSDP."""
     _, model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"model.remat={remat}", *extra])
-    plan = ParallelPlan.build(cfg, model)
-    mesh = meshlib.make_mesh(cfg.mesh.dp, 1, cfg.mesh.tp, jax.devices()[: cfg.num_devices])
-    sharded = jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout))
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
-        sharded, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
 
@@ -85,10 +79,8 @@ def test_untied_embeddings_match(reference):
     batch = np_batch(cfg)
     ref_loss, ref_grads = jax.value_and_grad(
         lambda p: gradslib.reference_loss(model, p, batch))(params)
-    mesh = meshlib.make_mesh(2, 1, 4)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
-        jax.device_put(params, steplib.param_shardings(model, mesh)),
-        steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[:8], model=model)
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), float(ref_loss)) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
 
@@ -100,10 +92,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tmp_path):
     assert np.isfinite(result.losses).all()
     # bf16 has ~3 significant digits; the curves agree to that.
     assert max(rel(a, b) for a, b in zip(result.losses, fp32)) < 2e-2
-    model = GPT.from_config(cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg)
-    opt = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, opt, cfg.train.seed)
+    state = assemble(cfg, model=GPT.from_config(cfg.model)).init_state()
     assert state.params["blocks"]["w_in"].dtype == np.float32
 
 

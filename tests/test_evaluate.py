@@ -5,12 +5,9 @@ import pytest
 from helpers import TINY, np_batch, rel
 
 from jax_overlap import config
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import evaluate
 from jax_overlap.training import grads as gradslib
-from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 
@@ -27,12 +24,10 @@ def test_eval_loss_matches_single_device(overrides):
     batch = np_batch(cfg)
     ref = float(gradslib.reference_loss(model, params, batch))
 
-    plan = ParallelPlan.build(cfg, model)
-    mesh = meshlib.make_mesh(plan.dp, plan.pp, plan.tp, jax.devices()[: cfg.num_devices])
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm),
-                            steplib.param_shardings(model, mesh, plan.layout))
-    fn = evaluate.make_eval_loss(model, plan, mesh)
-    placed = steplib.put_batch(batch, mesh)
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    staged = run.place_params(params)
+    fn = evaluate.make_eval_loss(model, run.plan, run.mesh)
+    placed = run.put_batch(batch)
     got = evaluate.mean_loss(fn, staged, [placed, placed])
     assert rel(got["loss"], ref) <= 1e-5
     assert got["tokens"] == 2 * batch["targets"].size

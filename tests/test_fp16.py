@@ -10,8 +10,7 @@ import numpy as np
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import loop as train
 from jax_overlap.training import loss_scale
 from jax_overlap.training import step as steplib
@@ -34,12 +33,11 @@ def test_scaled_loss_gives_scaled_gradients_on_a_mesh():
     """The ScaledLoss wrapper multiplies loss and gradients by S through the real step."""
     cfg = config.load(TINY, ["mesh.dp=2", "mesh.tp=4"])
     model = GPT.from_config(cfg.model)
-    plan = ParallelPlan.build(cfg, model)
-    mesh = meshlib.make_mesh(2, 1, 4)
-    params = jax.device_put(model.init(jax.random.key(0)),
-                            steplib.param_shardings(model, mesh, plan.layout))
-    batch = steplib.put_batch(np_batch(cfg), mesh)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(params, batch)
+    run = assemble(cfg, jax.devices()[:8], model=model)
+    plan, mesh = run.plan, run.mesh
+    params = run.place_params(model.init(jax.random.key(0)))
+    batch = run.put_batch(np_batch(cfg))
+    loss, grads = jax.jit(run.loss_and_grads())(params, batch)
 
     @jax.jit
     def scaled(p, b, s):

@@ -8,19 +8,16 @@ from helpers import TINY, gpt_reference, max_rel_err, np_batch, rel
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.overlap import dp_layout
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble, plan_for
 from jax_overlap.training import loop as train
-from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 
 def test_block_layout_splits_every_block_leaf_over_dp():
     cfg = config.load(TINY, ["overlap.param_sharding=fsdp"])
     model = GPT.from_config(cfg.model)
-    layout = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
+    layout = dp_layout.dp_layout(model, plan_for(cfg).overlap, {"dp": 2, "pp": 1, "tp": 4})
     specs = layout.param_specs
     assert specs["blocks"]["w_in"] == P(None, "dp", "tp")  # (layers, embed/dp, mlp/tp)
     assert specs["blocks"]["b_in"] == P(None, ("tp", "dp"))  # no free dim: under tp
@@ -70,11 +67,10 @@ def _check(reference, overrides, dp=2, tp=4):
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, [f"mesh.dp={dp}", f"mesh.tp={tp}", "overlap.param_sharding=fsdp",
                              *overrides])
-    mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-    sharded = jax.device_put(params, steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout))
+    run = assemble(cfg, jax.devices()[: dp * tp], model=model)
+    sharded = run.place_params(params)
     assert sharded["blocks"]["w_in"].addressable_shards[0].data.shape == (2, 32 // dp, 64 // tp)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
-        sharded, steplib.put_batch(batch, mesh))
+    loss, grads = jax.jit(run.loss_and_grads())(sharded, run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
     # Block gradients come back split like the stored blocks.
@@ -110,15 +106,13 @@ def test_bf16_gathers_matrices_in_bf16_and_computes_the_same():
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     model, params, batch, _, _ = gpt_reference()
-    mesh = meshlib.make_mesh(4, 1, 2, jax.devices()[:8])
 
     def run(precision, sharding):
         cfg = config.load(TINY, ["mesh.dp=4", "mesh.tp=2", f"train.precision={precision}",
                                  f"overlap.param_sharding={sharding}"])
-        plan = ParallelPlan.build(cfg, model)
-        f = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))
-        args = (jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout)),
-                steplib.put_batch(batch, mesh))
+        assembled = assemble(cfg, jax.devices()[:8], model=model)
+        f = jax.jit(assembled.loss_and_grads())
+        args = (assembled.place_params(params), assembled.put_batch(batch))
         # The lowered module: XLA:CPU widens bf16 collectives to f32 when it compiles (a GPU
         # keeps them; the deviceless Llama-3-8B analysis in docs/guides/data_and_hf.md).
         report = analyze_hlo(f.lower(*args).as_text(dialect="hlo"))
@@ -144,13 +138,13 @@ def test_peak_memory_grows_by_one_block_per_window_step():
     for window in (1, 2, 3):
         cfg = config.load(TINY, overrides + [f"overlap.window={window}"])
         model = GPT.from_config(cfg.model)
-        mesh = meshlib.make_mesh(8, 1, 1)
+        run = assemble(cfg, jax.devices()[:8], model=model)
         abstract = jax.eval_shape(model.init, jax.random.key(0))
-        batch = steplib.put_batch(np_batch(cfg), mesh)
-        compiled = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)).lower(
-            abstract, batch).compile()
+        batch = run.put_batch(np_batch(cfg))
+        compiled = jax.jit(run.loss_and_grads()).lower(abstract, batch).compile()
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
-        block = dp_layout.dp_layout(model, ParallelPlan.build(cfg).overlap, dict(mesh.shape)).fsdp.gathered_bytes
+        block = dp_layout.dp_layout(model, run.plan.overlap,
+                                    dict(run.mesh.shape)).fsdp.gathered_bytes
     steps = np.diff(temps) / block
     assert np.all((steps > 0.7) & (steps < 1.4)), (temps, block, steps)
     # (k + 1) blocks in flight plus about three blocks of per-layer work (the one block's
@@ -172,9 +166,7 @@ def test_train_step_fsdp_zero1_follows_baseline(tmp_path):
     got = train.run(cfg, str(tmp_path / "fsdp"), progress=False).losses
     assert max(rel(a, b) for a, b in zip(got, want)) <= 1e-4, (got, want)
 
-    model = GPT.from_config(cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, steplib.make_optimizer(cfg.train), cfg.train.seed)
+    state = assemble(cfg, model=GPT.from_config(cfg.model)).init_state()
     adam = state.opt_state[1][0]
     assert state.params["blocks"]["w_in"].sharding.spec == P(None, "dp", "tp")
     assert adam.mu["blocks"]["w_in"].sharding.spec == P(None, "dp", "tp")

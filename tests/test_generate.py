@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.data import tokenizer as toklib
 from jax_overlap.model_api import build_model
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.training import generate
+from jax_overlap.training.assemble import assemble
 from tests.helpers import TINY, last_json_line, run_cli
 
 SHAPE = ["model.layers=2", "model.d_model=32", "model.d_ff=64", "model.seq_len=16",
@@ -80,8 +80,8 @@ def test_cache_decode_gives_the_full_forward_logits(kind):
 
 
 def one_device_plan(cfg, model, devices):
-    mesh = plan_lib.mesh_from_config(cfg, devices)
-    return mesh, plan_lib.ParallelPlan.build(cfg, model, plan_lib.Target.of_devices(devices))
+    run = assemble(cfg, devices, model=model)
+    return run.mesh, run.plan
 
 
 def test_greedy_generation_is_the_full_forwards_argmax():

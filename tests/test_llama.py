@@ -13,10 +13,8 @@ import pytest
 from helpers import TINY, cached_references, max_rel_err, rel
 
 from jax_overlap import config
-from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import step as steplib
+from jax_overlap.training.assemble import assemble
 from models.llama import Llama, Rope
 
 HEADS = 4
@@ -40,12 +38,10 @@ def check(references, kv, dp, tp, pp=1, extra=()):
     cfg = llama_cfg(kv, dp, tp, pp, extra)
     _, params, batch, ref_loss, ref_grads = references(kv)
     model = Llama.from_config(cfg.model, tp=tp)
-    plan = ParallelPlan.build(cfg, model)
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    shardings = steplib.param_shardings(model, mesh, plan.layout)
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
-        staged, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
+    plan, shardings = run.plan, run.param_shardings()
+    staged = run.place_params(params)
+    loss, grads = jax.jit(run.loss_and_grads())(staged, run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
     # kv heads split over tp exactly when kv_heads >= tp; replicated otherwise.

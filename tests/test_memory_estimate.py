@@ -15,7 +15,6 @@ from jax_overlap import config
 from jax_overlap.analysis import analyze as an
 from jax_overlap.analysis import deviceless
 from jax_overlap.hardware import memory
-from jax_overlap.parallel.mesh import make_mesh
 from jax_overlap.pipeline.executor import residual_bytes
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
@@ -54,9 +53,9 @@ def test_per_layer_residuals_match_the_traced_pipeline_pools(extra):
     """An F's vjp residuals are what the executor files into its pools: the per-token formula
     times the program's slots is the traced pool size (eval_shape, no compile)."""
     cfg = config.load(TINY, PIPE + extra)
-    model, plan = an.build_plan(cfg, "cpu")
-    mesh = make_mesh(plan.dp, plan.pp, plan.tp, jax.devices()[:plan.num_devices])
-    traced = residual_bytes(model, plan, mesh)
+    built = an.build_plan(cfg, "cpu")
+    model, plan = built.model, built.plan
+    traced = residual_bytes(model, plan, built.on(jax.devices()[:plan.num_devices]).mesh)
     # fp32: the plain path's masked scores and their exponent are both kept (one of them,
     # 4 of ~16 kB per token, is not in the formula, which follows XLA's GPU buffers).
     assert _chunk_pool_estimate(cfg, plan) == pytest.approx(traced["chunk"], rel=0.05)
@@ -73,7 +72,8 @@ def test_estimate_follows_a_cpu_compile():
     attention path), so the band is wider than on the GPU: measured 0.83 (`none`; `full`
     0.85, pp2 0.90)."""
     cfg = config.load(TINY, SMALL + ["model.remat=none", "pipeline.microbatches=1"])
-    model, plan = built = an.build_plan(cfg, "cpu")
+    built = an.build_plan(cfg, "cpu")
+    plan = built.plan
     stats = an.lower_train_step(cfg, jax.devices()[:1], "cpu", built).compile() \
         .memory_analysis()
     xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes
@@ -121,7 +121,8 @@ NO_XLA_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
 def _gpu_compile(overrides, options=None):
     cfg = config.load(GPT_1P3B, PLAIN + overrides)
-    model, plan = built = an.build_plan(cfg, "h100")
+    built = an.build_plan(cfg, "h100")
+    plan = built.plan
     devices = deviceless.gpu_topology_devices("h100", plan.num_devices)
     compiled = an.lower_train_step(cfg, devices, "h100", built).compile(
         compiler_options=options)
@@ -146,3 +147,18 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
                                                   "model.attention=plain"], NO_XLA_REMAT)
     est = memory.plan_step_memory(cfg.model, cfg.train.precision, plan).total
     assert est == pytest.approx(xla, rel=0.15), (est / 2**30, xla / 2**30)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.tied_embeddings=false"]],
+                         ids=["tied", "untied"])
+def test_formula_parameter_count_is_the_traced_one(overrides):
+    """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
+    need it before any model is built) and `calibrate.param_counts` (traced shapes, per TP
+    rank and per leaf: what the calibrated costs are keyed on). On a GPT they agree exactly."""
+    from jax_overlap.analysis.calibrate import param_counts
+
+    for path in (TINY, GPT_1P3B):
+        cfg = config.load(path, overrides)
+        traced = param_counts(cfg, 1)
+        embed, block = memory.param_elements(cfg.model)
+        assert (traced.per_layer, traced.embed + traced.head) == (block, embed), path

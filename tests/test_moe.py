@@ -17,13 +17,10 @@ import pytest
 from helpers import TINY, max_rel_err, np_batch, rel
 
 from jax_overlap import config
-from jax_overlap.model_api import build_model
-from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
 from jax_overlap.training import moe_stats
-from jax_overlap.training import step as steplib
 from models import moe
 from models.moe import MoeLlama, MoeSpec
 
@@ -61,17 +58,13 @@ def reference(key):
 def check(key, dp, tp, pp=1, extra=()):
     cfg = moe_cfg(key, dp, tp, pp, extra)
     params, batch, ref_loss, ref_grads = reference(key)
-    model = build_model(cfg)
-    plan = ParallelPlan.build(cfg, model)
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    shardings = steplib.param_shardings(model, mesh, plan.layout)
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings)
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
-        staged, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp * tp])
+    plan = run.plan
+    staged = run.place_params(params)
+    loss, grads = jax.jit(run.loss_and_grads())(staged, run.put_batch(batch))
     grads = layout.to_logical(grads, plan.layer_perm)
     if cfg.mesh.ep > 1:  # the experts' tokens travel by all-to-all
-        hlo = jax.jit(steplib.make_loss_and_grads(model, plan, mesh)).lower(
-            staged, steplib.put_batch(batch, mesh)).as_text()
+        hlo = jax.jit(run.loss_and_grads()).lower(staged, run.put_batch(batch)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
         if pp == 1 and "overlap.param_sharding=fsdp" not in extra:
             # one scanned unit: per chunk a dispatch and a combine, forward and backward

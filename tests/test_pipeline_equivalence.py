@@ -6,19 +6,20 @@ untied embeddings, and one 4-step training curve against pp=1. `make test-slow` 
 schedule x mesh x microbatch count, sequence-parallel TP, and curves for every schedule.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from helpers import TINY, cached_references, max_rel_err, np_batch, rel, schedule_sweep
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules
 from jax_overlap.pipeline import program as tick_program
 from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble, plan_for
 from jax_overlap.training import loop as train
-from jax_overlap.training import step as steplib
 from models.gpt import GPT
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
@@ -55,12 +56,10 @@ def references():
 def check_equivalence(references, name, pp, dp, tp, m, tied, extra=()):
     cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
     model, params, batch, ref_loss, ref_grads = references(tied)
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    perm = ParallelPlan.build(cfg).layer_perm
-    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
-    shardings = steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)
-    staged = jax.device_put(layout.to_staged(params, perm), shardings)
-    loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
+    perm, shardings = run.plan.layer_perm, run.param_shardings()
+    loss_and_grads = run.loss_and_grads()
+    loss, grads = jax.jit(loss_and_grads)(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
     # Gradients come back laid out as the parameters: blocks split over pp (and over dp under
@@ -143,14 +142,12 @@ def test_cost_aware_table_matches_single_device(references):
     assert table.grid != schedules.make_schedule(name, pp, m, 2, 1, True).grid
     cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["pipeline.paired=true"])
     model, params, batch, ref_loss, ref_grads = references(tied)
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    plan = ParallelPlan.build(cfg, model)
-    plan = plan.with_program(tick_program.compile_program(table, plan.overlap.buckets_in_loop,
-                                                          plan.vocab_parallel))
-    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
-    shardings = steplib.param_shardings(model, mesh, plan.layout)
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings)
-    loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
+    plan = run.plan.with_program(tick_program.compile_program(
+        table, run.plan.overlap.buckets_in_loop, run.plan.vocab_parallel))
+    run = dataclasses.replace(run, plan=plan)
+    loss_and_grads = run.loss_and_grads()
+    loss, grads = jax.jit(loss_and_grads)(run.place_params(params), run.put_batch(batch))
     assert loss_and_grads.program.schedule.grid == table.grid
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
@@ -170,9 +167,8 @@ def test_remat_policy_sets_what_an_f_keeps():
     sizes = {}
     for remat in ("none", "save_dots", "full"):
         cfg = pipeline_cfg("1f1b", 2, 4, 1, 2, True, [f"model.remat={remat}"])
-        model = GPT.from_config(cfg.model)
-        mesh = meshlib.make_mesh(4, 2, 1, jax.devices()[:8])
-        sizes[remat] = executor.residual_bytes(model, ParallelPlan.build(cfg, model), mesh)
+        run = assemble(cfg, jax.devices()[:8], model=GPT.from_config(cfg.model))
+        sizes[remat] = executor.residual_bytes(run.model, run.plan, run.mesh)
     assert sizes["none"]["chunk"] > sizes["save_dots"]["chunk"] > sizes["full"]["chunk"] > 0
 
 
@@ -217,9 +213,8 @@ def test_pipeline_with_overlap_options_matches_single_device(references, name, p
     check_equivalence(references, name, pp, dp, tp, m, tied, extra)
     if "overlap.param_sharding=fsdp" in extra:  # the storage really is split over dp
         cfg = pipeline_cfg(name, pp, dp, tp, m, tied, extra)
-        model = GPT.from_config(cfg.model)
-        mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-        spec = steplib.param_shardings(model, mesh, ParallelPlan.build(cfg, model).layout)["blocks"]["w_in"].spec
+        run = assemble(cfg, jax.devices()[: dp * pp * tp], model=GPT.from_config(cfg.model))
+        spec = run.param_shardings()["blocks"]["w_in"].spec
         assert meshlib.DP in jax.tree.leaves(tuple(spec)), spec
 
 
@@ -269,7 +264,7 @@ def test_staged_permutation_puts_each_stage_layers_contiguously():
 
 def test_to_staged_and_to_logical_are_inverse_on_a_whole_state():
     cfg = pipeline_cfg("interleaved", 4, 2, 1, 4)
-    perm = ParallelPlan.build(cfg).layer_perm
+    perm = plan_for(cfg).layer_perm
     blocks = {"w": np.arange(8 * 3).reshape(8, 3)}
     state = {"params": {"blocks": blocks, "embed": {"wte": np.ones((2, 2))}},
              "opt": ({"mu": {"blocks": blocks}}, np.int32(3))}
@@ -282,13 +277,13 @@ def test_to_staged_and_to_logical_are_inverse_on_a_whole_state():
 
 
 def test_init_state_has_the_same_values_on_every_mesh():
-    opt = steplib.make_optimizer(pipeline_cfg("1f1b", 2, 4, 1, 2).train)
     flat_cfg = config.load(TINY, ["mesh.dp=8", "mesh.tp=1", f"model.layers={LAYERS}"])
     model = GPT.from_config(flat_cfg.model)
-    flat = steplib.init_state(model, ParallelPlan.build(flat_cfg, model), plan_lib.mesh_from_config(flat_cfg), opt, flat_cfg.train.seed)
+    flat = assemble(flat_cfg, model=model).init_state()
     cfg = pipeline_cfg("zb-v", 4, 1, 2, 4)
-    staged = steplib.init_state(model, ParallelPlan.build(cfg, model), plan_lib.mesh_from_config(cfg), opt, cfg.train.seed)
-    perm = ParallelPlan.build(cfg).layer_perm
+    staged_run = assemble(cfg, model=model)
+    staged = staged_run.init_state()
+    perm = staged_run.plan.layer_perm
     assert perm is not None
     jax.tree.map(np.testing.assert_array_equal,
                  layout.to_logical(staged.params, perm), flat.params)
@@ -365,8 +360,7 @@ def _find(jaxpr, primitive, **params):
 def _traced_tick(cfg):
     """(step jaxpr, program, tick-loop body jaxpr) of a config's loss-and-grads, traced."""
     model = GPT.from_config(cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
+    loss_and_grads = assemble(cfg, model=model).loss_and_grads()
     params = jax.eval_shape(model.init, jax.random.key(0))
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in np_batch(cfg).items()}
     closed = jax.make_jaxpr(loss_and_grads)(params, batch)

@@ -14,10 +14,8 @@ import pytest
 from helpers import TINY, np_batch
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.pipeline.program import LANE_SCOPE
-from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import step as steplib
+from jax_overlap.training.assemble import assemble
 from models.gpt import GPT
 
 PP, DP, MICROBATCHES = 4, 2, 4
@@ -28,11 +26,11 @@ def compiled():
     cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
                              "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}"])
     model = GPT.from_config(cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg)
-    loss_and_grads = steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh)
+    run = assemble(cfg, model=model)
+    loss_and_grads = run.loss_and_grads()
     # 1F1B places one chunk per stage: the staged layer order is the logical one.
-    params = jax.device_put(model.init(jax.random.key(0)), steplib.param_shardings(model, mesh))
-    batch = steplib.put_batch(np_batch(cfg), mesh)
+    params = run.place_params(model.init(jax.random.key(0)))
+    batch = run.put_batch(np_batch(cfg))
     text = jax.jit(loss_and_grads).lower(params, batch).compile().as_text()
     b = cfg.train.global_batch // DP // MICROBATCHES
     return text, loss_and_grads.program, (b, cfg.model.seq_len, cfg.model.d_model)

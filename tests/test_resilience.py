@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 from helpers import TINY
 
-from jax_overlap import config, model_api
-from jax_overlap import plan as plan_lib
+from jax_overlap import config
 from jax_overlap.config import ConfigError
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.resilience.ckpt_layout import checkpoint_mismatch
 from jax_overlap.training.faults import Fault, make_fault_hook, planned_faults
-from jax_overlap.training.guarded_step import make_guarded_step
-from jax_overlap.training.loop_state import abstract_loop_state, init_loop_state
 from jax_overlap.training.rollback import (
     MAX_ROLLBACKS_WITHOUT_PROGRESS,
     RollbackStreak,
@@ -30,7 +27,6 @@ from jax_overlap.resilience.watchdog import (
     Watchdog,
 )
 from jax_overlap.training import loop as train
-from jax_overlap.training import step as steplib
 from jax_overlap.training.state import TrainState
 
 # Orbax leaves un-awaited read coroutines behind when a restore fails.
@@ -247,24 +243,18 @@ def test_watchdog_thread_exits_on_a_peer_failure_and_single_process_starts_none(
 
 @pytest.fixture(scope="module")
 def tiny_mesh_setup():
-    cfg = config.load(TINY, ["fault.nan_at_step=1", "guard.window=4"])
-    mesh = plan_lib.mesh_from_config(cfg)
-    model = model_api.build_model(cfg)
-    optimizer = steplib.make_optimizer(cfg.train)
-    return cfg, mesh, model, optimizer
+    return assemble(config.load(TINY, ["fault.nan_at_step=1", "guard.window=4"]))
 
 
 def test_guarded_step_accepts_like_the_plain_step_and_skips_a_nan(tiny_mesh_setup):
-    cfg, mesh, model, optimizer = tiny_mesh_setup
+    run = tiny_mesh_setup
     from helpers import np_batch
 
-    plan = ParallelPlan.build(cfg, model)
-    guarded = make_guarded_step(model, cfg, plan, mesh, optimizer)
-    plain = steplib.make_train_step(model, plan, mesh, optimizer, steplib.lr_schedule(cfg.train))
-    loop = init_loop_state(model, cfg, plan, mesh, optimizer)
-    assert jax.tree.structure(loop) == jax.tree.structure(
-        abstract_loop_state(model, cfg, plan, mesh, optimizer))
-    b0, b1 = (steplib.put_batch(np_batch(cfg, i), mesh) for i in (0, 1))
+    guarded = run.guarded_step()
+    plain = run.train_step()
+    loop = run.initializer()()
+    assert jax.tree.structure(loop) == jax.tree.structure(run.abstract_loop_state())
+    b0, b1 = (run.put_batch(np_batch(run.cfg, i)) for i in (0, 1))
 
     ref, _ = plain(jax.tree.map(jnp.copy, loop.train), b0)  # a copy: the step donates it
     loop, m = guarded(loop, b0)  # step 0: healthy, accepted

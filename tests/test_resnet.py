@@ -10,15 +10,13 @@ from helpers import REPO, max_rel_err, rel
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.model_api import build_model
 from jax_overlap.parallel import compat
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.mesh import DP, TP
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
-from jax_overlap.training import step as steplib
 from models.data_images import ArrayImages, SyntheticImages, load_images
 from models.resnet import BatchNorm, ResNetConfig, ResNetModel, units_padding
 
@@ -37,10 +35,8 @@ def _cfg(dp=1, pp=1, microbatches=1):
 
 def _mesh_loss_and_grads(model, params, batch, dp, pp=1, microbatches=1):
     cfg = _cfg(dp, pp, microbatches)
-    mesh = meshlib.make_mesh(dp, pp, 1, jax.devices()[: dp * pp])
-    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
-    return fn(jax.device_put(params, steplib.param_shardings(model, mesh)),
-              steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp], model=model)
+    return jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +172,11 @@ def test_pipeline_with_synced_bn_matches_single_device(schedule, virtual_stages)
         ref_grads = grads_i if ref_grads is None else jax.tree.map(jnp.add, ref_grads, grads_i)
     # The units' storage order follows the schedule's placement; the activations' tags make
     # each stage run the unit it holds whatever that order is.
-    perm = layout.staged_permutation(model.num_layers, ParallelPlan.build(cfg).program.schedule)
-    mesh = meshlib.make_mesh(dp, pp, 1, jax.devices()[: dp * pp])
-    fn = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))
-    loss, grads = fn(jax.device_put(layout.to_staged(params, perm),
-                                    steplib.param_shardings(model, mesh)),
-                     steplib.put_batch(batch, mesh))
+    run = assemble(cfg, jax.devices()[: dp * pp], model=model)
+    perm = layout.staged_permutation(model.num_layers, run.plan.program.schedule)
+    loss, grads = jax.jit(run.loss_and_grads())(
+        jax.device_put(layout.to_staged(params, perm), run.param_shardings()),
+        run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
 
@@ -255,14 +250,12 @@ def test_resnet_tiny_learns_the_synthetic_task():
     the mean loss of the last 5 steps is at least 0.7 nats below the first step's (~ln 4)."""
     cfg = config.load(TINY_YAML)
     model = ResNetModel.from_config(cfg)
-    mesh = plan_lib.mesh_from_config(cfg, jax.devices()[: cfg.num_devices])
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, ParallelPlan.build(cfg, model), mesh, optimizer, cfg.train.seed)
-    train_step = steplib.make_train_step(model, ParallelPlan.build(cfg, model), mesh, optimizer, steplib.lr_schedule(cfg.train))
+    run = assemble(cfg, jax.devices()[: cfg.num_devices], model=model)
+    state, train_step = run.init_state(), run.train_step()
     stream = model.data_stream(cfg)
     losses = []
     for i in range(cfg.train.steps):
-        state, metrics = train_step(state, steplib.put_batch(stream.batch(i), mesh))
+        state, metrics = train_step(state, run.put_batch(stream.batch(i)))
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < losses[0] - 0.7, losses

@@ -9,11 +9,9 @@ from helpers import TINY, rel
 from jax_overlap import config
 from jax_overlap.config import ConfigError
 from jax_overlap.model_api import build_model
-from jax_overlap.parallel import mesh as meshlib
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import grads as gradslib
 from jax_overlap.training import scoring
-from jax_overlap.training import step as steplib
 
 
 def test_windows_do_not_overlap_and_drop_the_partial_one():
@@ -34,10 +32,9 @@ def test_mean_loss_is_the_same_on_a_mesh_and_on_one_device(tmp_path):
     for dp, tp in [(1, 1), (2, 2)]:
         cfg = config.load(TINY, over + [f"mesh.dp={dp}", f"mesh.tp={tp}",
                                         "train.global_batch=6"])  # 176 = 29 x 6 + 2
-        model = build_model(cfg)
-        plan = ParallelPlan.build(cfg, model)
-        mesh = meshlib.make_mesh(dp, 1, tp, jax.devices()[: dp * tp])
-        placed = jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout))
+        run = assemble(cfg, jax.devices()[: dp * tp])
+        model, plan, mesh = run.model, run.plan, run.mesh
+        placed = run.place_params(params)
         out = scoring.evaluate(cfg, placed, model, plan, mesh, w, cfg.train.global_batch)
         assert out["windows"] == len(w) and out["tokens"] == w[:, 1:].size
         assert rel(out["loss"], want) <= 1e-5, (dp, tp, out, want)

@@ -31,7 +31,7 @@ def _name(path: str) -> str:
 def test_config_loads_and_plans(path):
     cfg = config.load(path)
     target = "h100" if os.path.basename(path) in REAL_SIZES else "cpu"
-    _, plan = build_plan(cfg, target)
+    plan = build_plan(cfg, target).plan
     assert plan.num_devices == cfg.num_devices
     assert plan.microbatches * plan.micro_batch * plan.dp * plan.dcn == cfg.train.global_batch
 
@@ -41,7 +41,7 @@ def test_gpu_recipe_plans_for_its_gpus(path):
     stem = os.path.basename(path)[:-len(".yaml")]
     shape = next(s for s in SHAPES if stem.endswith("_" + s))
     cfg = config.load(path)
-    _, plan = build_plan(cfg, "h100")
+    plan = build_plan(cfg, "h100").plan
     dp, pp, tp, dcn = SHAPES[shape]
     assert (plan.dp, plan.pp, plan.tp, plan.dcn) == (dp, pp, tp, dcn)
     assert plan.num_devices == (16 if shape == "2hosts" else 8)

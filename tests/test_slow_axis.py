@@ -18,7 +18,7 @@ from jax_overlap.analysis.dcn_traffic import dcn_bytes_of_hlo
 from jax_overlap.overlap import delay, slow_axis
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan
+from jax_overlap.training.assemble import assemble
 from jax_overlap.training import loop as train
 from jax_overlap.training import step as steplib
 
@@ -46,14 +46,11 @@ def reference():
 def test_hierarchical_reduction_matches_single_device(reference, overrides):
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, overrides)
-    plan = ParallelPlan.build(cfg, model)
+    run = assemble(cfg, jax.devices()[:8], model=model)
+    plan, mesh = run.plan, run.mesh
     assert plan.slow_mode == "sync" and plan.axis_sizes["dcn"] == 2
-    mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, jax.devices()[:8], dcn=2)
     assert mesh.axis_names == ("dcn", "dp", "pp", "tp")
-    staged = jax.device_put(layout.to_staged(params, plan.layer_perm),
-                            steplib.param_shardings(model, mesh, plan.layout))
-    loss, grads = jax.jit(steplib.make_loss_and_grads(model, plan, mesh))(
-        staged, steplib.put_batch(batch, mesh))
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5
 
@@ -69,18 +66,16 @@ def test_delayed_gradient_summed_over_dcn_matches_single_device(reference, extra
     model, params, batch, ref_loss, ref_grads = reference
     cfg = config.load(TINY, MESH + ["overlap.dcn_delay=1", "overlap.dcn_delay_mode=gradient",
                                     *extra])
-    plan = ParallelPlan.build(cfg, model)
+    run = assemble(cfg, jax.devices()[:8], model=model)
+    plan, mesh = run.plan, run.mesh
     assert plan.slow_mode == "delay"
-    mesh = meshlib.make_mesh(2, 1, 2, jax.devices()[:8], dcn=2)
-    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
+    loss_and_grads = run.loss_and_grads()
 
     def step(p, b):
         loss, copies = loss_and_grads(p, b)
         return loss, copies, slow_axis.dcn_sum(copies, mesh, steplib.grad_out_specs(plan))
 
-    loss, copies, grads = jax.jit(step)(
-        jax.device_put(params, steplib.param_shardings(model, mesh, plan.layout)),
-        steplib.put_batch(batch, mesh))
+    loss, copies, grads = jax.jit(step)(run.place_params(params), run.put_batch(batch))
     assert copies["embed"]["wte"].shape == (2, *params["embed"]["wte"].shape)
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
@@ -92,7 +87,7 @@ def _dcn_bytes(overrides):
     built = an.build_plan(cfg)
     text = an.lower_train_step(cfg, jax.devices()[:8], "cpu", built).compile().as_text()
     # Gradient-sized collectives only: the loss and count scalars cross in every layout.
-    return dcn_bytes_of_hlo(text, 4), built[1]
+    return dcn_bytes_of_hlo(text, 4), built.plan
 
 
 def test_hierarchical_reduction_sends_one_dp_th_of_the_flat_bytes_across_dcn():

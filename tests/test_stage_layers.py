@@ -17,7 +17,7 @@ from jax_overlap.config import ConfigError
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules, stage_split
 from jax_overlap.plan import ParallelPlan
-from jax_overlap.training import step as steplib
+from jax_overlap.training.assemble import assemble
 from models.gpt import GPT
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
@@ -61,15 +61,12 @@ def references():
 def check_equivalence(references, name, pp, dp, tp, m, tied, remat, extra=()):
     cfg = stage_cfg(name, pp, dp, tp, m, tied, extra=[f"model.remat={remat}", *extra])
     model, params, batch, ref_loss, ref_grads = references(tied)
-    mesh = meshlib.make_mesh(dp, pp, tp, jax.devices()[: dp * pp * tp])
-    plan = ParallelPlan.build(cfg, model)
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
+    plan = run.plan
     assert list(plan.stage_layers) == SPLITS[pp * CHUNKS[name]]
     perm = plan.layer_perm
     assert len(perm) == pp * CHUNKS[name] * max(plan.stage_layers)  # padded to the largest
-    loss_and_grads = steplib.make_loss_and_grads(model, plan, mesh)
-    shardings = steplib.param_shardings(model, mesh, plan.layout)
-    staged = jax.device_put(layout.to_staged(params, perm), shardings)
-    loss, grads = jax.jit(loss_and_grads)(staged, steplib.put_batch(batch, mesh))
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params), run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, perm), ref_grads) <= 1e-5
     # Padded layers get exactly zero gradients (so their zero weights and moments stay zero).
@@ -156,24 +153,16 @@ def test_checkpoint_of_one_split_restores_bit_exact_with_another_and_on_pp1(tmp_
         from_checkpoint,
         to_checkpoint,
     )
-    from jax_overlap.training.loop_state import (
-        abstract_loop_state,
-        make_initializer,
-        shardings_of,
-    )
+    from jax_overlap.training.loop_state import shardings_of
 
     def setup(overrides):
         cfg = config.load(TINY, RESUME + overrides)
-        model = GPT.from_config(cfg.model)
-        plan = ParallelPlan.build(cfg, model)
-        mesh = meshlib.make_mesh(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.tp, jax.devices()[:8])
-        opt = steplib.make_optimizer(cfg.train)
-        abstract = abstract_loop_state(model, cfg, plan, mesh, opt)
-        return cfg, model, plan, mesh, opt, abstract
+        run = assemble(cfg, jax.devices()[:8], model=GPT.from_config(cfg.model))
+        return run, run.plan, run.mesh, run.abstract_loop_state()
 
-    cfg, model, plan, mesh, opt, abstract = setup(SPLIT_A)
+    run, plan, mesh, abstract = setup(SPLIT_A)
     assert abstract.train.params["blocks"]["w_in"].shape[0] == 2 * 5  # padded: 2 x max(5, 1)
-    state = make_initializer(model, cfg, plan, mesh, opt)()
+    state = run.initializer()()
     target = checkpoint_target(abstract, plan.layer_perm)
     assert target.train.params["blocks"]["w_in"].shape[0] == 6  # logical, unpadded
     opts = ckptlib.CheckpointOptions(dir=str(tmp_path), every_steps=1, async_save=False)
@@ -182,7 +171,7 @@ def test_checkpoint_of_one_split_restores_bit_exact_with_another_and_on_pp1(tmp_
                      step=0)
     logical = jax.device_get(layout.to_logical(state, plan.layer_perm))
     for name, overrides in RESUME_ON.items():
-        cfg, model, plan, mesh, opt, abstract = setup(overrides)
+        run, plan, mesh, abstract = setup(overrides)
         target = checkpoint_target(abstract, plan.layer_perm)
         with ckptlib.Checkpointer(opts, mesh) as c:
             result = c.latest_good(target)

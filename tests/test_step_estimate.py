@@ -76,9 +76,10 @@ def _pipeline_hlo(overrides):
     from jax_overlap.analysis.analyze import build_plan, lower_train_step
 
     cfg = config.load(TINY, overrides)
-    model, plan = build_plan(cfg, "cpu")
+    built = build_plan(cfg, "cpu")
+    model, plan = built.model, built.plan
     text = lower_train_step(cfg, jax.devices()[:plan.num_devices], "cpu",
-                            (model, plan)).compile().as_text()
+                            built).compile().as_text()
     return cfg, model, plan, text
 
 

@@ -39,12 +39,10 @@ def first_devices():
     CLI's process would have exactly them."""
     import jax
 
-    from jax_overlap import plan as plan_lib
+    from jax_overlap.training import assemble
 
-    whole = plan_lib.mesh_from_config
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_lib, "mesh_from_config", lambda cfg, devices=None: whole(
-            cfg, devices if devices is not None else jax.devices()[:cfg.num_devices]))
+        mp.setattr(assemble, "job_devices", lambda cfg: jax.devices()[:cfg.num_devices])
         yield
 
 

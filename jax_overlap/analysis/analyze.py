@@ -13,13 +13,6 @@ import json
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
-
-from jax_overlap.model_api import batch_shapes
-from jax_overlap.parallel.mesh import data_spec, make_mesh
-from jax_overlap.pipeline import layout
-from jax_overlap.training import step as steplib
-from jax_overlap.training.state import new_state
 
 
 def target_of(name: str):
@@ -35,49 +28,24 @@ def target_of(name: str):
     return Target(chip.key, True, float(chip.chip.hbm_bytes))
 
 
-def abstract_inputs(cfg, plan, model, mesh, optimizer) -> tuple[Any, Any]:
-    """ShapeDtypeStructs (with shardings) of the train state and a batch: nothing allocated."""
-    key = jax.random.key(cfg.train.seed)
-
-    def init(key):  # as `training.step.init_state` lays it out (padded chunks when uneven)
-        return layout.to_staged(model.init(key), plan.layer_perm)
-
-    abstract_params = jax.eval_shape(init, key)
-    shardings = steplib.state_shardings(model, mesh, optimizer, abstract_params, plan.layout,
-                                        plan)
-    if plan.slow_mode in ("delay", "local"):  # the slow axis's state: as init_state builds it
-        shapes = jax.eval_shape(lambda: steplib.init_state(model, plan, mesh, optimizer,
-                                                           cfg.train.seed))
-    else:
-        shapes = jax.eval_shape(
-            lambda: new_state(init(key), optimizer.init(init(key)), cfg.train.seed))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         shapes, shardings)
-    batch_sharding = NamedSharding(mesh, data_spec(dict(mesh.shape)))
-    example = batch_shapes(model, cfg.train.global_batch, cfg.model.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
-             for k, (shape, dtype) in example.items()}
-    return state, batch
+def abstract_inputs(run) -> tuple[Any, Any]:
+    """ShapeDtypeStructs (with shardings) of the train state and a batch of an assembled `run`
+    with a mesh: nothing allocated."""
+    return run.abstract_state(), run.abstract_batch()
 
 
 def build_plan(cfg, target: str = "cpu"):
-    """The model and the `ParallelPlan` of `cfg` for an `analyze --target` name."""
-    from jax_overlap.model_api import build_model
-    from jax_overlap.plan import ParallelPlan
+    """The `Run` of `cfg` planned for an `analyze --target` name, with no mesh yet."""
+    from jax_overlap.training.assemble import assemble
 
-    model = build_model(cfg)
-    return model, ParallelPlan.build(cfg, model, target_of(target))
+    return assemble(cfg, target=target_of(target))
 
 
 def lower_train_step(cfg, devices: list, target: str = "cpu", built=None) -> Any:
     """`jax.jit(step).lower(...)` of the configured train step on `devices`, with the plan
-    made for `target` (`built`: a `(model, plan)` from `build_plan`, to reuse)."""
-    model, plan = built or build_plan(cfg, target)
-    mesh = make_mesh(plan.dp, plan.pp, plan.tp, devices, dcn=plan.dcn)
-    optimizer = steplib.make_optimizer(cfg.train)
-    state, batch = abstract_inputs(cfg, plan, model, mesh, optimizer)
-    return steplib.make_train_step(model, plan, mesh, optimizer,
-                                   steplib.lr_schedule(cfg.train)).lower(state, batch)
+    made for `target` (`built`: the `Run` from `build_plan`, to reuse)."""
+    run = (built or build_plan(cfg, target)).on(devices)
+    return run.train_step().lower(*abstract_inputs(run))
 
 
 def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
@@ -86,7 +54,8 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
     receives the compiled HLO text; `memory`, what XLA allocates per device)."""
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
-    model, plan = built = built or build_plan(cfg, target)
+    built = built or build_plan(cfg, target)
+    plan = built.plan
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
@@ -251,7 +220,7 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
     texts: list = []
     memory: dict = {}
     report = analyze(cfg, target, built, texts, memory)
-    model, plan = built
+    model, plan = built.model, built.plan
     frequencies = plan.program.branch_frequencies() if plan.program is not None else None
     estimate = step_estimate(cfg, plan, model, target, texts[0]) if target != "cpu" else None
     dcn = dcn_summary(plan, texts if target == "cpu" else [], frequencies, report)

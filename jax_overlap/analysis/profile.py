@@ -66,18 +66,13 @@ def build_step(cfg: Config, devices: list | None = None) -> tuple[Any, tuple[Any
       ``(step, (state, batch))``; ``step(state, batch) -> (state, metrics)`` donates the
       state, so callers must feed each output state into the next call.
     """
-    from jax_overlap.model_api import build_model
-    from jax_overlap.plan import ParallelPlan, Target, mesh_from_config
     from jax_overlap.data import streams as datalib
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
-    mesh = mesh_from_config(cfg, devices)
-    model = build_model(cfg)
-    plan = ParallelPlan.build(cfg, model, Target.of_devices(list(mesh.devices.flat)))
-    optimizer = steplib.make_optimizer(cfg.train)
-    state = steplib.init_state(model, plan, mesh, optimizer, cfg.train.seed)
-    step = steplib.make_train_step(model, plan, mesh, optimizer, steplib.lr_schedule(cfg.train))
-    batch = steplib.put_batch(datalib.stream_from_config(cfg).batch(0), mesh)
+    run = assemble(cfg, devices)
+    step = run.train_step()
+    batch = run.put_batch(datalib.stream_from_config(cfg).batch(0))
+    state = run.init_state()
     return step, (state, batch)
 
 

@@ -966,7 +966,7 @@ def estimate_top(result: TuneResult, k: int, target: str) -> list[Estimated]:
         built = analyze.build_plan(p.config, target)
         texts: list[str] = []
         analyze.analyze(p.config, target, built, texts)
-        est = analyze.step_estimate(p.config, built[1], built[0], target, texts[0])
+        est = analyze.step_estimate(p.config, built.plan, built.model, target, texts[0])
         out.append(Estimated(p, est.to_json()))
     return sorted(out, key=lambda e: e.estimate["step_ms"])
 

@@ -210,7 +210,6 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
     import jax
 
     from jax_overlap import model_api
-    from jax_overlap import plan as plan_lib
 
     check_options(max_new_tokens, temperature, top_k)
     cfg = generation_config(run_dir, hf_dir, overrides)
@@ -220,9 +219,11 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
     if not can_decode(model):
         raise ConfigError([f"model.kind: {cfg.model.kind} cannot generate text (no key/value "
                            f"cache decoding); generate with a gpt or llama run"])
-    mesh = plan_lib.mesh_from_config(cfg)
-    plan = plan_lib.ParallelPlan.build(cfg, model)
     from jax_overlap.training import run_state
+    from jax_overlap.training.assemble import assemble
+
+    run = assemble(cfg, model=model)
+    plan, mesh = run.plan, run.mesh
 
     logical = None
     if hf_dir:  # a file of the wrong shapes is refused before any device work
@@ -231,8 +232,7 @@ def generate_command(run_dir: str | None, hf_dir: str | None, prompt: str,
         logical = convert.load_hf_params(hf_dir, cfg.model)
         convert.check_params_match(logical, jax.eval_shape(model.init, jax.random.key(0)),
                                    hf_dir)
-    params, source = run_state.placed_params(cfg, run_dir, hf_dir, model, plan, mesh,
-                                             logical)
+    params, source = run_state.placed_params(run, run_dir, hf_dir, logical)
     (new,) = sample(model, plan, mesh, params, tok, ids, max_new_tokens, temperature, top_k,
                     seed)
     prompt_list = [int(i) for i in ids]

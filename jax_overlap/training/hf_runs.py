@@ -35,22 +35,16 @@ def from_hf(hf_dir: str, run_dir: str, overrides: list[str] = ()) -> dict:
     params = load_hf_params(hf_dir, cfg.model)
     import jax
 
-    from jax_overlap import model_api
-    from jax_overlap import plan as plan_lib
     from jax_overlap.pipeline import layout
     from jax_overlap.resilience import checkpoint as ckptlib
     from jax_overlap.resilience.ckpt_layout import to_checkpoint
-    from jax_overlap.training.loop_state import loop_shardings, make_initializer
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
 
-    mesh = plan_lib.mesh_from_config(cfg)
-    model = model_api.build_model(cfg)
-    plan = plan_lib.ParallelPlan.build(cfg, model,
-                                       plan_lib.Target.of_devices(list(mesh.devices.flat)))
+    run = assemble(cfg)
+    model, plan, mesh = run.model, run.plan, run.mesh
     check_params_match(params, jax.eval_shape(model.init, jax.random.key(0)), hf_dir)
-    optimizer = steplib.make_optimizer(cfg.train)
-    shardings = loop_shardings(model, cfg, plan, mesh, optimizer)
-    loop = make_initializer(model, cfg, plan, mesh, optimizer)()
+    shardings = run.loop_shardings()
+    loop = run.initializer()()
     staged = jax.device_put(layout.to_staged(params, plan.layer_perm), shardings.train.params)
     loop = loop._replace(train=loop.train._replace(params=staged))
     config_dict = plan.resolved_config(cfg).to_dict()
@@ -94,13 +88,9 @@ def to_hf(run_dir: str, out_dir: str, dtype: str = "fp32", shard_mb: float = 0.0
     if tok is not None and tok.vocab_size > cfg.model.vocab:
         raise ConfigError([f"--to-hf {run_dir}: its tokenizer has {tok.vocab_size} tokens, more "
                            f"than model.vocab {cfg.model.vocab}"])
-    from jax_overlap import model_api
-    from jax_overlap import plan as plan_lib
+    from jax_overlap.training.assemble import assemble
 
-    mesh = plan_lib.mesh_from_config(cfg)
-    model = model_api.build_model(cfg)
-    plan = plan_lib.ParallelPlan.build(cfg, model)
-    params, step = run_state.newest_params(cfg, run_dir, model, plan, mesh, flag="--to-hf")
+    params, step = run_state.newest_params(assemble(cfg), run_dir, flag="--to-hf")
     files = export_params(cfg.model, params, out_dir, dtype, int(shard_mb * 2**20))
     files += tokenizer_files.write_export(out_dir, tok, cfg.model.seq_len, run_dir)
     for name in os.listdir(out_dir):  # readable by everyone, like any model download

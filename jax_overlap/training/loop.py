@@ -1,8 +1,9 @@
 """The training loop: config in, metrics.jsonl and a one-line JSON summary out.
 
-`run(cfg, run_dir)` is what the CLI and the notebooks call. It builds the `ParallelPlan` once;
-the step lives in `jax_overlap.training.step`, its guards, fault injection, rollback arithmetic
-and watchdog in `jax_overlap.resilience`; this module owns the loop around them: data,
+`run(cfg, run_dir)` is what the CLI and the notebooks call. It assembles the run once
+(`jax_overlap.training.assemble`: model, plan, mesh, optimizer, the guarded step); the step
+lives in `jax_overlap.training.step`, its guards, fault injection and rollback arithmetic beside
+it in `training`; this module owns the loop around them: data,
 checkpoints, rollbacks, pre-emption, progress, metrics and summary.
 
 Checkpoints (`checkpoint.every_steps` > 0; in `checkpoint.dir`, default <run_dir>/checkpoints):
@@ -47,8 +48,6 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jax_overlap import model_api
-from jax_overlap import plan as plan_lib
 from jax_overlap.hardware.machine import chip_for_device_kind
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.data import run_tokenizer
@@ -63,12 +62,11 @@ from jax_overlap.resilience.ckpt_layout import (
     to_checkpoint,
 )
 from jax_overlap.training.guard import RollbackPolicy
-from jax_overlap.training.guarded_step import make_guarded_step, rejection_reason
+from jax_overlap.training.assemble import assemble
+from jax_overlap.training.guarded_step import rejection_reason
 from jax_overlap.training.loop_state import (
     LoopState,
-    abstract_loop_state,
     lr_scale,
-    make_initializer,
     shardings_of,
 )
 from jax_overlap.resilience.preemption import PreemptionWatcher, agree_to_stop
@@ -195,10 +193,9 @@ class _Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.is_main = jax.process_index() == 0
-        self.mesh = plan_lib.mesh_from_config(cfg, devices)
-        self.model = model_api.build_model(cfg) if model is None else model
-        self.plan = plan_lib.ParallelPlan.build(cfg, self.model,
-                                                plan_lib.Target.of_devices(list(self.mesh.devices.flat)))
+        self.assembled = assemble(cfg, devices, model=model)
+        self.mesh, self.model, self.plan = (self.assembled.mesh, self.assembled.model,
+                                            self.assembled.plan)
         if model is None:  # before anything is allocated
             run_dir_guard.check_memory(cfg, self.plan)
         self.stream = (self.model.data_stream(cfg) if hasattr(self.model, "data_stream")
@@ -207,8 +204,7 @@ class _Trainer:
         self.sampler = sample_hook.from_config(cfg, self.model, self.plan, self.mesh, run_dir)
         self.last_eval: dict = {}
         # The LR scale changes the schedule, never the optimizer state's structure.
-        self.abstract = abstract_loop_state(
-            self.model, cfg, self.plan, self.mesh, steplib.make_optimizer(cfg.train))
+        self.abstract = self.assembled.abstract_loop_state()
         self.shardings = shardings_of(self.abstract)
         self.perm = self.plan.layer_perm
         # What a checkpoint holds: blocks in logical order (no padding of uneven stages).
@@ -242,8 +238,7 @@ class _Trainer:
         self._streak = RollbackStreak()
         self._step_fns: dict[float, Any] = {}
         # The LR scale does not enter the initial state; compiled on first use.
-        self._initial = make_initializer(self.model, cfg, self.plan, self.mesh,
-                                         steplib.make_optimizer(cfg.train))
+        self._initial = self.assembled.initializer()
         if cfg.checkpoint.init_from_hf:  # start (and restart) from Hugging Face weights
             from jax_overlap.hf.convert import initializer_from_hf
 
@@ -384,8 +379,7 @@ class _Trainer:
         scale = lr_scale(self.cfg.guard, rollbacks)
         fresh = scale not in self._step_fns
         if fresh:
-            self._step_fns = {scale: make_guarded_step(
-                self.model, self.cfg, self.plan, self.mesh, self._optimizer(rollbacks))}
+            self._step_fns = {scale: self.assembled.guarded_step(self._optimizer(rollbacks))}
         return self._step_fns[scale], fresh
 
     def _train(self, loop):

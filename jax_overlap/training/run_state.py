@@ -27,23 +27,23 @@ def checkpoint_dir(cfg: Config, run_dir: str) -> str:
     return cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
 
 
-def newest_params(cfg: Config, run_dir: str, model, plan, mesh, flag: str = "--run-dir"
-                  ) -> tuple[Any, int]:
-    """(params in the plan's staged layout on `mesh`, step) of the newest verified checkpoint.
+def newest_params(run, run_dir: str, flag: str = "--run-dir") -> tuple[Any, int]:
+    """(params in the plan's staged layout on the mesh, step) of the newest verified checkpoint
+    of `run_dir`, for an assembled `run` (`training.assemble`).
 
     Raises:
       ConfigError: no checkpoint of the run verifies.
     """
     from jax_overlap.resilience import checkpoint as ckptlib
     from jax_overlap.resilience.ckpt_layout import from_checkpoint
-    from jax_overlap.training.loop_state import abstract_loop_state, shardings_of
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.loop_state import shardings_of
 
+    cfg, plan, mesh = run.cfg, run.plan, run.mesh
     directory = checkpoint_dir(cfg, run_dir)
     if not os.path.isdir(directory):
         raise ConfigError([f"{flag} {run_dir}: no checkpoints in {directory}; train with "
                            f"checkpoint.every_steps > 0"])
-    abstract = abstract_loop_state(model, cfg, plan, mesh, steplib.make_optimizer(cfg.train))
+    abstract = run.abstract_loop_state()
     ckpt = ckptlib.Checkpointer(ckptlib.CheckpointOptions(dir=directory, async_save=False), mesh)
     try:
         result = ckpt.latest_good(abstract)
@@ -56,19 +56,14 @@ def newest_params(cfg: Config, run_dir: str, model, plan, mesh, flag: str = "--r
     return state.train.params, result.step
 
 
-def placed_params(cfg: Config, run_dir: str | None, hf_dir: str | None, model, plan, mesh,
-                  logical: Any = None) -> tuple[Any, dict]:
-    """The parameters `evaluate` and `generate` score or sample with, laid out for `plan` on
-    `mesh`: a run dir's newest verified checkpoint, or a Hugging Face directory's weights
-    (`logical`, as `hf.convert.load_hf_params` read them); with where they came from."""
+def placed_params(run, run_dir: str | None, hf_dir: str | None, logical: Any = None
+                  ) -> tuple[Any, dict]:
+    """The parameters `evaluate` and `generate` score or sample with, laid out for an
+    assembled `run`'s plan on its mesh: a run dir's newest verified checkpoint, or a Hugging
+    Face directory's weights (`logical`, as `hf.convert.load_hf_params` read them); with where
+    they came from."""
     if run_dir:
-        params, step = newest_params(cfg, run_dir, model, plan, mesh)
+        params, step = newest_params(run, run_dir)
         return params, {"run_dir": run_dir, "step": step}
-    import jax
-
-    from jax_overlap.pipeline import layout
-    from jax_overlap.training import step as steplib
-
-    params = jax.device_put(layout.to_staged(logical, plan.layer_perm),
-                            steplib.param_shardings(model, mesh, plan.layout))
+    params = run.place_params(logical)
     return params, {"from_hf": hf_dir}

@@ -112,11 +112,10 @@ def evaluate(cfg: Config, params, model, plan, mesh, w: np.ndarray, batch_size: 
 def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
                      overrides: list[str] = ()) -> dict:
     """What `jax-overlap evaluate` prints (see the module docstring)."""
-    from jax_overlap import model_api
-    from jax_overlap import plan as plan_lib
     from jax_overlap.data import run_tokenizer
     from jax_overlap.hf import convert
     from jax_overlap.training import run_state
+    from jax_overlap.training.assemble import assemble
 
     if run_dir:
         cfg = run_state.run_config(run_dir, overrides)
@@ -128,10 +127,9 @@ def evaluate_command(run_dir: str | None, hf_dir: str | None, data: str,
     logical = None
     if hf_dir:  # a corrupt file is refused before any device work
         logical = convert.load_hf_params(hf_dir, cfg.model)
-    mesh = plan_lib.mesh_from_config(cfg)
-    model = model_api.build_model(cfg)
-    plan = plan_lib.ParallelPlan.build(cfg, model)
-    params, source = run_state.placed_params(cfg, run_dir, hf_dir, model, plan, mesh, logical)
+    run = assemble(cfg)
+    model, plan, mesh = run.model, run.plan, run.mesh
+    params, source = run_state.placed_params(run, run_dir, hf_dir, logical)
     result = evaluate(cfg, params, model, plan, mesh, w, cfg.train.global_batch)
     return {**result, **source, **scored, "tokenizer": run_tokenizer.describe(tok),
             "mesh": plan.axis_sizes}

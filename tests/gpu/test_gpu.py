@@ -35,10 +35,9 @@ def _mesh_overrides(n: int) -> list[str]:
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
 def test_loss_and_grads_match_reference_on_gpu(precision, tol):
     from jax_overlap import config
-    from jax_overlap.parallel import mesh as meshlib
-    from jax_overlap.plan import ParallelPlan
+    from jax_overlap.plan import Target
     from jax_overlap.training import grads as gradslib
-    from jax_overlap.training import step as steplib
+    from jax_overlap.training.assemble import assemble
     from models.gpt import GPT
 
     cfg = config.load(TINY, _mesh_overrides(len(GPUS)) + [f"train.precision={precision}"])
@@ -48,10 +47,10 @@ def test_loss_and_grads_match_reference_on_gpu(precision, tol):
         params = model.init(jax.random.key(0))
         ref_loss, ref_grads = jax.value_and_grad(
             lambda p: gradslib.reference_loss(model, p, batch))(params)
-        mesh = meshlib.make_mesh(cfg.mesh.dp, 1, cfg.mesh.tp, GPUS)
-        loss, grads = jax.jit(steplib.make_loss_and_grads(model, ParallelPlan.build(cfg, model), mesh))(
-            jax.device_put(params, steplib.param_shardings(model, mesh)),
-            steplib.put_batch(batch, mesh))
+        # the CPU target's plan on the GPUs: the same code paths as the reference
+        run = assemble(cfg, GPUS, model=model, target=Target())
+        loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
+                                                    run.put_batch(batch))
     assert rel(float(loss), float(ref_loss)) <= tol
     assert max_rel_err(grads, ref_grads) <= (tol if precision == "fp32" else 5e-2)
 
