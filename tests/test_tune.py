@@ -201,7 +201,7 @@ def test_tune_cli_json_writes_a_valid_config(tmp_path):
         assert rows[0]["step_ms"] <= rows[1]["step_ms"] and all(r["mfu"] > 0 for r in rows)
     plans = doc["plans"]
     assert len(plans) > 10 and plans[0]["plan"] == doc["best"]["plan"]
-    times = [tune._sig(p["step_time_s"]) for p in plans if p["fits"]]
+    times = [tune.significant(p["step_time_s"]) for p in plans if p["fits"]]
     assert times == sorted(times)
     cfg = config.load(str(out))
     assert cfg.num_devices == 8
