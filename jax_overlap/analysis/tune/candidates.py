@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jax_overlap import config as configlib
-from jax_overlap.analysis import calibrate as cal_lib
+from jax_overlap.analysis import plan_shape
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.pipeline.schedules import SCHEDULES
 from jax_overlap.plan import ParallelPlan
@@ -194,7 +194,7 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
                                                              virtual_stages=1,
                                                              transfer_latency=1,
                                                              stage_layers="auto"))
-    grad_mb = cal_lib.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
+    grad_mb = plan_shape.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
     out, whole = [], False
     for s in sorted(set(float(x) for x in sizes)):
         if s > 0 and grad_mb / s > MAX_BUCKETS:

@@ -10,65 +10,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax_overlap.analysis import calibrate as cal_lib
-from jax_overlap.analysis.simulate import Costs, Plan, costs_from_model, simulate
+from jax_overlap.analysis import plan_costs, plan_shape
+from jax_overlap.analysis.plan_costs import FLOP_EFFICIENCY
+from jax_overlap.analysis.simulate import Costs, Plan, simulate
 from jax_overlap.analysis.tune.candidates import Candidate, apply_candidate, plan_of
 from jax_overlap.config import Config, ConfigError
 from jax_overlap.hardware.machine import HardwareProfile
-from jax_overlap.hardware.memory import dtype_bytes
 from jax_overlap.plan import ParallelPlan
 
-# Assumed model-FLOPs utilisation of the compute for FLOP-based costs: an assumption,
-# not a measurement; it scales every compute time alike, so it moves the balance between
-# compute and communication, not the order of plans with equal communication.
-FLOP_EFFICIENCY = 0.5
 TABLE_ROWS = 20
 
 
 def flop_costs(cfg: Config, hw: HardwareProfile, efficiency: float = FLOP_EFFICIENCY) -> Costs:
-    """FLOP-based :class:`Costs` of the plan ``cfg`` on the chip ``hw`` describes.
-
-    Compute times come from :func:`costs_from_model` at ``efficiency`` of the chip's
-    peak, per virtual stage from the plan's layer split (`pipeline.stage_layers`), the
-    embedding on the first and the LM head on the last. The backward is priced the way the
-    executor runs it: an F stashes its residuals, so no backward re-runs the forward except
-    what the remat policy (`model.remat`) recomputes per layer -- ``full`` the block's
-    forward, ``minimal`` its attention scores, ``none`` / ``save_dots`` nothing. Split: B
-    is the input gradients (plus the recompute), W only the weight-gradient GEMMs (what B
-    kept), virtual stage 0's alike (its B ends in the embedding's gradient). The structure --
-    TP collective count, parameter bytes per stage, stash -- is the same as for calibrated
-    costs.
-
-    Args:
-      cfg: the candidate config.
-      hw: the hardware profile.
-      efficiency: achieved fraction of peak FLOP/s.
-
-    Returns:
-      The :class:`Costs`.
-    """
-    m = cfg.model
-    plan = plan_of(cfg)
-    s = plan.schedule
-    layers = cal_lib.layers_per_virtual_stage(cfg, plan)
-    base = costs_from_model(
-        m.layers, m.d_model, m.heads, m.d_ff, m.vocab, m.seq_len, plan.micro_batch,
-        plan.tp, dtype_bytes(cfg.train.precision), hw.chip_flops, efficiency,
-        num_virtual_stages=plan.num_virtual_stages, stage_layers=layers,
-        vocab_shards=plan.pp if plan.vocab_parallel else 1,
-    )
-    fwd, bwd, wgt = list(base.forward_s), list(base.backward_s), list(base.weight_s)
-    tokens = plan.micro_batch * m.seq_len
-    attn = 4 * m.seq_len ** 2 * m.d_model * plan.micro_batch
-    per_layer = {"full": 2 * (4 * m.d_model ** 2 + 2 * m.d_model * m.d_ff) * tokens + attn,
-                 "minimal": attn}.get(plan.remat, 0.0)
-    redo = [n * per_layer / plan.tp / (hw.chip_flops * efficiency) for n in layers]
-    if plan.pp == 1 or not s.split_backward:
-        # A non-split B does both gradients: costs_from_model splits them into B and W.
-        bwd = [b + w + r for b, w, r in zip(bwd, wgt, redo)]
-        wgt = [0.0] * len(wgt)
-    else:
-        bwd = [b + r for b, r in zip(bwd, redo)]
-    return cal_lib.assemble_costs(cfg, plan, hw, s.placement, fwd, bwd, wgt, base.head_s)
+    """FLOP-based costs of the plan `cfg` (`plan_costs.flop_costs` of its `ParallelPlan`)."""
+    return plan_costs.flop_costs(cfg, plan_of(cfg), hw, efficiency)
 
 
 def memory_budget(hw: HardwareProfile) -> float:
@@ -97,7 +52,7 @@ class Prediction:
       memory_bytes: peak memory per device.
       fits: whether ``memory_bytes`` fits the device's budget.
       flop_fallback: the calibrated pieces that came out <= 0 at this plan's shape
-        (`calibrate.nonpositive_pieces`), for which the plan was priced by FLOPs instead;
+        (`plan_costs.nonpositive_pieces`), for which the plan was priced by FLOPs instead;
         such plans rank after the calibrated ones (their times are not comparable).
     """
 
@@ -152,7 +107,7 @@ def plan_for(cfg: Config) -> Plan:
 
 def sim_plan(cfg: Config, plan: ParallelPlan) -> Plan:
     """The simulator :class:`Plan` of a `ParallelPlan`."""
-    buckets, issue = cal_lib.grad_buckets(cfg, plan)
+    buckets, issue = plan_shape.grad_buckets(cfg, plan)
     fsdp = plan.overlap.fsdp
     return Plan(
         schedule=plan.schedule,
@@ -193,21 +148,21 @@ def predict(
       The :class:`Prediction`.
     """
     plan = plan_of(cfg)
-    fallback = (tuple(cal_lib.nonpositive_pieces(calibration, cfg, plan))
+    fallback = (tuple(plan_costs.nonpositive_pieces(calibration, cfg, plan))
                 if calibration is not None else ())
     if calibration is not None and not fallback:
         hw = calibration.profile(hw, plan)  # links measured with the compute
-        costs = cal_lib.costs_for_config(calibration, cfg, plan, hw)
+        costs = plan_costs.costs_for_config(calibration, cfg, plan, hw)
         # The update and the one launch of the whole step, outside the simulated part.
-        opt = (calibration.optimizer_s(cal_lib.stage_param_elements(cfg, plan))
+        opt = (calibration.optimizer_s(plan_shape.stage_param_elements(cfg, plan))
                + calibration.dispatch_s)
     else:
-        costs = flop_costs(cfg, hw, efficiency)
+        costs = plan_costs.flop_costs(cfg, plan, hw, efficiency)
         opt = 0.0
     if timing is None:
         timing = "ticks" if plan.pp > 1 and not hw.synchronous_collectives else "events"
     r = simulate(sim_plan(cfg, plan), costs, hw, timing=timing)
-    memory = r.peak_memory_bytes + cal_lib.transient_bytes(cfg, plan)
+    memory = r.peak_memory_bytes + plan_shape.transient_bytes(cfg, plan)
     m = r.metrics
     return Prediction(
         candidate=cand,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax_overlap.analysis import calibrate as cal_lib
+from jax_overlap.analysis import plan_shape
 from jax_overlap.analysis.tune.candidates import (
     DEFAULT_BUCKETS_MB,
     DEFAULT_WINDOWS,
@@ -61,7 +62,7 @@ REFINE_PLANS = 5
 def _needs(cfg: Config) -> tuple[str, ...]:
     """The calibration pieces one plan's costs are made of."""
     plan = plan_of(cfg)
-    return cal_lib.quantities_for(cfg, plan, plan.split_backward)
+    return plan_shape.quantities_for(cfg, plan, plan.split_backward)
 
 
 def calibration_for(
@@ -84,7 +85,7 @@ def calibration_for(
     Returns:
       The :class:`~jax_overlap.analysis.calibrate.Calibration`.
     """
-    b = [cal_lib.micro_batch_size(c, plan_of(c)) for _, c in candidates]
+    b = [plan_shape.micro_batch_size(c, plan_of(c)) for _, c in candidates]
     k = [c.mesh.tp for _, c in candidates]
     quantities = {q for _, c in candidates for q in _needs(c)}
     groups = {n for _, c in candidates for n in (c.mesh.dp, c.mesh.tp, c.mesh.pp)}

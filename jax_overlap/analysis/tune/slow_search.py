@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax_overlap import config as configlib
-from jax_overlap.analysis import calibrate as cal_lib
+from jax_overlap.analysis import plan_shape
+from jax_overlap.analysis import plan_costs
 from jax_overlap.analysis.simulate import simulate
 from jax_overlap.analysis.tune.candidates import Candidate, apply_candidate, plan_of
 from jax_overlap.analysis.tune.predict import (
     FLOP_EFFICIENCY,
     TABLE_ROWS,
     Prediction,
-    flop_costs,
     memory_budget,
     rank,
     significant,
@@ -77,21 +77,22 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
     fast_cfg = _without_dcn(cfg, dp, dcn)  # one host's share of the step
     fast_plan = plan_of(fast_cfg)
     if fast is None:
-        fast = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
+        fast = simulate(sim_plan(fast_cfg, fast_plan), plan_costs.flop_costs(fast_cfg, fast_plan, hw, efficiency), hw)
     t_fast = fast.step_time_s
-    buckets, issue = cal_lib.grad_buckets(fast_cfg, fast_plan)
+    buckets, issue = plan_shape.grad_buckets(fast_cfg, fast_plan)
     grad = float(sum(buckets))
     rows = []
     # flat: every dp byte on the slow link
     flat_cfg = _without_dcn(cfg, dcn * dp)
     flat_plan = plan_of(flat_cfg)
     flat_hw = hw.with_link("dp", slow)
-    r = simulate(sim_plan(flat_cfg, flat_plan), flop_costs(flat_cfg, flat_hw, efficiency),
+    r = simulate(sim_plan(flat_cfg, flat_plan), plan_costs.flop_costs(flat_cfg, flat_plan, flat_hw,
+                                                             efficiency),
                  flat_hw)
     rows.append({"mode": "flat", "step_time_s": r.step_time_s,
                  "exposed_dcn_s": max(0.0, r.step_time_s - t_fast),
                  "dcn_bytes_per_step": 2 * (dcn * dp - 1) / (dcn * dp) * grad,
-                 "memory_bytes": r.peak_memory_bytes + cal_lib.transient_bytes(flat_cfg,
+                 "memory_bytes": r.peak_memory_bytes + plan_shape.transient_bytes(flat_cfg,
                                                                                 flat_plan),
                  "ccor": r.ccor, "bubble_rate": r.bubble_rate,
                  "exposed_comm_s": r.exposed_comm_s, "hidden_comm": _hidden(r)})
@@ -99,7 +100,7 @@ def slow_axis_modes(cfg: Config, hw: HardwareProfile,
     slow_plan = dataclasses.replace(sim_plan(fast_cfg, fast_plan), dp=dcn,
                                     grad_buckets=tuple(b / dp for b in buckets))
     slow_hw = hw.with_link("dp", slow)
-    r = simulate(slow_plan, flop_costs(fast_cfg, slow_hw, efficiency), slow_hw)
+    r = simulate(slow_plan, plan_costs.flop_costs(fast_cfg, fast_plan, slow_hw, efficiency), slow_hw)
     # What the slow stream leaves exposed comes on top of the fast step (its fast reduce-
     # scatter / all-gather are in the fast step already): conservative, they do not overlap.
     t_hier = t_fast + r.exposed_comm_s
@@ -157,7 +158,7 @@ def _slow_state_bytes(cfg: Config, cand: Candidate) -> float:
     """Per-device bytes the slow axis adds to the train state: the in-flight gradient
     (delay 1), or the local copy and outer momentum (DiLoCo), fp32."""
     plan = plan_of(cfg)
-    elems = cal_lib.stage_param_elements(cfg, plan)
+    elems = plan_shape.stage_param_elements(cfg, plan)
     if cand.slow == "delay1":
         split = plan.dp if (plan.overlap.zero1 or plan.overlap.fsdp) else 1
         return 4.0 * elems / split
@@ -193,7 +194,7 @@ def slow_link_search(candidates: Sequence[tuple[Candidate, Config]], hw: Hardwar
         except ConfigError:
             continue
         fast_plan = plan_of(fast_cfg)
-        r = simulate(sim_plan(fast_cfg, fast_plan), flop_costs(fast_cfg, hw, efficiency), hw)
+        r = simulate(sim_plan(fast_cfg, fast_plan), plan_costs.flop_costs(fast_cfg, fast_plan, hw, efficiency), hw)
         shares.append((r.step_time_s, c.key(), c, conf, fast_cfg, fast_plan, r))
     shares.sort(key=lambda x: (x[0], x[1]))
     out: list[Prediction] = []
@@ -217,7 +218,7 @@ def slow_link_search(candidates: Sequence[tuple[Candidate, Config]], hw: Hardwar
         by_mode = {"hierarchical": rows[1], "delay1": rows[2]}
         by_mode.update({sc.slow: row for (sc, _), row in zip(
             [x for x in split_cfgs if x[0].slow.startswith("diloco")], rows[3:])})
-        fast_memory = r.peak_memory_bytes + cal_lib.transient_bytes(fast_cfg, fast_plan)
+        fast_memory = r.peak_memory_bytes + plan_shape.transient_bytes(fast_cfg, fast_plan)
         entries = [(c, conf, flat["step_time_s"], flat["memory_bytes"], flat["ccor"],
                     flat["hidden_comm"], flat["bubble_rate"], flat["exposed_comm_s"])]
         for sc, k in split_cfgs:
