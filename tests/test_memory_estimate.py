@@ -153,9 +153,9 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
                          ids=["tied", "untied"])
 def test_formula_parameter_count_is_the_traced_one(overrides):
     """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
-    need it before any model is built) and `calibrate.param_counts` (traced shapes, per TP
+    need it before any model is built) and `plan_shape.param_counts` (traced shapes, per TP
     rank and per leaf: what the calibrated costs are keyed on). On a GPT they agree exactly."""
-    from jax_overlap.analysis.calibrate import param_counts
+    from jax_overlap.analysis.plan_shape import param_counts
 
     for path in (TINY, GPT_1P3B):
         cfg = config.load(path, overrides)
