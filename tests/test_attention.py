@@ -22,8 +22,8 @@ from jax_overlap.config import ConfigError
 from jax_overlap.parallel import attention
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.pipeline import layout
-from jax_overlap.plan import ParallelPlan, Target
-from jax_overlap.training.assemble import assemble
+from jax_overlap.plan import Target
+from jax_overlap.training.assemble import assemble, plan_for
 from models.bert import BERT
 from models.gpt import GPT
 from models.llama import Llama
@@ -119,10 +119,10 @@ def test_fused_step_matches_single_device(references, case):
 
 
 def test_auto_is_plain_on_a_cpu_and_fused_on_a_gpu_in_bf16():
-    cpu = ParallelPlan.build(config.load(TINY))
+    cpu = plan_for(config.load(TINY))
     assert cpu.attention == "plain" and cpu.parallel().attention == "plain"
     assert "needs a GPU" in cpu.choices["model.attention"].why
-    gpu = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
+    gpu = plan_for(config.load(GPT_1P3B), target=H100)
     assert gpu.attention == "fused" and gpu.parallel().attention == "fused"
     assert gpu.choices["model.attention"].value == "fused"
     assert gpu.describe()["attention"] == "fused"
@@ -137,21 +137,21 @@ def test_auto_is_plain_on_a_cpu_and_fused_on_a_gpu_in_bf16():
     (["model.heads=32", "model.d_model=1920"], "head dim 60"),  # not a multiple of 8
 ])
 def test_auto_falls_back_to_the_einsums_where_cudnn_cannot_run(overrides, reason):
-    plan = ParallelPlan.build(config.load(GPT_1P3B, overrides), target=H100)
+    plan = plan_for(config.load(GPT_1P3B, overrides), target=H100)
     assert plan.attention == "plain"
     assert reason in plan.choices["model.attention"].why
 
 
 def test_explicit_choices_win_and_impossible_ones_are_one_line():
-    gpu = ParallelPlan.build(config.load(GPT_1P3B, ["model.attention=plain"]), target=H100)
+    gpu = plan_for(config.load(GPT_1P3B, ["model.attention=plain"]), target=H100)
     assert gpu.attention == "plain" and "model.attention" not in gpu.choices
     with pytest.raises(ConfigError) as e:
-        ParallelPlan.build(config.load(TINY, ["model.attention=fused"]))
+        plan_for(config.load(TINY, ["model.attention=fused"]))
     assert len(e.value.problems) == 1 and "needs a GPU" in e.value.problems[0]
     with pytest.raises(ConfigError, match="bf16 or fp16"):
-        ParallelPlan.build(config.load(GPT_1P3B, ["model.attention=fused",
+        plan_for(config.load(GPT_1P3B, ["model.attention=fused",
                                                   "train.precision=fp32"]), target=H100)
-    resnet = ParallelPlan.build(config.load(RESNET_TINY), target=H100)
+    resnet = plan_for(config.load(RESNET_TINY), target=H100)
     assert resnet.attention == "plain"
     assert "no attention" in resnet.choices["model.attention"].why
 

@@ -12,8 +12,8 @@ from helpers import REPO, last_json_line, run_cli
 from test_user_errors import assert_user_error, tree_hash
 
 from jax_overlap import config
-from jax_overlap import plan as plan_lib
 from jax_overlap.resilience import checkpoint as ckptlib
+from jax_overlap.training.assemble import plan_for
 
 DEFAULT = os.path.join(REPO, "configs", "default.yaml")
 # default.yaml as `make train` runs it, for a few short steps on less of the corpus.
@@ -77,7 +77,7 @@ def test_another_run_in_the_run_dir_is_refused_unchanged(resumed, override, name
 
 def test_pp4_alone_plans_from_default_yaml():
     cfg = config.load(DEFAULT, ["mesh.pp=4"])
-    plan = plan_lib.ParallelPlan.build(cfg)
+    plan = plan_for(cfg)
     assert plan.pp == 4 and plan.microbatches >= 4  # auto: enough to fill the pipeline
     assert cfg.pipeline.virtual_stages == 1
 
@@ -86,7 +86,7 @@ def test_pp4_alone_plans_from_default_yaml():
 def test_zbv_alone_takes_two_chunks_per_stage(pp, virtual):
     cfg = config.load(DEFAULT, ["pipeline.schedule=zb-v", f"mesh.pp={pp}"])
     assert cfg.pipeline.virtual_stages == virtual
-    plan = plan_lib.ParallelPlan.build(cfg)
+    plan = plan_for(cfg)
     assert plan.num_virtual_stages == pp * virtual
     if pp > 1:
         assert plan.schedule.name == "zb-v"

@@ -17,7 +17,6 @@ from jax_overlap import config
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules
 from jax_overlap.pipeline import program as tick_program
-from jax_overlap.plan import ParallelPlan
 from jax_overlap.training.assemble import assemble, plan_for
 from jax_overlap.training import loop as train
 from models.gpt import GPT
@@ -124,10 +123,10 @@ SEARCHED = {"zb-v": ["pipeline.pair_search=40", "pipeline.tick_costs=[15.2,18.8,
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,remat", PAIRED_CASES)
 def test_paired_ticks_match_single_device(references, name, pp, dp, tp, m, tied, remat):
     extra = ["pipeline.paired=true", *SEARCHED.get(name, [])]
-    program = ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).program
+    program = plan_for(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).program
     assert program.lanes == 2  # the case runs two lanes per tick
     if name in SEARCHED:
-        fixed = ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied,
+        fixed = plan_for(pipeline_cfg(name, pp, dp, tp, m, tied,
                                                 ["pipeline.paired=true"])).program
         assert program.schedule.grid != fixed.schedule.grid
     check_equivalence(references, name, pp, dp, tp, m, tied, [*extra, f"model.remat={remat}"])
@@ -222,7 +221,7 @@ def test_pipeline_with_overlap_options_matches_single_device(references, name, p
 @pytest.mark.parametrize("name,pp,dp,tp,m,tied,extra", CM_SWEEP)
 def test_pipeline_with_collective_matmul_matches_single_device_sweep(references, name, pp, dp,
                                                                      tp, m, tied, extra):
-    assert ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).overlap.cm_grouped
+    assert plan_for(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).overlap.cm_grouped
     check_equivalence(references, name, pp, dp, tp, m, tied, extra)
 
 
@@ -257,8 +256,8 @@ def test_staged_permutation_puts_each_stage_layers_contiguously():
         list(range(8))
     with pytest.raises(ValueError, match="model.layers"):
         layout.staged_permutation(6, interleaved)
-    assert ParallelPlan.build(pipeline_cfg("1f1b", 4, 2, 1, 4)).layer_perm is None
-    assert ParallelPlan.build(pipeline_cfg("zb-v", 2, 4, 1, 2)).layer_perm.tolist() == \
+    assert plan_for(pipeline_cfg("1f1b", 4, 2, 1, 4)).layer_perm is None
+    assert plan_for(pipeline_cfg("zb-v", 2, 4, 1, 2)).layer_perm.tolist() == \
         [0, 1, 6, 7, 2, 3, 4, 5]
 
 
@@ -512,7 +511,7 @@ VOCAB_OPTIONS += [
 
 def check_vocab_parallel(references, name, pp, dp, tp, m, tied, extra):
     extra = ["pipeline.vocab_parallel=true", *extra]
-    program = ParallelPlan.build(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).program
+    program = plan_for(pipeline_cfg(name, pp, dp, tp, m, tied, extra)).program
     assert program.vocab_parallel
     assert all(b.role != "last" for b in program.branches)  # no stage runs the whole head
     # One head phase per microbatch, each at the tick of the last virtual stage's F.

@@ -16,8 +16,7 @@ from jax_overlap import config
 from jax_overlap.config import ConfigError
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules, stage_split
-from jax_overlap.plan import ParallelPlan
-from jax_overlap.training.assemble import assemble
+from jax_overlap.training.assemble import assemble, plan_for
 from models.gpt import GPT
 
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
@@ -234,17 +233,17 @@ def test_auto_gives_the_stage_with_the_head_fewer_layers():
     # GPT-1.3B: the LM head + loss is ~1.75 blocks of FLOPs, on the last virtual stage.
     cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
                                  "pipeline.stage_layers=auto"])
-    plan = ParallelPlan.build(cfg)
+    plan = plan_for(cfg)
     assert plan.stage_layers == (7, 6, 6, 5) and sum(plan.stage_layers) == 24
     assert plan.describe()["stage_layers"] == [7, 6, 6, 5]
     # The run's resolved config holds the list, which validates and gives the same plan.
     resolved = plan.resolved_config(cfg)
     assert resolved.pipeline.stage_layers == [7, 6, 6, 5]
     config.validate(resolved)
-    assert ParallelPlan.build(resolved).stage_layers == plan.stage_layers
+    assert plan_for(resolved).stage_layers == plan.stage_layers
     assert "pipeline.stage_layers" in plan.choices
     # V placement: stage 0 runs virtual stages 0 and 7 (the head): it gets the fewest layers.
-    zbv = ParallelPlan.build(config.load(GPT_1P3B, [
+    zbv = plan_for(config.load(GPT_1P3B, [
         "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
         "pipeline.microbatches=8", "pipeline.stage_layers=auto"]))
     split = zbv.stage_layers
@@ -254,10 +253,10 @@ def test_auto_gives_the_stage_with_the_head_fewer_layers():
     # A negligible head: auto keeps the even split; the default is even.
     small = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
                                    "model.vocab=64", "pipeline.stage_layers=auto"])
-    assert ParallelPlan.build(small).stage_layers == (6, 6, 6, 6)
+    assert plan_for(small).stage_layers == (6, 6, 6, 6)
     even = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8"])
-    assert ParallelPlan.build(even).stage_layers == (6, 6, 6, 6)
-    assert ParallelPlan.build(even).layer_perm is None  # even and contiguous: no reordering
+    assert plan_for(even).stage_layers == (6, 6, 6, 6)
+    assert plan_for(even).layer_perm is None  # even and contiguous: no reordering
 
 
 @pytest.mark.parametrize("value,words", [
