@@ -149,16 +149,19 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
     assert est == pytest.approx(xla, rel=0.15), (est / 2**30, xla / 2**30)
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.tied_embeddings=false"]],
-                         ids=["tied", "untied"])
-def test_formula_parameter_count_is_the_traced_one(overrides):
+@pytest.mark.parametrize("overrides", [[], ["model.tied_embeddings=false"],
+                                       ["model.tied_embeddings=true"]],
+                         ids=["shipped", "untied", "tied"])
+@pytest.mark.parametrize("path", ["tiny.yaml", "gpt_1p3b.yaml", "llama_tiny.yaml",
+                                  "bert_tiny.yaml", "moe_tiny.yaml", "llama3_8b.yaml"])
+def test_formula_parameter_count_is_the_traced_one(path, overrides):
     """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
     need it before any model is built) and `calibrate.param_counts` (traced shapes, per TP
-    rank and per leaf: what the calibrated costs are keyed on). On a GPT they agree exactly."""
+    rank and per leaf: what the calibrated costs are keyed on). For every transformer kind
+    (GPT, BERT, Llama with GQA and SwiGLU, its MoE) they agree exactly."""
     from jax_overlap.analysis.calibrate import param_counts
 
-    for path in (TINY, GPT_1P3B):
-        cfg = config.load(path, overrides)
-        traced = param_counts(cfg, 1)
-        embed, block = memory.param_elements(cfg.model)
-        assert (traced.per_layer, traced.embed + traced.head) == (block, embed), path
+    cfg = config.load(f"{REPO}/configs/{path}", overrides)
+    traced = param_counts(cfg, 1)
+    embed, block = memory.param_elements(cfg.model)
+    assert (traced.per_layer, traced.embed + traced.head) == (block, embed)

@@ -163,12 +163,34 @@ def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
 
 
 def param_elements(model) -> tuple[float, float]:
-    """(embedding + head elements, elements of one block) of a GPT/BERT-shaped model."""
-    d, f = model.d_model, model.d_ff
-    embed = model.vocab * d + model.seq_len * d + 2 * d
-    if not getattr(model, "tied_embeddings", True):
-        embed += model.vocab * d
+    """(embedding + head elements, elements of one block) of a transformer, by `model.kind`
+    (`models/gpt.py`, `bert.py`, `llama.py`, `moe.py`; equal to the traced count,
+    `analysis.calibrate.param_counts`, at tp = 1).
+
+    GPT: fused q/k/v and out projections, a GELU MLP, biases, two LayerNorms; learned positions
+    and a final LayerNorm. BERT: GPT's block; its embedding adds a mask vector and its head the
+    MLM transform (dense + LayerNorm) and a vocabulary bias. Llama: grouped-query attention
+    (`kv_heads`), a SwiGLU MLP (or `experts` SwiGLU experts with a router and shared experts),
+    two RMSNorms, no biases, RoPE (no position table).
+    """
+    d, f, v = model.d_model, model.d_ff, model.vocab
+    kind = getattr(model, "kind", "gpt")
+    untied = 0 if getattr(model, "tied_embeddings", True) else v * d
+    if kind == "llama":
+        heads = max(model.heads, 1)
+        kv = getattr(model, "kv_heads", 0) or heads
+        attn = 2 * d * d + 2 * d * kv * (d // heads)  # q and out, k and v
+        experts = getattr(model, "experts", 0)
+        if experts:
+            shared = getattr(model, "shared_experts", 0)
+            mlp = d * experts + experts * 3 * d * f + 3 * d * f * shared + experts + 2
+        else:
+            mlp = 3 * d * f  # gate and up, down
+        return float(v * d + d + untied), float(attn + mlp + 2 * d)
     block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv + out, MLP, biases and norms
+    embed = v * d + model.seq_len * d + 2 * d + untied
+    if kind == "bert":  # the mask vector; the MLM transform, its two norms, the vocab bias
+        embed += d + d * d + d + 2 * d + v
     return float(embed), float(block)
 
 
