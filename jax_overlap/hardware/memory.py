@@ -45,6 +45,12 @@ GELU_TENSORS = 5
 PIPELINE_SLOT_COPIES = 1.5
 # Inboxes of a pipeline step: one per ring direction, and the local hand-off.
 PIPELINE_INBOXES = 3
+# Share of a whole chunk's residuals (`remat: none`, every layer of the chunk) a pipeline's B
+# holds at its peak under a recomputing policy: the chunk's forward is rebuilt inside the
+# tick's branch and XLA schedules the layers' recomputes ahead of their backward, so more than
+# one layer's residuals are live at once (GPT-1.3B deviceless for 8 x H100, remat full: about
+# 0.5 of a 12-layer chunk at pp2 x dp2 x tp2, 0.25-0.4 of a 6-layer chunk at pp4 x dp2).
+PIPELINE_RECOMPUTE_SHARE = 0.45
 
 
 def dtype_bytes(precision: str) -> int:
@@ -314,9 +320,13 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     if slots.dz and split_backward:  # (the program counts them for any split schedule)
         dz = chunk_layers * tokens * a * (3 * d / tp + 2 * d + model.d_ff / tp)
         kept += (slots.dz + 1) * dz
+    if remat != "none":  # the chunk's recompute, more than one layer live (see the constant)
+        chunk_redo = PIPELINE_RECOMPUTE_SHARE * chunk_layers * (redo - copies)
+        work = max(chunk_redo + copies, logits) if chunk_redo > redo else work
     work += PIPELINE_SLOT_COPIES * stacked + (slots.stash + 1 + PIPELINE_INBOXES) * act
-    # The chunk's weight gradients before they join the accumulator.
-    work += 4 * chunk_layers * block_elems
+    # The chunk's weight gradients before they join the accumulator, and the new accumulator
+    # the tick's filing branch writes beside the one the loop carries (the stage's gradients).
+    work += 4 * chunk_layers * block_elems + 4 * elems
     return StepMemory(float(state), float(kept), float(work))
 
 
