@@ -23,7 +23,13 @@ comparison, within 15% for dp8, dp2 x tp4, pp4 x dp2 1F1B and ZB-V, pp2 x dp2 x 
 * working memory: one layer's residuals rebuilt while a recomputing policy backpropagates
   through it, or the fp32 logits of a microbatch, whichever is larger; at pp > 1 also one or
   two more copies of a slot's stacked residuals (`PIPELINE_SLOT_COPIES`), the activation stash
-  (`TickProgram.slots` + 1 plus the inboxes) and a chunk's weight gradients.
+  (`TickProgram.slots` + 1 plus the inboxes), a chunk's weight gradients, the second copy of
+  the stage's gradients the filing branch writes, and under a recomputing policy a share of
+  the whole chunk's residuals (`PIPELINE_RECOMPUTE_SHARE`) instead of one layer's.
+
+Known gap (docs/results.md): at pp = 1 under a recomputing policy with gradient buckets, XLA
+hoists the unrolled last microbatch's recomputes ahead of its backward and keeps far more than
+one layer's residuals; the estimate does not model it.
 
 Not counted: DP gradient buckets and FSDP's gathered blocks in flight (`resilience.preflight`
 adds them as communication buffers), XLA's scheduler keeping buffers alive longer for overlap.
