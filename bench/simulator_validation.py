@@ -128,6 +128,7 @@ def main() -> int:
     import jax
 
     from jax_overlap.analysis import calibrate as cal_lib
+    from jax_overlap.analysis import plan_shape
     from jax_overlap.analysis import tune
     from jax_overlap.hardware.link_profiles import load_profile
     from jax_overlap.analysis.profile import build_step
@@ -158,7 +159,7 @@ def main() -> int:
     quantities_of = {}
     for cand, cfg in plans:
         plan = tune.plan_of(cfg)
-        quantities_of[cand] = cal_lib.quantities_for(cfg, plan, plan.split_backward)
+        quantities_of[cand] = plan_shape.quantities_for(cfg, plan, plan.split_backward)
     groups_of = {c: sorted({n for n in (c.dp, c.tp, c.pp) if n > 1}) for c, _ in plans}
     print("compiling calibration pieces ...", flush=True)
     for cand, cfg in plans:
@@ -292,7 +293,7 @@ tens of percent and only the paired medians are meaningful.
   is {doc['parallel_capacity']:.2f}: 8 devices computing together each take
   {8 / doc['parallel_capacity']:.1f}x as long as one alone (one device's ops already spread
   over both cores part of the time). In a pipelined step the idle stages free their share,
-  which `calibrate.busy_scale` accounts for.
+  which `plan_costs.busy_scale` accounts for.
 * XLA CPU runs collectives inline (`synchronous_collectives` in `cpu_here`), so no
   communication overlaps compute. Collectives are costed by the ring formula with
   links measured in the same run, per group size, with all groups reducing at once.

@@ -24,7 +24,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(p)
 
 
-
 def _sizes_problems(cfg: Config) -> list[str]:
     """Every mesh axis and model size is at least 1."""
     p: list[str] = []
@@ -36,7 +35,6 @@ def _sizes_problems(cfg: Config) -> list[str]:
         if getattr(mo, name) < 1:
             p.append(f"model.{name}: must be >= 1, got {getattr(mo, name)}")
     return p
-
 
 
 def _model_problems(cfg: Config) -> list[str]:
@@ -83,7 +81,6 @@ def _model_problems(cfg: Config) -> list[str]:
     return p
 
 
-
 def _stage_split_problems(cfg: Config) -> list[str]:
     """`pipeline.stage_layers` against the model's layers and the stages."""
     p: list[str] = []
@@ -108,7 +105,6 @@ def _stage_split_problems(cfg: Config) -> list[str]:
                  f"= {chunks}; use a multiple of {chunks}, or set pipeline.stage_layers "
                  f"(auto or a list)")
     return p
-
 
 
 def _schedule_problems(cfg: Config) -> list[str]:
@@ -163,7 +159,6 @@ def _schedule_problems(cfg: Config) -> list[str]:
     return p
 
 
-
 def _train_problems(cfg: Config) -> list[str]:
     """Steps, learning rate, batch, loss scale, finite floats, checkpoints and guard."""
     p: list[str] = []
@@ -180,7 +175,6 @@ def _train_problems(cfg: Config) -> list[str]:
         p.append(f"train.loss_scale_init: must be >= 1 (got {t.loss_scale_init}) and "
                  f"train.loss_scale_growth_interval >= 1 (got {t.loss_scale_growth_interval})")
     return p
-
 
 
 def _run_problems(cfg: Config) -> list[str]:
@@ -225,7 +219,6 @@ def _run_problems(cfg: Config) -> list[str]:
         p.append(f"mesh: {cfg.num_devices} devices do not split evenly over "
                  f"distributed.num_processes={d.num_processes}")
     return p
-
 
 
 def _finite_floats(cfg: Config) -> list[str]:

@@ -686,10 +686,10 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 # Why `pipeline.schedule: auto` runs 1F1B, on each target (measured; docs/results.md).
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-           "1F1B paired 0.42 MFU, ZB-V 0.30; ZB-V's extra ticks and W actions cost more than "
-           "its smaller bubble saves)"),
-    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.15x a pp = 1 "
-            "step's, ZB-V 1.37x)"),
+           "1F1B paired 0.47 MFU, ZB-V paired 0.39; ZB-V's extra ticks and W actions cost more "
+           "than its smaller bubble saves)"),
+    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.24x a pp = 1 "
+            "step's, ZB-V 1.60x)"),
 }
 
 

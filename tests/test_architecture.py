@@ -119,7 +119,10 @@ def test_library_never_imports_models():
 # configs). Everything else takes the plan or plain values from it.
 CONFIG_READERS = {"jax_overlap/config.py", "jax_overlap/config_validate.py",
                   "jax_overlap/plan.py", "jax_overlap/cli.py",
-                  "jax_overlap/training/loop.py", "jax_overlap/analysis/tune.py",
+                  "jax_overlap/training/loop.py",
+                  # the tuner: its candidate configs, and the hosts it splits dp over
+                  "jax_overlap/analysis/tune/candidates.py", "jax_overlap/analysis/tune/search.py",
+                  "jax_overlap/analysis/tune/slow_search.py",
                   # `build_facts`: the plain numbers a model builder may ask for (tp, units)
                   "jax_overlap/model_api.py"}
 SECTION_READ = re.compile(r"\b(?:cfg|config)\.(?:mesh|pipeline|overlap)\b")
@@ -231,7 +234,7 @@ def test_models_read_no_parallel_config_section():
 
 # Who builds a `ParallelPlan`: `training/assemble.py` (every run, and `plan_for` for the tools
 # that only price or check a plan) and the tuner's candidate loop. Everything else assembles.
-PLAN_BUILDERS = {"jax_overlap/training/assemble.py", "jax_overlap/analysis/tune.py"}
+PLAN_BUILDERS = {"jax_overlap/training/assemble.py", "jax_overlap/analysis/tune/candidates.py"}
 
 
 def _plan_builds(path: str) -> list[int]:

@@ -540,3 +540,25 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
                                                   "pipeline.transfer_latency=2"])
     losses = _curve(cfg, tmp_path, "zb-v-vocab")
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
+
+
+# The step a GPU plan builds, run on the CPU devices: on a GPU target the executor's filing
+# switch updates the residual pools in place (XLA:CPU copies them, which is slower but
+# computes the same), and the plan's GPU choices apply (paired ticks, vocabulary-parallel
+# head, split W). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
+GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, False)]
+
+
+@pytest.mark.parametrize("name,pp,dp,tp,m,tied", GPU_PLANNED)
+def test_a_gpu_planned_pipeline_matches_single_device(references, name, pp, dp, tp, m, tied):
+    from jax_overlap.plan import Target
+
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["model.attention=plain"])
+    model, params, batch, ref_loss, ref_grads = references(tied)
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], target=Target("h100", True, 80e9),
+                   model=model)
+    assert run.plan.vocab_parallel and run.plan.schedule.paired
+    loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
+                                                run.put_batch(batch))
+    assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
+    assert max_rel_err(layout.to_logical(grads, run.plan.layer_perm), ref_grads) <= 1e-5

@@ -12,13 +12,12 @@ from jax_overlap.hardware.link_profiles import (
     profile_from_dict,
 )
 from jax_overlap.hardware.machine import AxisLink, HardwareProfile, Link
+from jax_overlap.analysis.plan_costs import costs_from_measurement, costs_from_model
 from jax_overlap.analysis.simulate import (
     Costs,
     Plan,
     all_gather_time,
     all_reduce_time,
-    costs_from_measurement,
-    costs_from_model,
     even_buckets,
     events_to_chrome_trace,
     p2p_time,

@@ -288,7 +288,7 @@ def test_bad_stage_layers_exit_2_from_the_cli(tmp_path):
 def test_simulator_and_tuner_take_the_split():
     from jax_overlap.analysis import tune
     from jax_overlap.hardware.link_profiles import load_profile
-    from jax_overlap.analysis.simulate import costs_from_model
+    from jax_overlap.analysis.plan_costs import costs_from_model
 
     even = costs_from_model(8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5, num_virtual_stages=4)
     uneven = costs_from_model(8, 64, 4, 256, 50000, 32, 2, 1, 2, 1e12, 0.5,

@@ -9,6 +9,7 @@ from helpers import TINY, run_cli
 
 from jax_overlap import config
 from jax_overlap.analysis import calibrate as cal_lib
+from jax_overlap.analysis import plan_costs, plan_shape
 from jax_overlap.analysis import tune
 from jax_overlap.hardware.link_profiles import load_profile
 from jax_overlap.analysis.simulate import simulate
@@ -28,7 +29,7 @@ def calibration(tiny):
     quantities = set()
     for _, cfg in tune.enumerate_candidates(tiny, 8, bucket_sizes_mb=(0.0,), windows=(2,)):
         plan = tune.plan_of(cfg)
-        quantities.update(cal_lib.quantities_for(cfg, plan, plan.split_backward))
+        quantities.update(plan_shape.quantities_for(cfg, plan, plan.split_backward))
     return cal_lib.calibrate(tiny, [(2, 1)], devices=jax.devices()[:8],
                              quantities=sorted(quantities), groups=(2, 4, 8), repeats=2)
 
@@ -107,7 +108,7 @@ def test_calibration_costs_are_positive(tiny, calibration):
     for cand in [tune.Candidate(2, 4, 1, 1, 2, "1f1b", 0.0, False, 1),
                  tune.Candidate(2, 2, 2, 1, 4, "zb-h1", 0.0, False, 1)]:
         cfg = tune.apply_candidate(tiny, cand)
-        costs = cal_lib.costs_for_config(calibration, cfg, tune.plan_of(cfg), hw)
+        costs = plan_costs.costs_for_config(calibration, cfg, tune.plan_of(cfg), hw)
         assert all(f > 0 for f in costs.forward_s)
         assert all(b >= 0 for b in costs.backward_s) and sum(costs.backward_s) > 0
         assert all(t > 0 for t in costs.tp_bytes)
@@ -166,7 +167,7 @@ def test_tp_collectives_fold_latency_exactly():
     link = load_profile("cpu_here").link("tp")
     sizes = [1e5, 3e5, 2e4]
     separate = sum(all_reduce_time(b, 4, link) for b in sizes)
-    folded = cal_lib.latency_equivalent_bytes(len(sizes), sum(sizes), 4, link)
+    folded = plan_costs.latency_equivalent_bytes(len(sizes), sum(sizes), 4, link)
     assert all_reduce_time(folded, 4, link) == pytest.approx(separate)
 
 
@@ -201,7 +202,7 @@ def test_tune_cli_json_writes_a_valid_config(tmp_path):
         assert rows[0]["step_ms"] <= rows[1]["step_ms"] and all(r["mfu"] > 0 for r in rows)
     plans = doc["plans"]
     assert len(plans) > 10 and plans[0]["plan"] == doc["best"]["plan"]
-    times = [tune._sig(p["step_time_s"]) for p in plans if p["fits"]]
+    times = [tune.significant(p["step_time_s"]) for p in plans if p["fits"]]
     assert times == sorted(times)
     cfg = config.load(str(out))
     assert cfg.num_devices == 8

@@ -177,7 +177,7 @@ def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
 def param_elements(model) -> tuple[float, float]:
     """(embedding + head elements, elements of one block) of a transformer, by `model.kind`
     (`models/gpt.py`, `bert.py`, `llama.py`, `moe.py`; equal to the traced count,
-    `analysis.calibrate.param_counts`, at tp = 1).
+    `analysis.plan_shape.param_counts`, at tp = 1).
 
     GPT: fused q/k/v and out projections, a GELU MLP, biases, two LayerNorms; learned positions
     and a final LayerNorm. BERT: GPT's block; its embedding adds a mask vector and its head the

@@ -92,3 +92,25 @@ def launch(fresh: Any, next_version: jax.Array, update: Any = None) -> InFlight:
     """The step's own fast-reduced gradient, put in flight for the state `next_version`."""
     return InFlight(jax.tree.map(lambda g: g.astype(jnp.float32), fresh),
                     next_version.astype(jnp.int32), update)
+
+
+# ------------------------------------------------- the exchange of the shared step (strategy)
+
+
+def receive(state, grads, *, mesh, grad_specs, comm_dtype: str = "fp32",
+            compensation: float = 0.0) -> tuple[Any, jax.Array]:
+    """`Exchange.receive`: the in-flight gradient (summed over dcn) replaces the step's own
+    `grads`, which `commit` puts in flight; the token is whether it may be applied."""
+    del grads
+    return arrived(state.slow, state.version, mesh, grad_specs, comm_dtype, compensation)
+
+
+def commit(state, valid, fresh, updates, params, opt_state):
+    """`Exchange.commit`: a gradient of another timeline is dropped (no update this step);
+    the step's own gradient `fresh` goes in flight. Metrics add `dcn_applied`."""
+    params = select(valid, params, state.params)
+    opt_state = select(valid, opt_state, state.opt_state)
+    last = None
+    if state.slow.last_update is not None:
+        last = select(valid, updates, jax.tree.map(jnp.zeros_like, updates))
+    return params, opt_state, launch(fresh, state.version + 1, last), {"dcn_applied": valid}

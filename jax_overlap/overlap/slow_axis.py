@@ -19,9 +19,11 @@ Two modes leave the dcn reduction out of the step (`slow_mode` of the plan):
 * "delay" (`overlap.dcn_delay: 1`): the step returns its gradients reduced over the fast axes
   only, one copy per dcn group (a leading dcn dim); the train step sums the previous step's
   copies over dcn (`dcn_sum`, a psum with no data dependency on this step's compute, so XLA
-  runs it under the forward and backward) and applies them one step late (`delayed.py`).
+  runs it under the forward and backward) and applies them one step late (`delay.py`).
 * "local" (Streaming DiLoCo, `diloco.py`): every dcn group has its own parameters (leading
   dcn dim); the step never reduces over dcn, the outer sync moves parameters instead.
+
+`slow_strategy.py` puts the modes behind one interface that the train step calls.
 
 Tracing under `deferred(True)` is what makes `reduce` skip the dcn psum; `wrap_step`
 applies it, and the leading-dim plumbing, to a step's per-device body.

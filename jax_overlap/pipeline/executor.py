@@ -812,16 +812,20 @@ class _TickLoop:
         return jax.lax.optimization_barrier((pool, self.slots(pool, row)))
 
     def act(self, pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
-        # Two switches on the row's branch. The first runs the actions that file nothing
-        # into a residual pool (idle, B without a split, W...) and gets the pools read-only:
-        # a branch reads its (microbatch, chunk)'s slots itself, so only the actions that use
-        # a slot read it. The second runs the actions that fill pools (F; a split B) and
-        # gets the pools this lane fills, to update in place at the slots the table names;
-        # its other branches pass them through untouched. So no action moves pool data it
-        # does not own: a filling action writes its slots, and nothing is made for an idle
-        # branch to copy. (One switch that returned what an action made, or zeros, cost a
-        # slot-sized write per idle branch; one that updated every pool in place made XLA
-        # copy each pool in every branch.)
+        # On a GPU, two switches on the row's branch. The first runs the actions that file
+        # nothing into a residual pool (idle, B without a split, W...) and gets the pools
+        # read-only: a branch reads its (microbatch, chunk)'s slots itself, so only the
+        # actions that use a slot read it. The second runs the actions that fill pools (F; a
+        # split B) and gets the pools this lane fills, to update in place at the slots the
+        # table names; its other branches pass them through untouched. So no action moves
+        # pool data it does not own, and nothing is made for an idle branch to copy. (One
+        # switch that returned what an action made, or zeros, cost a slot-sized write per
+        # idle branch; one that updated every pool in place made XLA copy each pool in every
+        # branch.)
+        # On a CPU, where XLA copies whatever a conditional passes through or updates in
+        # place, one switch runs every action and returns what it made for the lane's pools
+        # (zeros where it fills nothing), and a two-way conditional per pool files it only
+        # where the action fills that pool.
         # Likewise the activation pool: the switches get only the two slots an action can
         # read (its input and its output gradient). Handed the pool, they would hold it as
         # an operand while the other lane's arrivals are filed into it, and XLA would copy it.
@@ -830,22 +834,22 @@ class _TickLoop:
         if inbox is None:
             inbox = self.slots(pool, row)
         carry = (grads, loss) if switches.grads else (loss,)
-        kept = {name: res[name] for name in switches.pools}
-        read_only = {name: p for name, p in res.items() if name not in kept}
         # The named scope marks the switches in the compiled HLO for `analysis.step_estimate`.
         with jax.named_scope(f"{LANE_SCOPE}{lane}"):
             if switches.in_place:
                 carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
+                kept = {name: res[name] for name in switches.pools}
                 if kept:
+                    read_only = {name: p for name, p in res.items() if name not in kept}
                     kept, carry, out = jax.lax.switch(branch, switches.filing, inbox,
                                                       read_only, kept, carry, out, row)
-            else:  # one switch: each conditional copies what it passes through on a CPU
-                kept, carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry,
+            else:
+                made, carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry,
                                                   row)
-        if kept and not switches.in_place:  # `kept` holds what the action made
+        if not switches.in_place:
             kept = {name: jax.lax.cond(self.writes[name][branch], _filed, _unfiled, res[name],
-                                       made, row[COL[_POOL_SLOT[name]]])
-                    for name, made in kept.items()}
+                                       values, row[COL[_POOL_SLOT[name]]])
+                    for name, values in made.items()}
         res = {**res, **kept}
         grads, loss = carry if switches.grads else (grads, carry[0])
         if tie is None:

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.overlap import delay
+from jax_overlap.overlap import slow_strategy
 from jax_overlap.parallel.mesh import DP, PP, data_spec, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
@@ -97,18 +97,18 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
     # the constraint below all-gathers the updated parameters that are stored replicated.
     abstract_params = jax.eval_shape(model.init, jax.random.key(0))
     shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan)
-    if plan.slow_mode == "local" and plan.diloco is None:  # dcn_delay_mode local
-        from jax_overlap.overlap import local_delay
+    synchronous = partial(_synchronous_step, model, plan, mesh, optimizer, loss_and_grads,
+                          shardings, lr, fault_hook, jit, loss_scale_growth_interval)
+    parts = slow_strategy.StepParts(model, plan, mesh, optimizer, loss_and_grads, shardings,
+                                    lr, fault_hook, jit, grad_out_specs(plan), synchronous)
+    return slow_strategy.of(plan).make_train_step(parts)
 
-        return local_delay.make_train_step(plan, mesh, optimizer, loss_and_grads, shardings,
-                                           lr, fault_hook, jit)
-    if plan.slow_mode == "local":
-        from jax_overlap.overlap import diloco
 
-        return diloco.make_train_step(model, plan, mesh, optimizer, loss_and_grads, shardings,
-                                      lr, fault_hook, jit)
-    delayed = plan.slow_mode == "delay"
-    ov = plan.overlap
+def _synchronous_step(model, plan, mesh, optimizer, loss_and_grads, shardings, lr, fault_hook,
+                      jit: bool, loss_scale_growth_interval: int,
+                      exchange: slow_strategy.Exchange) -> Callable:
+    """The step of one shared optimizer state (slow modes sync and delay): the gradient, the
+    slow axis's `exchange` around the update, fp16 loss scaling, MoE statistics."""
     experts = getattr(getattr(model, "moe", None), "experts", 0)
 
     def step(state: TrainState, batch):
@@ -127,10 +127,8 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
         # Delay: the norm of this step's own gradient (its per-dcn-group copies), so the
         # guard sees a bad gradient before it ever goes in flight.
         grad_norm = _global_norm(grads)
-        if delayed:
-            fresh = grads
-            grads, valid = delay.arrived(state.slow, state.version, mesh, grad_out_specs(plan),
-                                         ov.dcn_comm_dtype, ov.dcn_delay_compensation)
+        fresh = grads
+        grads, token = exchange.receive(state, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         applied = jnp.ones((), jnp.int32)
@@ -138,14 +136,8 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                              (params, opt_state), (state.params, state.opt_state))
             applied = finite.astype(jnp.int32)
-        slow = state.slow
-        if delayed:  # a gradient of another timeline is dropped: no update this step
-            params = delay.select(valid, params, state.params)
-            opt_state = delay.select(valid, opt_state, state.opt_state)
-            last = None
-            if state.slow.last_update is not None:
-                last = delay.select(valid, updates, jax.tree.map(jnp.zeros_like, updates))
-            slow = delay.launch(fresh, state.version + 1, last)
+        params, opt_state, slow, slow_metrics = exchange.commit(state, token, fresh, updates,
+                                                                params, opt_state)
         params = jax.lax.with_sharding_constraint(params, shardings.params)
         opt_state = jax.lax.with_sharding_constraint(opt_state, shardings.opt_state)
         if slow is not None:
@@ -157,8 +149,7 @@ def make_train_step(model, plan, mesh, optimizer: optax.GradientTransformation,
             new_state = new_state._replace(loss_scale=loss_scale_lib.update(
                 ls, finite, loss_scale_growth_interval))
             metrics.update(overflow=~finite, loss_scale=ls.scale)
-        if delayed:
-            metrics["dcn_applied"] = valid
+        metrics.update(slow_metrics)
         if lr is not None:
             metrics["lr"] = lr(state.step)
         return new_state, metrics
@@ -197,48 +188,14 @@ def state_shardings(model, mesh, optimizer, abstract_params, layout=None, plan=N
     opt_abstract = jax.eval_shape(optimizer.init, abstract_params)
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_abstract, grad_sh,
                                    transform_non_params=lambda _: replicated)
-    if plan is not None and plan.slow_mode == "local":  # one (inner) state per group
-        from jax_overlap.overlap import diloco
-
-        opt_sh = diloco.opt_shardings(mesh, optimizer, abstract_params, grad_sh)
+    slow = slow_strategy.of(plan)
+    opt_sh = slow.opt_shardings(mesh, optimizer, abstract_params, grad_sh, opt_sh)
     scale_sh = (loss_scale_lib.LossScale(replicated, replicated, replicated) if loss_scaled
                 else None)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                       data_offset=replicated, version=replicated, loss_scale=scale_sh,
-                      slow=_slow_shardings(plan, mesh, optimizer, abstract_params, param_sh))
-
-
-def _slow_shardings(plan, mesh, optimizer, abstract_params, param_sh) -> Any:
-    mode = "none" if plan is None else plan.slow_mode
-    if mode == "delay":
-        return delay.shardings(mesh, grad_out_specs(plan), param_sh,
-                               plan.overlap.dcn_delay_compensation > 0)
-    if mode == "local" and plan.diloco is None:
-        from jax_overlap.overlap import local_delay
-
-        return local_delay.shardings(mesh, param_sh)
-    if mode == "local":
-        from jax_overlap.overlap import diloco
-
-        return diloco.shardings(plan, mesh, optimizer, abstract_params, param_sh)
-    return None
-
-
-def _slow_init(plan, params, optimizer) -> Any:
-    """The slow axis's initial state for the initial `params` (staged layout)."""
-    if plan.slow_mode == "delay":
-        # Gradients have the parameters' global shapes (ZeRO-1 only shards them otherwise).
-        return delay.init(params, plan.dcn,
-                          params if plan.overlap.dcn_delay_compensation > 0 else None)
-    if plan.slow_mode == "local" and plan.diloco is None:
-        from jax_overlap.overlap import local_delay
-
-        return local_delay.init(plan, params)
-    if plan.slow_mode == "local":
-        from jax_overlap.overlap import diloco
-
-        return diloco.init(plan, params, optimizer)
-    return None
+                      slow=slow.shardings(plan, mesh, optimizer, abstract_params, param_sh,
+                                          None if plan is None else grad_out_specs(plan)))
 
 
 def init_state(model, plan, mesh, optimizer, seed: int,
@@ -250,16 +207,12 @@ def init_state(model, plan, mesh, optimizer, seed: int,
     shardings = state_shardings(model, mesh, optimizer, abstract_params, plan.layout, plan,
                                 loss_scaled=loss_scale is not None)
 
+    slow = slow_strategy.of(plan)
+
     def build():
         params = layout.to_staged(model.init(jax.random.key(seed)), plan.layer_perm)
-        if plan.slow_mode == "local":
-            from jax_overlap.overlap import diloco
-
-            opt_state = diloco.init_opt(plan, params, optimizer)
-        else:
-            opt_state = optimizer.init(params)
-        return new_state(params, opt_state, seed, loss_scale,
-                         _slow_init(plan, params, optimizer))
+        return new_state(params, slow.init_opt(plan, params, optimizer), seed, loss_scale,
+                         slow.init(plan, params, optimizer))
 
     return jax.jit(build, out_shardings=shardings)()
 
