@@ -156,16 +156,10 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
                                   "bert_tiny.yaml", "moe_tiny.yaml", "llama3_8b.yaml"])
 def test_formula_parameter_count_is_the_traced_one(path, overrides):
     """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
-<<<<<<< HEAD
-    need it before any model is built) and `calibrate.param_counts` (traced shapes, per TP
+    need it before any model is built) and `plan_shape.param_counts` (traced shapes, per TP
     rank and per leaf: what the calibrated costs are keyed on). For every transformer kind
     (GPT, BERT, Llama with GQA and SwiGLU, its MoE) they agree exactly."""
-    from jax_overlap.analysis.calibrate import param_counts
-=======
-    need it before any model is built) and `plan_shape.param_counts` (traced shapes, per TP
-    rank and per leaf: what the calibrated costs are keyed on). On a GPT they agree exactly."""
     from jax_overlap.analysis.plan_shape import param_counts
->>>>>>> main
 
     cfg = config.load(f"{REPO}/configs/{path}", overrides)
     traced = param_counts(cfg, 1)
