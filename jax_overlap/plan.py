@@ -846,7 +846,9 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
     return step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
                       zero1=overlap.zero1, fsdp=overlap.fsdp, remat=remat, attention=attention,
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
-                      slots=slots, split_backward=split, vocab_parallel=vocab_parallel)
+                      slots=slots, split_backward=split, vocab_parallel=vocab_parallel,
+                      paired=m.pp > 1 and pl.paired is True,
+                      buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop)
 
 
 @functools.lru_cache(maxsize=256)

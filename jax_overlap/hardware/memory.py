@@ -23,7 +23,14 @@ comparison, within 15% for dp8, dp2 x tp4, pp4 x dp2 1F1B and ZB-V, pp2 x dp2 x 
 * working memory: one layer's residuals rebuilt while a recomputing policy backpropagates
   through it, or the fp32 logits of a microbatch, whichever is larger; at pp > 1 also one or
   two more copies of a slot's stacked residuals (`PIPELINE_SLOT_COPIES`), the activation stash
-  (`TickProgram.slots` + 1 plus the inboxes) and a chunk's weight gradients.
+  (`TickProgram.slots` + 1 plus the inboxes), a chunk's weight gradients, with in-loop DP
+  buckets the second copy of the stage's gradients the filing branch writes, and in paired
+  ticks under a recomputing policy a share of the whole chunk's residuals
+  (`PIPELINE_RECOMPUTE_SHARE`) instead of one layer's.
+
+Known gap (docs/results.md): at pp = 1 under a recomputing policy with gradient buckets, XLA
+hoists the unrolled last microbatch's recomputes ahead of its backward and keeps far more than
+one layer's residuals; the estimate does not model it.
 
 Not counted: DP gradient buckets and FSDP's gathered blocks in flight (`resilience.preflight`
 adds them as communication buffers), XLA's scheduler keeping buffers alive longer for overlap.
@@ -45,6 +52,13 @@ GELU_TENSORS = 5
 PIPELINE_SLOT_COPIES = 1.5
 # Inboxes of a pipeline step: one per ring direction, and the local hand-off.
 PIPELINE_INBOXES = 3
+# Share of a whole chunk's residuals (`remat: none`, every layer of the chunk) a paired tick
+# (F and B in one branch) holds at its peak under a recomputing policy: the F's forward and the
+# B's recompute of the chunk run in the same branch and XLA schedules the layers ahead of the
+# backward, so more than one layer's residuals are live at once (GPT-1.3B deviceless for
+# 8 x H100, remat full: about 0.5 of a 12-layer chunk at pp2 x dp2 x tp2, 0.25-0.4 of a
+# 6-layer chunk at pp4 x dp2; unpaired ticks hold one layer's, as the estimate had it).
+PIPELINE_RECOMPUTE_SHARE = 0.45
 
 
 def dtype_bytes(precision: str) -> int:
@@ -163,12 +177,34 @@ def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
 
 
 def param_elements(model) -> tuple[float, float]:
-    """(embedding + head elements, elements of one block) of a GPT/BERT-shaped model."""
-    d, f = model.d_model, model.d_ff
-    embed = model.vocab * d + model.seq_len * d + 2 * d
-    if not getattr(model, "tied_embeddings", True):
-        embed += model.vocab * d
+    """(embedding + head elements, elements of one block) of a transformer, by `model.kind`
+    (`models/gpt.py`, `bert.py`, `llama.py`, `moe.py`; equal to the traced count,
+    `analysis.plan_shape.param_counts`, at tp = 1).
+
+    GPT: fused q/k/v and out projections, a GELU MLP, biases, two LayerNorms; learned positions
+    and a final LayerNorm. BERT: GPT's block; its embedding adds a mask vector and its head the
+    MLM transform (dense + LayerNorm) and a vocabulary bias. Llama: grouped-query attention
+    (`kv_heads`), a SwiGLU MLP (or `experts` SwiGLU experts with a router and shared experts),
+    two RMSNorms, no biases, RoPE (no position table).
+    """
+    d, f, v = model.d_model, model.d_ff, model.vocab
+    kind = getattr(model, "kind", "gpt")
+    untied = 0 if getattr(model, "tied_embeddings", True) else v * d
+    if kind == "llama":
+        heads = max(model.heads, 1)
+        kv = getattr(model, "kv_heads", 0) or heads
+        attn = 2 * d * d + 2 * d * kv * (d // heads)  # q and out, k and v
+        experts = getattr(model, "experts", 0)
+        if experts:
+            shared = getattr(model, "shared_experts", 0)
+            mlp = d * experts + experts * 3 * d * f + 3 * d * f * shared + experts + 2
+        else:
+            mlp = 3 * d * f  # gate and up, down
+        return float(v * d + d + untied), float(attn + mlp + 2 * d)
     block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv + out, MLP, biases and norms
+    embed = v * d + model.seq_len * d + 2 * d + untied
+    if kind == "bert":  # the mask vector; the MLM transform, its two norms, the vocab bias
+        embed += d + d * d + d + 2 * d + v
     return float(embed), float(block)
 
 
@@ -230,7 +266,8 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
                 zero1: bool = False, fsdp: bool = False, remat: str = "none",
                 attention="plain", microbatches: int = 1, sequence_parallel: bool = False,
                 slots: PipelineSlots | None = None, split_backward: bool = False,
-                vocab_parallel: bool = False) -> StepMemory:
+                vocab_parallel: bool = False, paired: bool = False,
+                buckets_in_loop: bool = False) -> StepMemory:
     """Estimated peak bytes per device of one train step, by part.
 
     Args:
@@ -249,6 +286,9 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
       split_backward: the schedule splits B and W (ZB-H1, ZB-V).
       vocab_parallel: the head runs over pp (`pipeline.vocab_parallel`): no head pool, the
         logits split over tp x pp.
+      paired: paired F + B ticks (`pipeline.paired`; `PIPELINE_RECOMPUTE_SHARE`).
+      buckets_in_loop: a pipeline's DP gradient buckets run inside the tick loop: the filing
+        branch writes a new copy of the stage's f32 gradients beside the loop's.
     """
     a = dtype_bytes(precision)
     d = model.d_model
@@ -292,9 +332,13 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     if slots.dz and split_backward:  # (the program counts them for any split schedule)
         dz = chunk_layers * tokens * a * (3 * d / tp + 2 * d + model.d_ff / tp)
         kept += (slots.dz + 1) * dz
+    if paired and remat != "none":  # more than one layer live (see the constant)
+        chunk_redo = PIPELINE_RECOMPUTE_SHARE * chunk_layers * (redo - copies)
+        work = max(chunk_redo + copies, logits) if chunk_redo > redo else work
     work += PIPELINE_SLOT_COPIES * stacked + (slots.stash + 1 + PIPELINE_INBOXES) * act
-    # The chunk's weight gradients before they join the accumulator.
-    work += 4 * chunk_layers * block_elems
+    # The chunk's weight gradients before they join the accumulator; with in-loop buckets the
+    # new accumulator the filing branch writes beside the one the loop carries.
+    work += 4 * chunk_layers * block_elems + (4 * elems if buckets_in_loop else 0.0)
     return StepMemory(float(state), float(kept), float(work))
 
 
@@ -318,4 +362,6 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
         fsdp=ov.fsdp, remat=plan.remat, attention=getattr(plan, "attention", "plain"),
         microbatches=plan.microbatches, sequence_parallel=ov.tp_comm != "plain",
         slots=PipelineSlots.of_program(program) if program is not None else None,
-        split_backward=plan.split_backward, vocab_parallel=plan.vocab_parallel)
+        split_backward=plan.split_backward, vocab_parallel=plan.vocab_parallel,
+        paired=program is not None and bool(program.schedule.paired),
+        buckets_in_loop=program is not None and ov.buckets_in_loop)
