@@ -10,6 +10,7 @@ choices (remat, microbatches, FSDP, schedule) are printed with it. Deviceless: n
     python bench/memory_estimate.py                      # the six cases of docs/results.md
     python bench/memory_estimate.py --only gpt-pp4-dp2   # one
     python bench/memory_estimate.py --dump /tmp/dumps    # also XLA's buffer assignment per case
+    python bench/memory_estimate.py --quick              # one small pipeline: checks it runs
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ EXTRA = {
     "llama-small-dp2-tp4": ("llama3_8b_dp2_tp4.yaml", ["model.layers=4", "model.seq_len=2048",
                                                         "train.global_batch=16"]),
 }
+# --quick: a small GPT at pp2 x dp2 x tp2 (paired 1F1B, sequence parallel), seconds to compile.
+QUICK = {"quick-pp2-dp2-tp2": ("gpt_1p3b_pp2_dp2_tp2.yaml", [
+    "model.layers=4", "model.d_model=256", "model.heads=4", "model.d_ff=1024",
+    "model.seq_len=256", "model.vocab=1024", "train.global_batch=16"])}
 CASES.update(EXTRA)
-TABLE = [name for name in CASES if name not in EXTRA]
+CASES.update(QUICK)
+TABLE = [name for name in CASES if name not in EXTRA and name not in QUICK]
 GIB = 2**30
 
 
@@ -87,9 +93,11 @@ def main(argv=None) -> None:
     parser.add_argument("--target", default="h100")
     parser.add_argument("--dump", help="folder for XLA's dumps (buffer assignment), per case")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true", help="one small case (%s)" % (
+        ", ".join(QUICK)))
     args = parser.parse_args(argv)
     rows = []
-    for name in args.only or TABLE:
+    for name in args.only or (list(QUICK) if args.quick else TABLE):
         row = run_case(name, args.target, args.dump)
         rows.append(row)
         print(f"{name:18s} estimate {row['estimate'] / GIB:6.1f} GiB  XLA {row['xla'] / GIB:6.1f}"

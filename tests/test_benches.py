@@ -31,6 +31,7 @@ TESTED = {
     "fault_drill.py": "test_fault_drill_quick",
     "gpu.py": "test_gpu_quick_on_cpu",
     "loader.py": "test_loader_quick",
+    "memory_estimate.py": "test_memory_estimate_quick",
     "overlap.py": "test_overlap_quick",
     "overlap_headline.py": "test_overlap_headline_quick",
     "pipeline.py": "test_pipeline_quick",
@@ -388,3 +389,15 @@ def test_overlap_headline_quick():
     # no overlap: nothing under GEMMs; the defaults hide part of the gradient reduction
     assert float(base[8]) == 0.0 and float(best[7]) > 0.0
     assert float(best[4]) > float(base[5])  # iter/s
+
+
+def test_memory_estimate_quick():
+    """A small pipelined GPT compiled deviceless for H100s: the plan's estimate sits within a
+    factor of 1.5 of what XLA allocates (the full six-config table is held to 15%, slow)."""
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
+    out = run_bench("memory_estimate.py", "--quick")
+    ratio = float(re.search(r"ratio (\d+\.\d+)", out).group(1))
+    assert 1 / 1.5 <= ratio <= 1.5, out
