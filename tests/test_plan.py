@@ -27,7 +27,8 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
                                  "pipeline.microbatches", "model.attention", "model.remat",
                                  "overlap.grad_bucket_mb", "overlap.embed_before_first_layer",
-                                 "overlap.xla_preset", "overlap.param_sharding"}
+                                 "overlap.xla_preset", "overlap.param_sharding",
+                                 "overlap.zero1"}
     assert plan.remat == "none"  # CPU: recomputing only adds work
     # CPU collectives are synchronous: one reduction after the backward, no XLA flags.
     assert (plan.overlap.grad_bucket_bytes, plan.overlap.embed_before_first_layer,
@@ -130,6 +131,54 @@ def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
     assert not tp4.overlap.fsdp and tp4.overlap.grad_bucket_bytes > 0
     cpu = ParallelPlan.build(config.load(llama, auto + ["mesh.dp=8", "mesh.tp=1"]))
     assert not cpu.overlap.fsdp and cpu.choices["overlap.param_sharding"].why.startswith("CPU")
+
+
+def test_auto_zero1_splits_only_an_optimizer_state_that_does_not_fit():
+    llama = f"{REPO}/configs/gpu/llama3_8b_pp4_dp2.yaml"
+    tight = ParallelPlan.build(config.load(llama), target=H100)  # ~69 GB at its smallest
+    assert tight.overlap.zero1 is True and not tight.overlap.fsdp
+    assert tight.choices["overlap.zero1"].why.startswith("a replica's optimizer state does "
+                                                         "not fit")
+    assert tight.resolved_config(config.load(llama)).overlap.zero1 is True
+    gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml"), target=H100)
+    assert gpt.overlap.zero1 is False
+    assert gpt.choices["overlap.zero1"].why.startswith("a replica fits")
+    cpu = ParallelPlan.build(config.load(llama, ["model.layers=4", "model.d_model=256"]))
+    assert cpu.overlap.zero1 is False and cpu.choices["overlap.zero1"].why.startswith("CPU")
+    # Where ZeRO-1 alone does not make a replica fit, FSDP decides (and shards the moments).
+    fsdp = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/llama3_8b_fsdp8.yaml"),
+                              target=H100)
+    assert fsdp.overlap.fsdp and fsdp.overlap.zero1 is False
+    given = ParallelPlan.build(config.load(llama, ["overlap.zero1=false"]), target=H100)
+    assert given.overlap.zero1 is False and "overlap.zero1" not in given.choices
+    given = ParallelPlan.build(config.load(TINY, ["overlap.zero1=true"]))
+    assert given.overlap.zero1 is True and "overlap.zero1" not in given.choices
+
+
+def test_auto_transfer_latency_is_two_only_where_a_transfer_outlasts_a_tick():
+    gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml"),
+                             target=H100)
+    assert gpt.transfer_latency == 1 and gpt.schedule.paired
+    assert "hides under the GEMMs of a tick" in gpt.choices["pipeline.transfer_latency"].why
+    # A narrow model: one microbatch's activations take longer over NVLink than a chunk's
+    # GEMMs (64 x 2 bytes a token against ~0.1 MFLOP), and its step fits: latency 2, unpaired.
+    narrow = ["mesh.pp=4", "mesh.tp=1", "pipeline.microbatches=8", "model.layers=4",
+              "model.d_model=64", "model.d_ff=128", "model.seq_len=64", "train.precision=bf16"]
+    exposed = ParallelPlan.build(config.load(TINY, narrow), target=H100)
+    assert exposed.transfer_latency == 2 and not exposed.schedule.paired
+    assert "outlasts a tick's GEMMs" in exposed.choices["pipeline.transfer_latency"].why
+    assert exposed.choices["pipeline.paired"].why.startswith("transfer_latency 2")
+    cpu = ParallelPlan.build(config.load(TINY, narrow))
+    assert cpu.transfer_latency == 1
+    assert cpu.choices["pipeline.transfer_latency"].why.startswith("CPU")
+    for explicit in (["pipeline.transfer_latency=1"], ["pipeline.paired=true"]):
+        given = ParallelPlan.build(config.load(TINY, narrow + explicit), target=H100)
+        assert given.transfer_latency == 1 and given.schedule.paired
+    given = ParallelPlan.build(config.load(TINY, narrow + ["pipeline.transfer_latency=1"]),
+                               target=H100)
+    assert "pipeline.transfer_latency" not in given.choices
+    flat = ParallelPlan.build(config.load(TINY), target=H100)  # pp = 1: nothing to decide
+    assert flat.transfer_latency == 1 and "pipeline.transfer_latency" not in flat.choices
 
 
 def test_explicit_choices_win_and_resolved_config_holds_the_choices():
