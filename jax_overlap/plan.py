@@ -763,10 +763,17 @@ AUTO_LATENCY_WHY = ("the transfer of a microbatch's activations between stages (
                     "over {link}) hides under the GEMMs of a tick (~{c:.3g} ms)")
 
 
+# A tick's kernels per layer and each kernel's launch (`analysis/step_estimate.LAUNCH_S`): a
+# small model's tick is launches, not GEMMs, and a transfer is one kernel too.
+TICK_KERNELS_PER_LAYER = 20
+KERNEL_LAUNCH_S = 4e-6
+
+
 def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str] | None:
-    """(seconds one microbatch's activations take between stages, seconds of the forward
-    GEMMs of one chunk at the chip's peak, the link's name) on a GPU the chip table knows;
-    None otherwise. One sequence per microbatch: both grow with its tokens alike."""
+    """(seconds one microbatch's activations take between stages, seconds of one chunk's
+    forward: its GEMMs at the chip's peak plus its kernels' launches, the link's name) on a
+    GPU the chip table knows; None otherwise. One sequence per microbatch (the GEMMs and the
+    transfer grow with its tokens alike)."""
     from jax_overlap.hardware.machine import chip_for_device_kind, chip_key, CHIPS
     from jax_overlap.hardware.memory import dtype_bytes, param_elements
 
@@ -780,8 +787,9 @@ def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str
     _, block = param_elements(mo)
     flops = 2 * tokens * block / max(m.tp, 1) * chunk_layers
     dtype = "bf16" if cfg.train.precision in ("bf16", "fp16") else "f32"
-    return (act / chip.nvlink_unidirectional_bytes_per_s, flops / chip.matmul_flops_per_s(dtype),
-            f"{chip.name} NVLink")
+    launches = TICK_KERNELS_PER_LAYER * chunk_layers * KERNEL_LAUNCH_S
+    return (KERNEL_LAUNCH_S + act / chip.nvlink_unidirectional_bytes_per_s,
+            flops / chip.matmul_flops_per_s(dtype) + launches, f"{chip.name} NVLink")
 
 
 def _resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:

@@ -14,6 +14,7 @@ from jax_overlap.hardware.link_profiles import AxisLink, Link, load_profile
 from jax_overlap.analysis.simulate import Costs, simulate
 from jax_overlap.config import ConfigError
 from jax_overlap.pipeline.schedules import bubble_fraction
+from jax_overlap import plan as plan_lib
 from jax_overlap.plan import ParallelPlan, Target
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
@@ -160,20 +161,26 @@ def test_auto_transfer_latency_is_two_only_where_a_transfer_outlasts_a_tick():
                              target=H100)
     assert gpt.transfer_latency == 1 and gpt.schedule.paired
     assert "hides under the GEMMs of a tick" in gpt.choices["pipeline.transfer_latency"].why
-    # A narrow model: one microbatch's activations take longer over NVLink than a chunk's
-    # GEMMs (64 x 2 bytes a token against ~0.1 MFLOP), and its step fits: latency 2, unpaired.
-    narrow = ["mesh.pp=4", "mesh.tp=1", "pipeline.microbatches=8", "model.layers=4",
-              "model.d_model=64", "model.d_ff=128", "model.seq_len=64", "train.precision=bf16"]
-    exposed = ParallelPlan.build(config.load(TINY, narrow), target=H100)
-    assert exposed.transfer_latency == 2 and not exposed.schedule.paired
-    assert "outlasts a tick's GEMMs" in exposed.choices["pipeline.transfer_latency"].why
-    assert exposed.choices["pipeline.paired"].why.startswith("transfer_latency 2")
+    # A stage link slower than a tick's GEMMs (as between hosts): latency 2, unpaired, where
+    # the step fits.
+    narrow = ["mesh.pp=4", "mesh.tp=1", "pipeline.microbatches=8", "model.layers=4"]
+    tiny = ParallelPlan.build(config.load(TINY, narrow), target=H100)  # launches: hidden
+    assert tiny.transfer_latency == 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_lib, "_transfer_and_tick_s", lambda cfg, target: (2e-3, 1e-3, "slow"))
+        exposed = ParallelPlan.build(config.load(TINY, narrow), target=H100)
+        assert exposed.transfer_latency == 2 and not exposed.schedule.paired
+        assert "outlasts a tick's GEMMs" in exposed.choices["pipeline.transfer_latency"].why
+        assert exposed.choices["pipeline.paired"].why.startswith("transfer_latency 2")
+        full = ParallelPlan.build(config.load(TINY, narrow), target=Target("h100", True, 1e3))
+        assert full.transfer_latency == 1  # latency 2's step would not fit
+        assert "kept at 1" in full.choices["pipeline.transfer_latency"].why
+        for explicit in (["pipeline.transfer_latency=1"], ["pipeline.paired=true"]):
+            given = ParallelPlan.build(config.load(TINY, narrow + explicit), target=H100)
+            assert given.transfer_latency == 1 and given.schedule.paired
     cpu = ParallelPlan.build(config.load(TINY, narrow))
     assert cpu.transfer_latency == 1
     assert cpu.choices["pipeline.transfer_latency"].why.startswith("CPU")
-    for explicit in (["pipeline.transfer_latency=1"], ["pipeline.paired=true"]):
-        given = ParallelPlan.build(config.load(TINY, narrow + explicit), target=H100)
-        assert given.transfer_latency == 1 and given.schedule.paired
     given = ParallelPlan.build(config.load(TINY, narrow + ["pipeline.transfer_latency=1"]),
                                target=H100)
     assert "pipeline.transfer_latency" not in given.choices
