@@ -622,11 +622,16 @@ def _resolve_zero1(cfg: Config, target: Target, choices: dict[str, Choice], tp_c
     elif cfg.model.kind not in ESTIMATED_KINDS:
         why = f"no memory estimate for model.kind={cfg.model.kind}"
     else:
-        need = estimated_step_bytes(cfg, 1, OverlapPlan(tp_comm=tp_comm), "full", attention)
+        # With the gradient buckets `auto` gives a replicated step (in a pipeline's tick loop
+        # they hold a second copy of the stage's gradients).
+        buckets = int(_resolve_overlap(cfg, target, {}, False)[0] * MIB)
+        need = estimated_step_bytes(cfg, 1, OverlapPlan(grad_bucket_bytes=buckets,
+                                                        tp_comm=tp_comm), "full", attention)
         budget = f"budget {MEMORY_BUDGET * (target.memory_bytes or 0) / 1e9:.0f} GB"
         if not fits_memory(need, target):
-            with_zero1 = estimated_step_bytes(cfg, 1, OverlapPlan(zero1=True, tp_comm=tp_comm),
-                                              "full", attention)
+            with_zero1 = estimated_step_bytes(
+                cfg, 1, OverlapPlan(zero1=True, grad_bucket_bytes=buckets, tp_comm=tp_comm),
+                "full", attention)
             on = fits_memory(with_zero1, target)
             why = (f"a replica's optimizer state does not fit: ~{need / 1e9:.0f} GB per device "
                    f"at its smallest (1 sequence per microbatch, remat full; {budget}); "

@@ -15,7 +15,7 @@ from jax_overlap.analysis.simulate import Costs, simulate
 from jax_overlap.config import ConfigError
 from jax_overlap.pipeline.schedules import bubble_fraction
 from jax_overlap import plan as plan_lib
-from jax_overlap.plan import ParallelPlan, Target
+from jax_overlap.plan import ParallelPlan, Target, fits_memory
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
 H100 = Target("h100", True, 80e9)
@@ -135,18 +135,25 @@ def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
 
 
 def test_auto_zero1_splits_only_an_optimizer_state_that_does_not_fit():
-    llama = f"{REPO}/configs/gpu/llama3_8b_pp4_dp2.yaml"
-    tight = ParallelPlan.build(config.load(llama), target=H100)  # ~69 GB at its smallest
+    gpt_dp8 = f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml"
+    small = Target("h100", True, 30e9)  # a 24 GB budget: a replica ~27 GB at its smallest
+    tight = ParallelPlan.build(config.load(gpt_dp8), target=small)
     assert tight.overlap.zero1 is True and not tight.overlap.fsdp
     assert tight.choices["overlap.zero1"].why.startswith("a replica's optimizer state does "
                                                          "not fit")
-    assert tight.resolved_config(config.load(llama)).overlap.zero1 is True
-    gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml"), target=H100)
+    assert fits_memory(tight.memory_estimate, small)
+    assert tight.resolved_config(config.load(gpt_dp8)).overlap.zero1 is True
+    gpt = ParallelPlan.build(config.load(gpt_dp8), target=H100)
     assert gpt.overlap.zero1 is False
     assert gpt.choices["overlap.zero1"].why.startswith("a replica fits")
+    llama = f"{REPO}/configs/gpu/llama3_8b_pp4_dp2.yaml"
     cpu = ParallelPlan.build(config.load(llama, ["model.layers=4", "model.d_model=256"]))
     assert cpu.overlap.zero1 is False and cpu.choices["overlap.zero1"].why.startswith("CPU")
-    # Where ZeRO-1 alone does not make a replica fit, FSDP decides (and shards the moments).
+    # Where ZeRO-1 alone does not make a replica fit (its in-loop buckets counted), FSDP
+    # decides (and shards the moments too).
+    big = ParallelPlan.build(config.load(llama), target=H100)
+    assert big.overlap.fsdp and big.overlap.zero1 is False
+    assert "left to overlap.param_sharding" in big.choices["overlap.zero1"].why
     fsdp = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/llama3_8b_fsdp8.yaml"),
                               target=H100)
     assert fsdp.overlap.fsdp and fsdp.overlap.zero1 is False
