@@ -63,11 +63,17 @@ def check(key, dp, tp, pp=1, extra=()):
     staged = run.place_params(params)
     loss, grads = jax.jit(run.loss_and_grads())(staged, run.put_batch(batch))
     grads = layout.to_logical(grads, plan.layer_perm)
-    if cfg.mesh.ep > 1:  # the experts' tokens travel by all-to-all
+    if cfg.mesh.ep > 1:  # each rank stores E/dp experts; their tokens travel by all-to-all
+        for name in ("w_experts_gate_up", "w_experts_down"):
+            stored = staged["blocks"]["moe"][name]
+            shard = stored.addressable_shards[0].data.shape
+            expert_dim = 1 - params["blocks"]["moe"][name].ndim  # after the layer dim
+            assert shard[expert_dim] == cfg.model.experts // dp, (name, shard)
         hlo = jax.jit(run.loss_and_grads()).lower(staged, run.put_batch(batch)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
-        if pp == 1 and "overlap.param_sharding=fsdp" not in extra:
-            # one scanned unit: per chunk a dispatch and a combine, forward and backward
+        if pp == 1 and plan.layout.fsdp is None and plan.layout.plan is None:
+            # one scanned unit (no unrolled bucketed microbatch): per chunk a dispatch and a
+            # combine, forward and backward
             assert hlo.count("all_to_all") == 4 * plan.parallel().moe_chunks
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     # The statistics "gradient": tokens per expert and dropped assignments are counts, equal
@@ -83,7 +89,12 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 
 DEFAULT = [
+    # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
+    # all-gather the slot's 2 and reduce-scatter their gradients.
     ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
+    # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
+    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1.
+    ("dropless", 2, 1, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
     # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
@@ -182,6 +193,7 @@ def test_step_reports_tokens_per_expert_and_drops():
     (["model.expert_capacity=lots"], "model.expert_capacity: expected"),
     (["model.moe_every=2", "mesh.pp=4", "mesh.dp=1", "mesh.tp=1"],
      "model.moe_every: the pipeline splits groups of 2 layers"),
+    (["mesh.dp=8", "mesh.tp=1", "mesh.ep=2"], "model.experts: 4 experts cannot be stored split"),
 ])
 def test_bad_moe_settings_are_one_line_each(override, message):
     with pytest.raises(config.ConfigError) as e:
@@ -193,7 +205,9 @@ SWEEP = [
     ("drops", 2, 2, 1, []),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
-    ("dropless", 8, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
+    ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
+    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + [
+        "mesh.ep=2", "overlap.grad_bucket_mb=0.01"]),  # in-loop buckets skip the experts
     ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
                         "overlap.tp_comm=sequence_parallel"]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
