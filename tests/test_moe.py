@@ -272,3 +272,22 @@ def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
     assert resumed.summary()["resumed_from"] == 2 and resumed.steps == 2
     assert max(rel(a, b) for a, b in zip(resumed.losses, saved.losses[2:])) <= 1e-4
     assert saved.losses[3] != saved.losses[1]  # steps 3..4 are not steps 1..2 again
+
+
+def test_memory_estimate_stores_experts_split_over_dp():
+    """hardware.memory: with mesh.ep > 1 each rank stores E/dp of the routed experts, with
+    their fp32 gradient and Adam moments (4 + 4 + 8 bytes an element), and the rest as before;
+    the plan's estimate passes mesh.ep."""
+    from jax_overlap.hardware import memory
+
+    cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"])
+    m, dp = cfg.model, 4
+    routed = memory.routed_expert_elements(m)
+    assert routed == m.experts * 3 * m.d_model * m.d_ff
+    args = (m, 1, 1, 1, dp, "bf16")
+    full = memory.step_memory(*args, ep=1)
+    split = memory.step_memory(*args, ep=dp)
+    assert full.state - split.state == pytest.approx(16 * m.layers * routed * (1 - 1 / dp))
+    zero1 = memory.step_memory(*args, ep=dp, zero1=True)  # experts' moments not split twice
+    other = full.state / 16 - m.layers * routed  # elements of everything else
+    assert split.state - zero1.state == pytest.approx(8 * other * (1 - 1 / dp))
