@@ -249,10 +249,15 @@ def test_moe_tiny_learns_with_every_expert_in_use(tmp_path):
 
 
 @pytest.mark.slow  # two compiled training runs: ~75 s on 2 busy cores
-def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
-    """Checkpoints hold the logical experts: a run saved with ep2 (and FSDP, so every expert
-    weight and its optimizer state is split over dp) resumes with ep1, replicated, and its
-    steps 3..4 are the straight run's (up to the reduction order)."""
+@pytest.mark.parametrize("saved_with,resumed_with", [
+    (["mesh.ep=2", "overlap.moe_chunks=2", "overlap.param_sharding=fsdp"], ["mesh.ep=1"]),
+    (["mesh.ep=1"], ["mesh.ep=2"]),
+], ids=["ep2-to-ep1", "ep1-to-ep2"])
+def test_checkpoint_resumes_across_ep_sizes(tmp_path, saved_with, resumed_with):
+    """Checkpoints hold the logical experts: a run saved with ep2 (each rank storing its
+    own experts and their optimizer state; FSDP for the rest) resumes with ep1, replicated,
+    and one saved with ep1 resumes with ep2; the resumed steps 3..4 are the straight run's
+    (up to the reduction order)."""
     import os
     import shutil
 
@@ -260,15 +265,14 @@ def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
 
     opts = ["train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=5",
             "checkpoint.async_save=false"]
-    saved = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=2", "overlap.moe_chunks=2",
-                                                    "overlap.param_sharding=fsdp"]),
-                      str(tmp_path / "ep2"), progress=False, devices=jax.devices()[:2])
+    saved = train.run(moe_cfg("drops", dp=2, extra=[*opts, *saved_with]),
+                      str(tmp_path / "saved"), progress=False, devices=jax.devices()[:2])
     ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(os.path.join(tmp_path, "ep2", "checkpoints"), ckpt)
-    shutil.rmtree(os.path.join(ckpt, "4"))  # as if the ep2 run had stopped at step 2
-    resumed = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=1",
+    shutil.copytree(os.path.join(tmp_path, "saved", "checkpoints"), ckpt)
+    shutil.rmtree(os.path.join(ckpt, "4"))  # as if the saved run had stopped at step 2
+    resumed = train.run(moe_cfg("drops", dp=2, extra=[*opts, *resumed_with,
                                                       f"checkpoint.dir={ckpt}"]),
-                        str(tmp_path / "ep1"), progress=False, devices=jax.devices()[:2])
+                        str(tmp_path / "resumed"), progress=False, devices=jax.devices()[:2])
     assert resumed.summary()["resumed_from"] == 2 and resumed.steps == 2
     assert max(rel(a, b) for a, b in zip(resumed.losses, saved.losses[2:])) <= 1e-4
     assert saved.losses[3] != saved.losses[1]  # steps 3..4 are not steps 1..2 again
