@@ -840,6 +840,12 @@ class _TickLoop:
                 carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
                 kept = {name: res[name] for name in switches.pools}
                 if kept:
+                    # The pools go to the filing switch through the plain switch's results:
+                    # its reads (W reads the stash F and B filled) are then ordered before
+                    # the in-place writes. XLA drops a switch's pass-through operands, and
+                    # without this tie the two switches were unordered and each pool the
+                    # plain one reads was copied every tick.
+                    kept, carry, out = jax.lax.optimization_barrier((kept, carry, out))
                     read_only = {name: p for name, p in res.items() if name not in kept}
                     kept, carry, out = jax.lax.switch(branch, switches.filing, inbox,
                                                       read_only, kept, carry, out, row)
