@@ -194,6 +194,8 @@ def test_step_reports_tokens_per_expert_and_drops():
     (["model.moe_every=2", "mesh.pp=4", "mesh.dp=1", "mesh.tp=1"],
      "model.moe_every: the pipeline splits groups of 2 layers"),
     (["mesh.dp=8", "mesh.tp=1", "mesh.ep=2"], "model.experts: 4 experts cannot be stored split"),
+    (["mesh.dp=2", "mesh.tp=1", "mesh.pp=2", "mesh.ep=2", "overlap.grad_bucket_mb=1"],
+     "overlap.grad_bucket_mb: in-loop buckets under a pipeline"),
 ])
 def test_bad_moe_settings_are_one_line_each(override, message):
     with pytest.raises(config.ConfigError) as e:
@@ -206,8 +208,7 @@ SWEEP = [
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
-    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + [
-        "mesh.ep=2", "overlap.grad_bucket_mb=0.01"]),  # in-loop buckets skip the experts
+    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
     ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
                         "overlap.tp_comm=sequence_parallel"]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
