@@ -323,6 +323,14 @@ def _check_moe(cfg: Config, p: list[str]) -> None:
     if m.ep > 1 and (m.dp % m.ep or mo.experts % m.ep):
         p.append(f"mesh.ep: {m.ep} must divide mesh.dp={m.dp} and model.experts="
                  f"{mo.experts}; pick a common divisor")
+    elif (m.ep > 1 and m.pp > 1 and cfg.overlap.grad_bucket_mb != "auto"
+          and cfg.overlap.grad_bucket_mb > 0):
+        p.append(f"overlap.grad_bucket_mb: in-loop buckets under a pipeline do not take the "
+                 f"experts each rank stores (mesh.ep={m.ep}); set it to 0 or auto")
+    if m.ep > 1 and not m.dp % m.ep and mo.experts % m.dp:
+        p.append(f"model.experts: {mo.experts} experts cannot be stored split over "
+                 f"mesh.dp={m.dp} ranks (mesh.ep > 1 stores E/dp experts per rank); use a "
+                 f"dp that divides the experts (hosts as mesh.dcn) or mesh.ep=1")
     if mo.kind != "llama":
         p.append(f"model.experts: mixture of experts is built on the Llama decoder; set "
                  f"model.kind=llama or model.experts=0 (got kind {mo.kind})")

@@ -689,7 +689,11 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
     bucket_mb = ov.grad_bucket_mb
     zero_bubble = m.pp > 1 and cfg.pipeline.schedule in ("zb-h1", "zb-v")
     if bucket_mb == "auto":
-        if target.accelerator and reduces and zero_bubble:
+        if target.accelerator and reduces and m.pp > 1 and m.ep > 1:
+            bucket_mb, why = 0.0, (
+                "mesh.ep > 1 in a pipeline: the in-loop buckets do not take the experts each "
+                "rank stores; one reduction after the loop")
+        elif target.accelerator and reduces and zero_bubble:
             bucket_mb, why = 0.0, (
                 "zero-bubble pipeline: in-loop buckets make XLA copy the stage's f32 gradient "
                 "accumulators every tick, which costs more than the reduction after the loop "
@@ -970,7 +974,7 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
                       slots=slots, split_backward=split, vocab_parallel=vocab_parallel,
                       paired=m.pp > 1 and pl.paired is True,
-                      buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop)
+                      buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop, ep=m.ep)
 
 
 @functools.lru_cache(maxsize=256)
