@@ -114,7 +114,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                       ov.window, DP, dp, ov.grad_comm_dtype, low)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
     # Of those, the ones stored whole: their gradients leave the FSDP stack unreduced.
-    fsdp_whole = _fsdp_whole(fsdp_leaves, layout.fsdp)
+    own = layout.own_leaves()  # stored split over dp (experts): summed in the model
+    fsdp_whole = _fsdp_whole(fsdp_leaves, layout.fsdp) - own
     # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
     marked = (*data, TP) if layout.plan is not None and axis_sizes[TP] > 1 else data
     # FSDP blocks: their reduce-scatter sits in a custom VJP, whose cotangent varies over dcn
@@ -142,7 +143,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
             (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
             leaves, treedef = jax.tree.flatten(grads)
             dims = treedef.flatten_up_to(layout.split_dims)
-            todo = [i for i in range(len(leaves)) if i not in fsdp_leaves or i in fsdp_whole]
+            todo = [i for i in range(len(leaves))
+                    if (i not in fsdp_leaves or i in fsdp_whole) and i not in own]
             reduced = buckets.reduce_gradients([leaves[i] for i in todo], ov.grad_bucket_bytes,
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
