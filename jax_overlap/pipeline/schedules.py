@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
-from jax_overlap.pipeline.ticks import action_cost, executed_bubble
+from jax_overlap.pipeline.ticks import action_cost, executed_bubble, lane_meet
 
 KINDS: tuple[str, ...] = ("F", "B", "W")
 
@@ -202,9 +202,9 @@ def parse_entry(entry: str | None) -> Cell:
         return None
     if isinstance(entry, str) and "+" in entry:
         parts = [parse_entry(e) for e in entry.split("+")]
-        if len(parts) != 2 or parts[0].kind != "F" or parts[1].kind not in ("B", "W"):
-            raise ValueError(f"bad paired entry {entry!r}: expected a forward then a backward, "
-                             f"e.g. 'F3+B1' or 'F3.1+W0.0'")
+        if len(parts) != 2 or parts[0].kind not in ("F", "W") or parts[1].kind not in ("B", "W"):
+            raise ValueError(f"bad paired entry {entry!r}: expected lane 0's F or W then lane "
+                             f"1's B or W, e.g. 'F3+B1', 'F3.1+W0.0' or 'W2+B4'")
         return Pair(parts[0], parts[1])
     match = _ENTRY.fullmatch(entry) if isinstance(entry, str) else None
     if match is None:
@@ -429,6 +429,8 @@ def _list_schedule(
     transfer_latency: int = 1,
     paired: bool = False,
     quorum: float | Sequence[float] = 0.0,
+    fill: bool = False,
+    guard: tuple[dict[str, float], float, float, bool] | None = None,
 ) -> Schedule:
     """Lockstep list scheduling of every task of one training step.
 
@@ -446,6 +448,17 @@ def _list_schedule(
         tick to run pairs; below it every stage runs its best-ranked task alone (a pair
         makes the whole lockstep tick two actions long). A sequence gives one share per
         tick (its last entry for the ticks past its end): see :func:`search_pairings`.
+      fill: with ``paired`` (greedy policies only): lanes are positions, not kinds. Lane 0
+        runs the best ready forward or, without one, the oldest ready ``W``; lane 1 the best
+        ready ``B`` or, without one, the next ready ``W``. So a stage runs ``{F, B}``,
+        ``{F, W}``, ``{W, B}`` or ``{W, W}`` ticks and pending weight gradients fill the
+        slots the critical path leaves free; ``quorum`` is not used.
+      guard: with ``fill``, ``(cost, transfer, share, late)``: the scheduler plays the
+        executor's tick timing (:mod:`jax_overlap.pipeline.ticks`) as it goes, and a ``W``
+        goes in lane 0 ahead of a ready ``B`` only if it delays that ``B`` by at most
+        ``share`` of a ``W`` (it mostly fills the wait for the ``B``'s transfer and the
+        neighbours); with ``late``, only once the stage has run all its forwards (the
+        cool-down, where the ``B`` chain is the critical path).
 
     Returns:
       The schedule table.
@@ -487,6 +500,7 @@ def _list_schedule(
     cursor = [[0] * lanes for _ in range(stages)]
     ready_f: list[list[int]] = [[] for _ in range(stages)]
     ready_o: list[list[int]] = [[] for _ in range(stages)]
+    ready_w: list[list[int]] = [[] for _ in range(stages)]  # fill: the W's, apart
     future: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
     never = 1 << 62
     arrive = [never] * (n_vs * m * 3)
@@ -546,6 +560,18 @@ def _list_schedule(
             return None
         return i
 
+    if guard is not None:
+        g_cost, g_transfer, g_share, g_late = guard
+        g_sec = [action_cost(k, split_backward, g_cost) for k in KINDS]
+        near = [set() for _ in range(stages)]
+        for vs in range(n_vs - 1):
+            a, b = stage_of[vs], stage_of[vs + 1]
+            if a != b:
+                near[a].add(b)
+                near[b].add(a)
+        near_f = tuple(frozenset(x) for x in near)
+        clock = [0.0] * stages
+        forwards_left = [sum(tid % 3 == 0 for tid in row) for row in order]
     tick, stalled = 0, 0
     while remaining:
         chosen: list[tuple[int, ...]] = []
@@ -559,10 +585,22 @@ def _list_schedule(
                 fut = future[d]
                 while fut and fut[0][0] <= tick:
                     i = heapq.heappop(fut)[1]
-                    heapq.heappush(ready_f[d] if order[d][i] % 3 == 0 else ready_o[d], i)
+                    k = order[d][i] % 3
+                    heapq.heappush(ready_f[d] if k == 0 else
+                                   ready_w[d] if fill and k == 2 else ready_o[d], i)
                 f = ready_f[d][0] if ready_f[d] and held[d] < caps[d] else None
                 o = ready_o[d][0] if ready_o[d] else None
-                if paired:  # one forward and one backward per tick, forward first
+                if fill:  # lane 0: F, else the oldest W; lane 1: B, else the next W
+                    ws = heapq.nsmallest(2, ready_w[d]) if f is None or o is None else []
+                    first = f if f is not None else (ws.pop(0) if ws else None)
+                    second = o if o is not None else (ws[0] if ws else None)
+                    if (guard is not None and f is None and o is not None and first is not None
+                            and (not g_late or not forwards_left[d])):
+                        meet = max([clock[d]] + [clock[e] for e in near_f[d]]) + g_transfer
+                        if clock[d] + g_sec[2] - meet > g_share * g_sec[2]:
+                            first = None  # the W would hold up the B: lane 0 waits instead
+                    picks = tuple(i for i in (first, second) if i is not None)
+                elif paired:  # one forward and one backward per tick, forward first
                     picks = (f, o) if f is not None and o is not None else (
                         (f,) if f is not None else (o,) if o is not None else ())
                 elif f is None:
@@ -571,7 +609,7 @@ def _list_schedule(
                     picks = (f,) if o is None or f < o else (o,)
             chosen.append(picks)
         share = quorum if isinstance(quorum, (int, float)) else quorum[min(tick, len(quorum) - 1)]
-        if paired and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
+        if paired and not fill and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
             # Too few stages can pair: a pair would make the whole lockstep tick two actions
             # long while most stages run one. Each stage runs its better-ranked task instead.
             chosen = [(min(c),) if len(c) == 2 else c for c in chosen]
@@ -589,12 +627,27 @@ def _list_schedule(
                 if in_order:
                     cursor[d][lane_of[kind]] += 1
                 else:
-                    heapq.heappop(ready_f[d] if kind == 0 else ready_o[d])
+                    heapq.heappop(ready_f[d] if kind == 0 else
+                                  ready_w[d] if fill and kind == 2 else ready_o[d])
                 finish(tid, tick)
                 held[d] += (kind == 0) - (kind == release)
                 cell.append(action(tid))
             remaining -= len(picks)
             rows[d].append(cell[0] if len(cell) == 1 else Pair(*cell))
+        if guard is not None:  # the executor's clocks (ticks.tick_clocks), lane by lane
+            for lane in (0, 1):
+                work = [0.0] * stages
+                for d, picks in enumerate(chosen):
+                    for j, i in enumerate(picks):
+                        kind = order[d][i] % 3
+                        pos = j if len(picks) == 2 else int(kind != 0)
+                        if pos == lane:
+                            work[d] += g_sec[kind]
+                        forwards_left[d] -= lane == 0 and kind == 0
+                done_ = [clock[d] + work[d] for d in range(stages)]
+                meet_ = lane_meet(clock, done_, near_f, g_transfer, True)
+                clock = [done_[d] if meet_[d] is None else max(done_[d], meet_[d])
+                         for d in range(stages)]
         tick += 1
     return Schedule(
         name=name,

@@ -40,8 +40,19 @@ def _cell_actions(cell: Any) -> tuple:
 
 
 def lane_of(kind: str, paired: bool) -> int:
-    """The lane an action runs in: paired tables run forwards in lane 0 and B / W in lane 1."""
+    """The lane a single (unpaired) action runs in: in a paired table a lone forward runs in
+    lane 0, a lone B or W in lane 1."""
     return int(paired and kind != "F")
+
+
+def cell_lanes(cell: Any, paired: bool) -> tuple[tuple[int, Any], ...]:
+    """A table entry's ``(lane, action)``s. A pair's actions run in their positions: the first
+    (``F`` or ``W``) in lane 0, the second (``B`` or ``W``) in lane 1; a lone action in
+    :func:`lane_of`'s lane."""
+    acts = _cell_actions(cell)
+    if len(acts) == 2:
+        return ((0, acts[0]), (1, acts[1]))
+    return tuple((lane_of(a.kind, paired), a) for a in acts)
 
 
 def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
@@ -64,18 +75,19 @@ def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     stage_of = [pos[0] for pos in s.placement]
     out = [[set() for _ in range(s.stages)] for _ in range(lanes)]
     seen = set()
-    for d, _, a in s.actions():
-        key = (d, a.kind, a.chunk)
-        if key in seen:
-            continue
-        seen.add(key)
-        vs = s.virtual_stage(d, a.chunk)
-        target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
-        if target is None or not 0 <= target < n_vs or stage_of[target] == d:
-            continue
-        lane = lane_of(a.kind, s.paired)
-        out[lane][d].add(stage_of[target])
-        out[lane][stage_of[target]].add(d)
+    for d, row in enumerate(s.grid):
+        for cell in row:
+            for lane, a in cell_lanes(cell, s.paired):
+                key = (d, lane, a.kind, a.chunk)
+                if key in seen:
+                    continue
+                seen.add(key)
+                vs = s.virtual_stage(d, a.chunk)
+                target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
+                if target is None or not 0 <= target < n_vs or stage_of[target] == d:
+                    continue
+                out[lane][d].add(stage_of[target])
+                out[lane][stage_of[target]].add(d)
     return tuple(tuple(frozenset(x) for x in lane) for lane in out)
 
 
@@ -139,8 +151,8 @@ def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
     work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
     for d, row in enumerate(s.grid):
         for t, cell in enumerate(row):
-            for a in _cell_actions(cell):
-                work[lane_of(a.kind, s.paired)][d][t] += seconds[a.kind]
+            for lane, a in cell_lanes(cell, s.paired):
+                work[lane][d][t] += seconds[a.kind]
     clock = [0.0] * s.stages
     stages = range(s.stages)
     for t in range(s.ticks):
