@@ -1070,11 +1070,22 @@ def make_schedule(
                                               1, True, these, q), these, q))
                 except RuntimeError:  # a tighter cap can deadlock the greedy
                     continue
-        table, caps, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
+        table, caps2, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
         if search:
-            return search_pairings(base.name, stages, microbatches, virtual_stages, caps, cost,
-                                   quorum, search, transfer=transfer)
-        return table
+            table = search_pairings(base.name, stages, microbatches, virtual_stages, caps2, cost,
+                                    quorum, search, transfer=transfer)
+        if base.name not in FILLED:
+            return table
+        # Lanes as positions (W's in either lane): better at these costs as the executor runs
+        # it (ring neighbours wait for each other, one transfer per lane), it wins.
+        timed = 0.0 if transfer is None else transfer
+        filled = [table]
+        for guard in _fill_guards(cost, timed):
+            try:
+                filled.append(_filled(base.name, stages, microbatches, caps, guard))
+            except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
+                continue
+        return min(filled, key=lambda t: _pairing_key(t, cost, timed))
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -1149,6 +1160,56 @@ def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: i
         return interleaved(stages, microbatches, virtual_stages, lat, paired, caps, quorum)
     builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v}[key]
     return builder(stages, microbatches, lat, paired, caps, quorum)
+
+
+# Schedules with a filled paired table (`_filled`): lanes are positions, W's fill free slots.
+FILLED: tuple[str, ...] = ("zb-h1", "zb-v")
+# (share, late) guards `make_schedule` tries for a filled table (see `_list_schedule`'s
+# `guard`); None: no guard. At the zero-bubble paper's costs no one setting is best on every
+# row (ZB-H1 at p = 8 likes the guard everywhere, ZB-V at p = 24 only in the cool-down).
+FILL_GUARDS: tuple[tuple[float, bool] | None, ...] = (None, (0.0, False), (0.5, False),
+                                                      (0.5, True))
+
+
+def _fill_guards(cost: dict[str, float] | None, transfer: float):
+    """`_list_schedule` guards for :data:`FILL_GUARDS` at these costs."""
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    return [None if g is None else (cost, transfer, g[0], g[1]) for g in FILL_GUARDS]
+
+
+def _filled(key: str, stages: int, microbatches: int, caps: Sequence[int],
+            guard: tuple | None) -> Schedule:
+    """A paired ZB-H1 / ZB-V table whose lanes are positions (``_list_schedule``'s ``fill``).
+
+    Greedy with the schedule's priorities (``B`` first, then ``F``, then ``W``; older
+    microbatches, for ZB-V later virtual stages first), the forwards held to `caps`
+    activations per stage. A stage runs ``{F, B}`` in the steady state and the delayed
+    ``W``'s fill the free lane of the other ticks, so every stage does the same work between
+    transfers; the ramps fill with pending ``W``'s as ZB-H1 and ZB-V do.
+
+    Args:
+      key: ``zb-h1`` or ``zb-v``.
+      stages, microbatches: ``p``, ``m``.
+      caps: per-stage activation caps ((microbatch, chunk)s held from F to W).
+      guard: ``_list_schedule``'s ``guard``, or None.
+
+    Returns:
+      The table.
+
+    Raises:
+      RuntimeError: if the greedy deadlocks.
+    """
+    if key == "zb-h1":
+        policy = _Policy(priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch),
+                         cap=lambda d: caps[d])
+        placement = linear_placement(stages)
+    else:
+        policy = _Policy(priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch,
+                                                -t.virtual_stage),
+                         cap=lambda d: caps[d])
+        placement = v_placement(stages)
+    return _list_schedule(key, stages, microbatches, placement, True, policy, 1, True, 0.0,
+                          True, guard)
 
 
 def _pairing_key(schedule: Schedule, cost: dict[str, float] | None,
