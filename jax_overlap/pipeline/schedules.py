@@ -1076,8 +1076,9 @@ def make_schedule(
                                     quorum, search, transfer=transfer)
         if base.name not in FILLED:
             return table
-        # Lanes as positions (W's in either lane): better at these costs as the executor runs
-        # it (ring neighbours wait for each other, one transfer per lane), it wins.
+        # Lanes as positions (W's in either lane): if better at these costs as the executor
+        # runs it (ring neighbours wait for each other, one transfer per lane; none without
+        # `transfer`), it wins.
         timed = 0.0 if transfer is None else transfer
         filled = [table]
         for guard in _fill_guards(cost, timed):
@@ -1085,7 +1086,10 @@ def make_schedule(
                 filled.append(_filled(base.name, stages, microbatches, caps, guard))
             except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
                 continue
-        return min(filled, key=lambda t: _pairing_key(t, cost, timed))
+        # Ties (e.g. F = B = W without a transfer) keep the table that wastes least in global
+        # lockstep, the one chosen so far.
+        return min(filled, key=lambda t: (*_pairing_key(t, cost, timed)[:1],
+                                          *_pairing_key(t, cost)))
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
