@@ -1080,16 +1080,11 @@ def make_schedule(
         # runs it (ring neighbours wait for each other, one transfer per lane; none without
         # `transfer`), it wins.
         timed = 0.0 if transfer is None else transfer
-        filled = [table]
-        for guard in _fill_guards(cost, timed):
-            try:
-                filled.append(_filled(base.name, stages, microbatches, caps, guard))
-            except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
-                continue
+        filled = filled_schedule(base.name, stages, microbatches, caps, cost, timed)
         # Ties (e.g. F = B = W without a transfer) keep the table that wastes least in global
         # lockstep, the one chosen so far.
-        return min(filled, key=lambda t: (*_pairing_key(t, cost, timed)[:1],
-                                          *_pairing_key(t, cost)))
+        return min([table, *filled[:1]], key=lambda t: (*_pairing_key(t, cost, timed)[:1],
+                                                        *_pairing_key(t, cost)))
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -1179,6 +1174,37 @@ def _fill_guards(cost: dict[str, float] | None, transfer: float):
     """`_list_schedule` guards for :data:`FILL_GUARDS` at these costs."""
     cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
     return [None if g is None else (cost, transfer, g[0], g[1]) for g in FILL_GUARDS]
+
+
+def filled_schedule(name: str, stages: int, microbatches: int, caps: Sequence[int] | None,
+                    cost: dict[str, float] | None = None,
+                    transfer: float = 0.0) -> list[Schedule]:
+    """The best filled paired table (lanes as positions, see `_filled`) at these costs.
+
+    Args:
+      name: ``zb-h1`` or ``zb-v``.
+      stages, microbatches: ``p``, ``m``.
+      caps: per-stage activation caps; None: twice the unpaired table's peak per stage (what
+        ``make_schedule(paired=True)`` uses).
+      cost: F/B/W times (default equal).
+      transfer: one stage-to-stage transfer's time.
+
+    Returns:
+      ``[table]``, the least executed bubble (:func:`executed_bubble`) of the
+      :data:`FILL_GUARDS` tables, or ``[]`` if every one deadlocks.
+    """
+    if caps is None:
+        v = 2 if name == "zb-v" else 1
+        base = make_schedule(name, stages, microbatches, v)
+        caps = [min(2 * peak, microbatches * v) for peak in peak_activations(base)]
+    tables = []
+    for guard in _fill_guards(cost, transfer):
+        try:
+            tables.append(_filled(name, stages, microbatches, caps, guard))
+        except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
+            continue
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    return sorted(tables, key=lambda t: round(executed_bubble(t, cost, transfer), 9))[:1]
 
 
 def _filled(key: str, stages: int, microbatches: int, caps: Sequence[int],
