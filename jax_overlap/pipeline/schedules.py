@@ -90,17 +90,21 @@ class Task(NamedTuple):
 
 
 class Pair(NamedTuple):
-    """A paired tick's entry: one forward and one backward action (``B`` or ``W``) of
-    different (microbatch, chunk)s, run by one stage in the same tick, forward first.
+    """A paired tick's entry: two actions of different (microbatch, chunk)s that one stage
+    runs in the same tick, in two lanes: ``forward`` in lane 0 (an ``F``, or a ``W``),
+    then ``backward`` in lane 1 (a ``B``, or a ``W``). Lanes are positions: a W runs in
+    whichever lane it is placed in, so ``F+B``, ``F+W``, ``W+B`` and ``W+W`` ticks exist
+    (``F`` only ever runs in lane 0 and ``B`` in lane 1: their outputs travel on those
+    lanes' rings).
 
-    Pairing is what makes a lockstep tick cost alike on every stage in the steady state
-    (each runs an F and a backward), and it gives each transfer compute to hide under: the
-    forward's output travels while the backward runs, and the backward's while the next
-    tick's forward runs (see ``jax_overlap.pipeline.executor``).
+    Pairing is what makes a tick cost alike on every stage in the steady state (each runs
+    an F and a backward), and it gives each transfer compute to hide under: the forward's
+    output travels while lane 1 runs, and the backward's while the next tick's lane 0 runs
+    (see ``jax_overlap.pipeline.executor``).
 
     Attributes:
-      forward: the ``F`` action.
-      backward: the ``B`` or ``W`` action.
+      forward: lane 0's action: ``F`` or ``W``.
+      backward: lane 1's action: ``B`` or ``W``.
     """
 
     forward: Action
@@ -111,7 +115,8 @@ Cell = Action | Pair | None
 
 
 def cell_actions(cell: Cell) -> tuple[Action, ...]:
-    """The actions of one table entry, in the order a stage runs them (forward first)."""
+    """The actions of one table entry, in the order a stage runs them (a pair's lane 0
+    first)."""
     if cell is None:
         return ()
     if isinstance(cell, Pair):
@@ -1025,9 +1030,11 @@ def make_schedule(
       transfer_latency: ticks between stages, 1 or 2 (2: the executor hides every
         transfer under the next tick's compute); interleaved then needs ``m`` to be a
         multiple of ``2p``.
-      paired: paired F+B ticks (:class:`Pair`), capped at twice the unpaired table's
+      paired: paired ticks (:class:`Pair`), capped at twice the unpaired table's
         per-stage activation peak; 1 is the only latency pairs take: each transfer hides
-        under the tick's other action instead.
+        under the tick's other action instead. For zb-h1 and zb-v the filled table (lanes
+        as positions, :func:`filled_schedule`) is chosen where the executor runs it faster
+        at `cost` and `transfer` (none without one).
       cost: F/B/W times the paired generator balances lockstep ticks for (default equal).
       search: paired only: steps of :func:`search_pairings` from the best pairing quorum's
         table (0: that table).

@@ -1,8 +1,8 @@
 """How long the executor takes to run a schedule table when actions cost F, B, W and a
 stage-to-stage transfer costs C: the tick timing the simulator's ``timing="ticks"`` plays.
 
-The executor is a loop over ticks; in a tick each stage runs its entry (a paired entry: the
-forward lane, then the backward lane) and the stages exchange activations and gradients with
+The executor is a loop over ticks; in a tick each stage runs its entry (a paired entry: lane 0,
+an F or a W, then lane 1, a B or a W) and the stages exchange activations and gradients with
 permutes on the +1 / -1 rings. A permute completes on a stage once the stage it sends to and
 the stage it receives from have both reached it:
 
