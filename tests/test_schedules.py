@@ -748,3 +748,41 @@ def test_plot_draws_pairs_side_by_side_and_ticks_at_their_cost():
     assert widths == [1.0, 3.0]  # F, and a non-split B (= B + W)
     assert "weighted bubble" in ax.get_title()
     matplotlib.pyplot.close("all")
+
+
+@pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2)])
+def test_filled_tables_are_valid_within_twice_the_activations(name, v):
+    """Lanes as positions: every filled table runs each task once, meets the dependencies,
+    holds at most twice the plain table's activations per stage and compiles; W's run in
+    lane 0 beside B's and two in one tick. At the paper's costs it is the paired choice and
+    beats the lockstep-quorum table as the executor runs it."""
+    from jax_overlap.pipeline.program import compile_program
+    from jax_overlap.pipeline.schedules import Pair, filled_schedule, peak_activations
+    from jax_overlap.pipeline.ticks import executed_bubble
+
+    paper = {"F": 14.4, "B": 14.4, "W": 9.7}
+    for p, m in ((1, 3), (2, 1), (3, 5), (4, 8), (5, 13)):
+        base = make_schedule(name, p, m, v)
+        for cost, c in ((None, 0.0), (paper, 1.6)):
+            (s,) = filled_schedule(name, p, m, None, cost, c)
+            validate(s)
+            compile_program(s)
+            assert sorted(s.task(d, a) for d, _, a in s.actions()) == sorted(
+                base.task(d, a) for d, _, a in base.actions())
+            assert all(got <= 2 * was for got, was in zip(peak_activations(s),
+                                                          peak_activations(base)))
+    s = make_schedule(name, 8, 24, v, 1, True, paper, 0, 1.6)
+    kinds = {(c.forward.kind, c.backward.kind) for row in s.grid for c in row
+             if isinstance(c, Pair)}
+    assert {("F", "B"), ("F", "W"), ("W", "B"), ("W", "W")} <= kinds
+    assert s.grid == filled_schedule(name, 8, 24, None, paper, 1.6)[0].grid
+    unfilled = min((_quorum_table(name, 8, 24, v, q) for q in (0.0, 0.5, 0.75, 1.0)),
+                   key=lambda t: executed_bubble(t, paper, 1.6))
+    assert executed_bubble(s, paper, 1.6) < executed_bubble(unfilled, paper, 1.6) - 0.05
+
+
+def _quorum_table(name, p, m, v, quorum):
+    from jax_overlap.pipeline.schedules import _build, peak_activations
+
+    caps = [2 * x for x in peak_activations(make_schedule(name, p, m, v))]
+    return _build(name, p, m, v, 1, True, caps, quorum)
