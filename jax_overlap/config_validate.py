@@ -124,7 +124,8 @@ def _schedule_problems(cfg: Config) -> list[str]:
     if explicit_mb and m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
         p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
-    group = m.pp * pl.transfer_latency
+    latency = 1 if pl.transfer_latency == "auto" else pl.transfer_latency  # auto: 1 or 2
+    group = m.pp * latency
     if explicit_mb and pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
         from jax_overlap.pipeline.schedules import multiples_near  # pure Python, no jax
 
@@ -135,10 +136,10 @@ def _schedule_problems(cfg: Config) -> list[str]:
         p.append("pipeline.virtual_stages: interleaved needs >= 2; set pipeline.virtual_stages=2")
     if pl.schedule == "zb-v" and m.pp > 1 and pl.virtual_stages != 2:
         p.append("pipeline.virtual_stages: zb-v places exactly 2 chunks per stage; set it to 2")
-    if pl.transfer_latency not in (1, 2):
+    if pl.transfer_latency not in (1, 2, "auto"):
         p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
                  f"to overlap stage-to-stage transfers with compute")
-    if pl.paired is True and pl.transfer_latency != 1:
+    if pl.paired is True and pl.transfer_latency not in (1, "auto"):
         p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
                  f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "
                  f"pipeline.transfer_latency=1 or pipeline.paired=false")
@@ -322,6 +323,14 @@ def _check_moe(cfg: Config, p: list[str]) -> None:
     if m.ep > 1 and (m.dp % m.ep or mo.experts % m.ep):
         p.append(f"mesh.ep: {m.ep} must divide mesh.dp={m.dp} and model.experts="
                  f"{mo.experts}; pick a common divisor")
+    elif (m.ep > 1 and m.pp > 1 and cfg.overlap.grad_bucket_mb != "auto"
+          and cfg.overlap.grad_bucket_mb > 0):
+        p.append(f"overlap.grad_bucket_mb: in-loop buckets under a pipeline do not take the "
+                 f"experts each rank stores (mesh.ep={m.ep}); set it to 0 or auto")
+    if m.ep > 1 and not m.dp % m.ep and mo.experts % m.dp:
+        p.append(f"model.experts: {mo.experts} experts cannot be stored split over "
+                 f"mesh.dp={m.dp} ranks (mesh.ep > 1 stores E/dp experts per rank); use a "
+                 f"dp that divides the experts (hosts as mesh.dcn) or mesh.ep=1")
     if mo.kind != "llama":
         p.append(f"model.experts: mixture of experts is built on the Llama decoder; set "
                  f"model.kind=llama or model.experts=0 (got kind {mo.kind})")

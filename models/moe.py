@@ -63,8 +63,9 @@ class MoeSpec:
     # Gradient of the summed router losses: 1 / (global tokens x MoE layers), the step's
     # mean (its loss is the sum over the global batch's tokens / their count).
     loss_scale: float = 1.0
-    # Expert parallelism: groups of `ep` consecutive dp ranks split the experts (the tokens
-    # travel in `Parallel.moe_chunks` pieces, the plan's `overlap.moe_chunks`).
+    # Expert parallelism: `ep` slots of dp ranks split the experts, stored split over dp
+    # (`ep_groups`; the tokens travel in `Parallel.moe_chunks` pieces, the plan's
+    # `overlap.moe_chunks`).
     ep: int = 1
 
     def capacity_for(self, t: int) -> int:
@@ -139,23 +140,39 @@ def swiglu_experts(x_ecd, w_gu_ed2f, w_down_efd, dt):
     return jnp.einsum("ecf,efd->ecd", h_ecf, w_down_efd.astype(dt))
 
 
+def ep_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(all-to-all groups, expert-gather groups) of the dp ranks for `ep`-way experts.
+
+    The experts' dim is stored split over dp (rank r holds experts [r E/dp, (r+1) E/dp)),
+    so the R = dp/ep consecutive ranks j R .. j R + R - 1 together hold ep slot j's E/ep
+    experts: they are slot j's replicas, gather the slot's experts from each other and
+    reduce-scatter their gradients (the reduction over the data-parallel ranks that are not
+    ep). An all-to-all group takes one rank of every slot: {i, i + R, ..., i + (ep-1) R}.
+    """
+    r = dp // ep
+    return ([[i + r * j for j in range(ep)] for i in range(r)],
+            [[j * r + i for i in range(r)] for j in range(ep)])
+
+
 def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int = 1):
-    """The experts' SwiGLU on their tokens, the experts split over groups of `spec.ep` dp
+    """The experts' SwiGLU on their tokens, the experts split over `spec.ep` slots of dp
     ranks (inside the step's shard_map).
 
-    Rank r of a group computes experts [r E/ep, (r+1) E/ep) (its slice of the stored
-    weights; the dp reduction of their gradients assembles every expert's). Per chunk of the
-    token slots: an all-to-all over the group sends each expert's tokens to its rank,
-    (E, N, D) -> (E/ep, ep N, D), the GEMMs run there, and a second one brings the outputs
-    back, (E/ep, ep N, D) -> (E, N, D). The chunks are independent, so XLA can run one's
-    all-to-alls under another's GEMMs.
+    The weights arrive as this rank's stored experts, (E/dp, ...): with dp = ep they are its
+    slot's; with dp > ep the slot's replicas all-gather them, (E/dp, ...) -> (E/ep, ...), and
+    the gather's transpose reduce-scatters their gradients over the replicas (`ep_groups`).
+    Per chunk of the token slots: an all-to-all over the group sends each expert's tokens to
+    its slot, (E, N, D) -> (E/ep, ep N, D), the GEMMs run there, and a second one brings the
+    outputs back, (E/ep, ep N, D) -> (E, N, D). The chunks are independent, so XLA can run
+    one's all-to-alls under another's GEMMs.
     """
-    ep = spec.ep
-    groups = [list(range(g * ep, (g + 1) * ep)) for g in range(axis_size(DP) // ep)]
-    e_local = spec.experts // ep
-    first = (jax.lax.axis_index(DP) % ep) * e_local
-    w_gu = jax.lax.dynamic_slice_in_dim(w_gu_ed2f, first, e_local, axis=0)
-    w_down = jax.lax.dynamic_slice_in_dim(w_down_efd, first, e_local, axis=0)
+    ep, dp = spec.ep, axis_size(DP)
+    a2a, gather = ep_groups(dp, ep)
+    if dp > ep:  # (E/dp, ...) -> (E/ep, ...) over the slot's replicas
+        w_gu_ed2f = jax.lax.all_gather(w_gu_ed2f, DP, axis=0, tiled=True,
+                                       axis_index_groups=gather)
+        w_down_efd = jax.lax.all_gather(w_down_efd, DP, axis=0, tiled=True,
+                                        axis_index_groups=gather)
     n = x_end.shape[1]
     bounds = [round(i * n / chunks) for i in range(chunks + 1)]
     outs = []
@@ -164,10 +181,10 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int
             continue
         # (E, n, D) -> (E/ep, ep n, D) over the ep group
         x_lnd = jax.lax.all_to_all(x_end[:, lo:hi], DP, 0, 1, tiled=True,
-                                   axis_index_groups=groups)
-        y_lnd = swiglu_experts(x_lnd, w_gu, w_down, dt)
+                                   axis_index_groups=a2a)
+        y_lnd = swiglu_experts(x_lnd, w_gu_ed2f, w_down_efd, dt)
         # (E/ep, ep n, D) -> (E, n, D) over the ep group
-        outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=groups))
+        outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=a2a))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -222,8 +239,11 @@ class MoeBlock(Block):
         out_std = 0.02 / math.sqrt(2 * self.num_layers)
         dt = par.compute_dtype
         w_router_de = self.param("w_router", _normal(0.02), (d, e))
-        w_gu_ed2f = self.param("w_experts_gate_up", _normal(0.02), (e, d, 2, f_local))
-        w_down_efd = self.param("w_experts_down", _normal(out_std), (e, f_local, d))
+        split = par.active and spec.ep > 1
+        # Inside the step's shard_map with mesh.ep > 1: this rank's E/dp stored experts.
+        e_stored = e // axis_size(DP) if split else e
+        w_gu_ed2f = self.param("w_experts_gate_up", _normal(0.02), (e_stored, d, 2, f_local))
+        w_down_efd = self.param("w_experts_down", _normal(out_std), (e_stored, f_local, d))
         sink = self.param(STATS, nn.initializers.zeros, (stats_len(e),))
         y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
         if par.sequence_sharded:  # every TP rank routes the whole sequence: (B, T/tp, D) -> (B, T, D)
@@ -235,7 +255,7 @@ class MoeBlock(Block):
                                 w_router_de.astype(jnp.float32))
         expert_bn, slot_bn, gate_bn, keep_bn, probs_bte = route(logits_bte, spec, capacity)
         x_end = dispatch(y_btd.astype(dt), expert_bn, slot_bn, spec, capacity)
-        if par.active and spec.ep > 1:
+        if split:
             out_end = expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec, dt, par.moe_chunks)
         else:
             out_end = swiglu_experts(x_end, w_gu_ed2f, w_down_efd, dt)
@@ -330,8 +350,10 @@ class MoeLlama(Llama):
         dense = jax.tree.map(lambda a: a[1:], Llama.param_axes(self)["blocks"],
                              is_leaf=lambda x: isinstance(x, tuple))
         moe = {k: v for k, v in dense.items() if k not in ("w_gate_up", "w_down")}
-        moe.update(w_router=("embed", None), w_experts_gate_up=("experts", "embed", None, "mlp"),
-                   w_experts_down=("experts", "mlp", "embed"))
+        # mesh.ep > 1: the experts' dim stored split over dp ('experts'), else replicated.
+        ex = "experts" if self.moe.ep > 1 else None
+        moe.update(w_router=("embed", None), w_experts_gate_up=(ex, "embed", None, "mlp"),
+                   w_experts_down=(ex, "mlp", "embed"))
         moe[STATS] = (None,)
         if self.moe.shared:
             moe.update(w_shared_gate_up=("embed", None, "mlp"), w_shared_down=("mlp", "embed"))

@@ -63,11 +63,17 @@ def check(key, dp, tp, pp=1, extra=()):
     staged = run.place_params(params)
     loss, grads = jax.jit(run.loss_and_grads())(staged, run.put_batch(batch))
     grads = layout.to_logical(grads, plan.layer_perm)
-    if cfg.mesh.ep > 1:  # the experts' tokens travel by all-to-all
+    if cfg.mesh.ep > 1:  # each rank stores E/dp experts; their tokens travel by all-to-all
+        for name in ("w_experts_gate_up", "w_experts_down"):
+            stored = staged["blocks"]["moe"][name]
+            shard = stored.addressable_shards[0].data.shape
+            expert_dim = 1 - params["blocks"]["moe"][name].ndim  # after the layer dim
+            assert shard[expert_dim] == cfg.model.experts // dp, (name, shard)
         hlo = jax.jit(run.loss_and_grads()).lower(staged, run.put_batch(batch)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
-        if pp == 1 and "overlap.param_sharding=fsdp" not in extra:
-            # one scanned unit: per chunk a dispatch and a combine, forward and backward
+        if pp == 1 and plan.layout.fsdp is None and plan.layout.plan is None:
+            # one scanned unit (no unrolled bucketed microbatch): per chunk a dispatch and a
+            # combine, forward and backward
             assert hlo.count("all_to_all") == 4 * plan.parallel().moe_chunks
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     # The statistics "gradient": tokens per expert and dropped assignments are counts, equal
@@ -83,7 +89,12 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 
 DEFAULT = [
+    # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
+    # all-gather the slot's 2 and reduce-scatter their gradients.
     ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
+    # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
+    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1.
+    ("dropless", 2, 1, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
     # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
@@ -182,6 +193,9 @@ def test_step_reports_tokens_per_expert_and_drops():
     (["model.expert_capacity=lots"], "model.expert_capacity: expected"),
     (["model.moe_every=2", "mesh.pp=4", "mesh.dp=1", "mesh.tp=1"],
      "model.moe_every: the pipeline splits groups of 2 layers"),
+    (["mesh.dp=8", "mesh.tp=1", "mesh.ep=2"], "model.experts: 4 experts cannot be stored split"),
+    (["mesh.dp=2", "mesh.tp=1", "mesh.pp=2", "mesh.ep=2", "overlap.grad_bucket_mb=1"],
+     "overlap.grad_bucket_mb: in-loop buckets under a pipeline"),
 ])
 def test_bad_moe_settings_are_one_line_each(override, message):
     with pytest.raises(config.ConfigError) as e:
@@ -193,7 +207,8 @@ SWEEP = [
     ("drops", 2, 2, 1, []),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
-    ("dropless", 8, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
+    ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
+    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
     ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
                         "overlap.tp_comm=sequence_parallel"]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
@@ -235,10 +250,15 @@ def test_moe_tiny_learns_with_every_expert_in_use(tmp_path):
 
 
 @pytest.mark.slow  # two compiled training runs: ~75 s on 2 busy cores
-def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
-    """Checkpoints hold the logical experts: a run saved with ep2 (and FSDP, so every expert
-    weight and its optimizer state is split over dp) resumes with ep1, replicated, and its
-    steps 3..4 are the straight run's (up to the reduction order)."""
+@pytest.mark.parametrize("saved_with,resumed_with", [
+    (["mesh.ep=2", "overlap.moe_chunks=2", "overlap.param_sharding=fsdp"], ["mesh.ep=1"]),
+    (["mesh.ep=1"], ["mesh.ep=2"]),
+], ids=["ep2-to-ep1", "ep1-to-ep2"])
+def test_checkpoint_resumes_across_ep_sizes(tmp_path, saved_with, resumed_with):
+    """Checkpoints hold the logical experts: a run saved with ep2 (each rank storing its
+    own experts and their optimizer state; FSDP for the rest) resumes with ep1, replicated,
+    and one saved with ep1 resumes with ep2; the resumed steps 3..4 are the straight run's
+    (up to the reduction order)."""
     import os
     import shutil
 
@@ -246,15 +266,33 @@ def test_checkpoint_saved_with_ep2_resumes_with_ep1(tmp_path):
 
     opts = ["train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=5",
             "checkpoint.async_save=false"]
-    saved = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=2", "overlap.moe_chunks=2",
-                                                    "overlap.param_sharding=fsdp"]),
-                      str(tmp_path / "ep2"), progress=False, devices=jax.devices()[:2])
+    saved = train.run(moe_cfg("drops", dp=2, extra=[*opts, *saved_with]),
+                      str(tmp_path / "saved"), progress=False, devices=jax.devices()[:2])
     ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(os.path.join(tmp_path, "ep2", "checkpoints"), ckpt)
-    shutil.rmtree(os.path.join(ckpt, "4"))  # as if the ep2 run had stopped at step 2
-    resumed = train.run(moe_cfg("drops", dp=2, extra=[*opts, "mesh.ep=1",
+    shutil.copytree(os.path.join(tmp_path, "saved", "checkpoints"), ckpt)
+    shutil.rmtree(os.path.join(ckpt, "4"))  # as if the saved run had stopped at step 2
+    resumed = train.run(moe_cfg("drops", dp=2, extra=[*opts, *resumed_with,
                                                       f"checkpoint.dir={ckpt}"]),
-                        str(tmp_path / "ep1"), progress=False, devices=jax.devices()[:2])
+                        str(tmp_path / "resumed"), progress=False, devices=jax.devices()[:2])
     assert resumed.summary()["resumed_from"] == 2 and resumed.steps == 2
     assert max(rel(a, b) for a, b in zip(resumed.losses, saved.losses[2:])) <= 1e-4
     assert saved.losses[3] != saved.losses[1]  # steps 3..4 are not steps 1..2 again
+
+
+def test_memory_estimate_stores_experts_split_over_dp():
+    """hardware.memory: with mesh.ep > 1 each rank stores E/dp of the routed experts, with
+    their fp32 gradient and Adam moments (4 + 4 + 8 bytes an element), and the rest as before;
+    the plan's estimate passes mesh.ep."""
+    from jax_overlap.hardware import memory
+
+    cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"])
+    m, dp = cfg.model, 4
+    routed = memory.routed_expert_elements(m)
+    assert routed == m.experts * 3 * m.d_model * m.d_ff
+    args = (m, 1, 1, 1, dp, "bf16")
+    full = memory.step_memory(*args, ep=1)
+    split = memory.step_memory(*args, ep=dp)
+    assert full.state - split.state == pytest.approx(16 * m.layers * routed * (1 - 1 / dp))
+    zero1 = memory.step_memory(*args, ep=dp, zero1=True)  # experts' moments not split twice
+    other = full.state / 16 - m.layers * routed  # elements of everything else
+    assert split.state - zero1.state == pytest.approx(8 * other * (1 - 1 / dp))

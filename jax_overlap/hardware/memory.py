@@ -208,6 +208,13 @@ def param_elements(model) -> tuple[float, float]:
     return float(embed), float(block)
 
 
+def routed_expert_elements(model) -> float:
+    """Elements of one layer's routed experts (gate, up and down of every expert; 0 for a
+    dense model): the part `mesh.ep` stores split over dp."""
+    experts = getattr(model, "experts", 0)
+    return float(experts * 3 * model.d_model * model.d_ff) if experts else 0.0
+
+
 @dataclass(frozen=True)
 class PipelineSlots:
     """The slot counts of a pipeline step's pools (`TickProgram.slots`, `res_slots`).
@@ -267,7 +274,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
                 attention="plain", microbatches: int = 1, sequence_parallel: bool = False,
                 slots: PipelineSlots | None = None, split_backward: bool = False,
                 vocab_parallel: bool = False, paired: bool = False,
-                buckets_in_loop: bool = False) -> StepMemory:
+                buckets_in_loop: bool = False, ep: int = 1) -> StepMemory:
     """Estimated peak bytes per device of one train step, by part.
 
     Args:
@@ -289,6 +296,9 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
       paired: paired F + B ticks (`pipeline.paired`; `PIPELINE_RECOMPUTE_SHARE`).
       buckets_in_loop: a pipeline's DP gradient buckets run inside the tick loop: the filing
         branch writes a new copy of the stage's f32 gradients beside the loop's.
+      ep: `mesh.ep`; above 1 the routed experts, their gradients and moments are stored
+        split over dp (E/dp per rank, models/moe.py) and a layer's compute copy holds the
+        ep slot's E/ep.
     """
     a = dtype_bytes(precision)
     d = model.d_model
@@ -296,13 +306,15 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     tokens = micro_batch * model.seq_len
     embed, block = param_elements(model)
     layers = model.layers / pp
-    block_elems = block / tp / (dp if fsdp else 1)
-    elems = layers * block_elems + embed / tp
-    moments = 8 * (elems / dp if zero1 and not fsdp else elems)
+    routed = routed_expert_elements(model) if ep > 1 else 0.0  # per layer, all E experts
+    block_elems = (block - routed) / tp / (dp if fsdp else 1) + routed / tp / dp
+    other = layers * (block - routed) / tp / (dp if fsdp else 1) + embed / tp
+    elems = other + layers * routed / tp / dp
+    moments = 8 * (elems - other / dp * (dp - 1) if zero1 and not fsdp else elems)
     grads = 4 * elems * (2 if pp == 1 and microbatches > 1 else 1)
     state = 4 * elems + moments + grads
     # The compute-dtype copy of a layer's weights (none keeps it; fp32 needs no copy).
-    copies = (a * block / tp) if a < 4 else 0.0
+    copies = (a * (block - routed + routed / ep) / tp) if a < 4 else 0.0
     pipelined = pp > 1
     per_token = layer_token_bytes(model, tp, precision, remat, attention=attention,
                                   sequence_parallel=s > 1, pipelined=pipelined,

@@ -31,6 +31,8 @@ one collective at the end of the backward, the opposite of the point.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -258,7 +260,9 @@ def reduction_axes(spec: Sequence[Any], dp_axis: str, replicated_axes: Sequence[
     """dp plus every axis of `replicated_axes` the leaf is stored replicated over (on those
     its per-device gradient is a partial sum once the parameter is marked varying)."""
     present = spec_axes(tuple(spec))
-    return (dp_axis, *(a for a in replicated_axes if a not in present and a != dp_axis))
+    # A leaf stored split over dp (expert parallelism) holds its own rows: no dp sum.
+    own = () if dp_axis in present else (dp_axis,)
+    return (*own, *(a for a in replicated_axes if a not in present and a != dp_axis))
 
 
 def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int], overlap,
@@ -291,21 +295,22 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
     for leaf, ((path, arr), spec) in enumerate(zip(paths_leaves, spec_leaves)):
         if leaf in skip_leaves:
             continue
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        keys = path_name(path).split("/")
         spec = tuple(spec)
         shape = local_shape(arr.shape, spec, axis_sizes)
         axes = reduction_axes(spec, dp_axis, replicated_axes)
         parts = math.prod(axis_sizes[a] for a in axes)
         name = "/".join(keys)
+        zero1 = overlap.zero1 and dp_axis in axes  # a dp-split leaf's state is split already
         if keys[0] == "blocks":
             unit_shape = shape[1:]
-            dim = split_dim(unit_shape, spec[1:], parts) if overlap.zero1 else None
+            dim = split_dim(unit_shape, spec[1:], parts) if zero1 else None
             units += [Unit(leaf, name, layer, unit_shape, math.prod(unit_shape) * itemsize,
                            axes, 1 + layer, dim, rank=(use_rank or {}).get(leaf))
                       for layer in range(num_layers)]
         else:
             segment = 0 if keys[0] == "embed" else num_layers + 1
-            dim = split_dim(shape, spec, parts) if overlap.zero1 else None
+            dim = split_dim(shape, spec, parts) if zero1 else None
             units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
                               segment, dim, rank=(use_rank or {}).get(leaf)))
     return pack_units(units, overlap.grad_bucket_bytes, overlap.bucket_order,
@@ -526,6 +531,29 @@ def assemble(plan: BucketPlan, reduced: Sequence[jax.Array], axis_sizes: dict[st
 # After the backward (pp > 1 executor, and the bucket-less baseline)
 
 
+# Paths ('blocks/moe/w_experts_down') of leaves stored split over dp (expert parallelism):
+# `reduce_gradients` leaves their gradients as they are while tracing under `own_rows`.
+_OWN_ROWS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "own_rows", default=frozenset())
+
+
+def path_name(path) -> str:
+    """'blocks/moe/w_experts_down' for a tree path of dict keys (or sequence indices)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+@contextlib.contextmanager
+def own_rows(paths: frozenset[str]):
+    """While tracing inside it, `reduce_gradients` skips the leaves at these paths: each
+    rank holds its own rows of them (stored split over dp) and their gradient is already
+    summed over the ranks that share those rows (`DpLayout.own_rows`)."""
+    token = _OWN_ROWS.set(frozenset(paths))
+    try:
+        yield
+    finally:
+        _OWN_ROWS.reset(token)
+
+
 def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
                      split_dims: Any = None) -> Any:
     """Sums per-replica gradients over `axis` after the backward, bucketed by size.
@@ -546,17 +574,23 @@ def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
     Returns:
       The reduced gradients: full leaves, or each rank's slice along its split dim.
     """
-    leaves, treedef = jax.tree.flatten(grads)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    leaves = [g for _, g in paths_leaves]
     dims = ([None] * len(leaves) if split_dims is None
             else treedef.flatten_up_to(split_dims))
     dp = axis_size(axis)
-    units = [Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
-                  group=tuple(sorted(varying_axes(g) - {axis})))
-             for i, (g, d) in enumerate(zip(leaves, dims))]
-    plan = pack_units(units, bucket_bytes, "backward")
+    own = _OWN_ROWS.get()
     out: list[Any] = [None] * len(leaves)
+    units = []
+    for i, ((path, g), d) in enumerate(zip(paths_leaves, dims)):
+        if own and path_name(path) in own:  # stored split over dp: already its own sum
+            out[i] = g
+            continue
+        units.append(Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
+                          group=tuple(sorted(varying_axes(g) - {axis}))))
+    plan = pack_units(units, bucket_bytes, "backward")
     for b in plan.buckets:
-        members = [units[i] for i in b.units]
+        members = [plan.units[i] for i in b.units]
         values = [leaves[u.leaf].astype(jnp.float32) for u in members]
         flat = reduce_flat(pack(values, members, dp, b.scatter), axis, b.scatter,
                            comm_dtype)

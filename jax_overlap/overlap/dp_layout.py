@@ -31,6 +31,10 @@ class DpLayout(NamedTuple):
       split_dims: ZeRO-1 split dim per leaf of the whole (stacked) leaf, or None.
       fsdp: the block layout under fsdp, else None.
       plan: the in-backward bucket plan when `grad_bucket_bytes > 0` (pp = 1), else None.
+      own_rows: paths ('blocks/moe/w_experts_down') of the leaves the model stores split
+        over dp itself (expert parallelism: each rank its own experts). Their gradients are
+        summed over the ranks sharing those rows inside the model; the step's dp reduction,
+        ZeRO-1 and FSDP leave them alone.
     """
 
     param_specs: Any
@@ -38,6 +42,14 @@ class DpLayout(NamedTuple):
     split_dims: Any
     fsdp: Any
     plan: Any
+    own_rows: frozenset[str] = frozenset()
+
+    def own_leaves(self) -> frozenset[int]:
+        """Indices (in `jax.tree.leaves` order) of the `own_rows` leaves."""
+        paths = jax.tree_util.tree_flatten_with_path(
+            self.param_specs, is_leaf=lambda x: isinstance(x, P))[0]
+        return frozenset(i for i, (p, _) in enumerate(paths)
+                         if buckets.path_name(p) in self.own_rows)
 
 
 def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
@@ -45,6 +57,8 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
     sizes (built once, by `ParallelPlan.build`)."""
     pp = axis_sizes.get(PP, 1)
     specs = tree_specs(model.param_axes(), rules_for(pp))
+    own = frozenset(buckets.path_name(p) for p, s in jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))[0] if DP in buckets.spec_axes(tuple(s)))
     abstract = jax.eval_shape(model.init, jax.random.key(0))
     block_layout = None
     if overlap.fsdp:
@@ -73,7 +87,7 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
                     len(leaves[u.leaf].shape))
     elif overlap.zero1:
         for i, (arr, spec) in enumerate(zip(leaves, spec_leaves)):
-            if i in fsdp_leaves:
+            if i in fsdp_leaves or DP in buckets.spec_axes(tuple(spec)):
                 continue
             lead = int(i in stacked)
             shape = buckets.local_shape(arr.shape, tuple(spec), axis_sizes)[lead:]
@@ -89,7 +103,8 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
         # tp and the TP collectives drop out (`collectives.psum_tp`). The shardings are the
         # same as with 'tp' named.
         specs, grad_specs = without_axis(specs, TP), without_axis(grad_specs, TP)
-    return DpLayout(specs, grad_specs, jax.tree.unflatten(treedef, split), block_layout, plan)
+    return DpLayout(specs, grad_specs, jax.tree.unflatten(treedef, split), block_layout, plan,
+                    own)
 
 
 def without_axis(specs: Any, axis: str) -> Any:

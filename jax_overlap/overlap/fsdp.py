@@ -96,7 +96,8 @@ def block_layout(abstract_blocks: Any, block_specs: Any, axis_sizes: dict[str, i
     for i, (arr, spec) in enumerate(zip(leaves, specs)):
         spec = tuple(spec)
         shape = buckets.local_shape(arr.shape, spec, axis_sizes)[1:]
-        dim = buckets.split_dim(shape, spec[1:], dp)
+        # A leaf the model stores split over dp already (expert parallelism) stays as it is.
+        dim = None if dp_axis in buckets.spec_axes(spec) else buckets.split_dim(shape, spec[1:], dp)
         group = tuple(a for a in buckets.spec_axes(spec) if a != dp_axis)
         units.append(buckets.Unit(i, str(i), None, shape, math.prod(shape) * 4, (dp_axis,), 0,
                                   dim, group))

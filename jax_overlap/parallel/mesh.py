@@ -29,6 +29,9 @@ LOGICAL_RULES: dict[str, str | None] = {
     "seq": None,
     "head_dim": None,
     "qkv": None,
+    # Expert parallelism (mesh.ep > 1): the experts' dim is stored split over dp, each rank
+    # holding E/dp experts of its ep slot (models/moe.py names this axis only then).
+    "experts": DP,
 }
 
 

@@ -23,7 +23,7 @@ from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec, microbatched
-from jax_overlap.parallel.remat import remat_block
+from jax_overlap.parallel.remat import remat_block, remat_block_in_order
 
 
 def tree_zeros_like(tree):
@@ -107,6 +107,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     layout = plan.layout
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
+    # The last microbatch's layers, unrolled for the buckets: recomputed in backward order.
+    unrolled_block = remat_block_in_order(lambda p, x: model.block(p, x, par), plan.remat)
     if layout.fsdp is not None:
         # Weight matrices travel in the compute dtype (the model casts them to it anyway).
         low = None if par.compute_dtype == jnp.float32 else par.compute_dtype
@@ -114,7 +116,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                       ov.window, DP, dp, ov.grad_comm_dtype, low)
     fsdp_leaves = leaf_indices(layout.param_specs, "blocks") if layout.fsdp else frozenset()
     # Of those, the ones stored whole: their gradients leave the FSDP stack unreduced.
-    fsdp_whole = _fsdp_whole(fsdp_leaves, layout.fsdp)
+    own = layout.own_leaves()  # stored split over dp (experts): summed in the model
+    fsdp_whole = _fsdp_whole(fsdp_leaves, layout.fsdp) - own
     # (tp=1: the layout names no tp, so nothing varies over it and no TP collective is left.)
     marked = (*data, TP) if layout.plan is not None and axis_sizes[TP] > 1 else data
     # FSDP blocks: their reduce-scatter sits in a custom VJP, whose cotangent varies over dcn
@@ -142,7 +145,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
             (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
             leaves, treedef = jax.tree.flatten(grads)
             dims = treedef.flatten_up_to(layout.split_dims)
-            todo = [i for i in range(len(leaves)) if i not in fsdp_leaves or i in fsdp_whole]
+            todo = [i for i in range(len(leaves))
+                    if (i not in fsdp_leaves or i in fsdp_whole) and i not in own]
             reduced = buckets.reduce_gradients([leaves[i] for i in todo], ov.grad_bucket_bytes,
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
@@ -157,7 +161,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
         loss_last, grads = _bucketed_last_microbatch(
-            model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
+            model, par, unrolled_block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
             ov.grad_comm_dtype)
         if fsdp_whole:  # FSDP block leaves stored whole: summed over dp after the backward
             leaves, treedef = jax.tree.flatten(grads)
