@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple, Sequence
 
-from jax_overlap.pipeline.ticks import action_cost, executed_bubble, lane_meet
+from jax_overlap.pipeline.ticks import action_cost, executed_bubble
 
 KINDS: tuple[str, ...] = ("F", "B", "W")
 
@@ -575,6 +575,7 @@ def _list_schedule(
                 near[a].add(b)
                 near[b].add(a)
         near_f = tuple(frozenset(x) for x in near)
+        near_l = [sorted(x) for x in near]
         clock = [0.0] * stages
         forwards_left = [sum(tid % 3 == 0 for tid in row) for row in order]
     tick, stalled = 0, 0
@@ -639,20 +640,18 @@ def _list_schedule(
                 cell.append(action(tid))
             remaining -= len(picks)
             rows[d].append(cell[0] if len(cell) == 1 else Pair(*cell))
-        if guard is not None:  # the executor's clocks (ticks.tick_clocks), lane by lane
-            for lane in (0, 1):
-                work = [0.0] * stages
-                for d, picks in enumerate(chosen):
-                    for j, i in enumerate(picks):
-                        kind = order[d][i] % 3
-                        pos = j if len(picks) == 2 else int(kind != 0)
-                        if pos == lane:
-                            work[d] += g_sec[kind]
-                        forwards_left[d] -= lane == 0 and kind == 0
-                done_ = [clock[d] + work[d] for d in range(stages)]
-                meet_ = lane_meet(clock, done_, near_f, g_transfer, True)
-                clock = [done_[d] if meet_[d] is None else max(done_[d], meet_[d])
-                         for d in range(stages)]
+        if guard is not None:  # the executor's clocks: ticks.lane_meet's rule, inlined
+            work = ([0.0] * stages, [0.0] * stages)
+            for d, picks in enumerate(chosen):
+                for j, i in enumerate(picks):
+                    kind = order[d][i] % 3
+                    work[j if len(picks) == 2 else int(kind != 0)][d] += g_sec[kind]
+                    forwards_left[d] -= kind == 0
+            for lane_work in work:
+                begin = clock
+                clock = [max(begin[d] + lane_work[d],
+                             max([begin[d]] + [begin[e] for e in near_l[d]]) + g_transfer)
+                         if near_l[d] else begin[d] + lane_work[d] for d in range(stages)]
         tick += 1
     return Schedule(
         name=name,
