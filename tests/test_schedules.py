@@ -757,7 +757,7 @@ def test_filled_tables_are_valid_within_twice_the_activations(name, v):
     lane 0 beside B's and two in one tick. At the paper's costs it is the paired choice and
     beats the lockstep-quorum table as the executor runs it."""
     from jax_overlap.pipeline.program import compile_program
-    from jax_overlap.pipeline.schedules import Pair, filled_schedule, peak_activations
+    from jax_overlap.pipeline.schedules import Pair, Schedule, filled_schedule, peak_activations
     from jax_overlap.pipeline.ticks import executed_bubble
 
     paper = {"F": 14.4, "B": 14.4, "W": 9.7}
@@ -776,6 +776,9 @@ def test_filled_tables_are_valid_within_twice_the_activations(name, v):
              if isinstance(c, Pair)}
     assert {("F", "B"), ("F", "W"), ("W", "B"), ("W", "W")} <= kinds
     assert s.grid == filled_schedule(name, 8, 24, None, paper, 1.6)[0].grid
+    data = json.loads(json.dumps(s.to_json()))  # spelled e.g. "W3+B5", "W1+W2", and back
+    assert any(e.startswith("W") and "+" in e for row in data["table"] for e in row if e)
+    assert Schedule.from_json(data).grid == s.grid
     unfilled = min((_quorum_table(name, 8, 24, v, q) for q in (0.0, 0.5, 0.75, 1.0)),
                    key=lambda t: executed_bubble(t, paper, 1.6))
     assert executed_bubble(s, paper, 1.6) < executed_bubble(unfilled, paper, 1.6) - 0.05
