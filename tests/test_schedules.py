@@ -619,7 +619,8 @@ def test_validator_names_bad_pairs():
         return Schedule("hand", 1, 2, 1, False, linear_placement(1), (tuple(cells),))
 
     same = table([Action("F", 0), Pair(Action("F", 1), Action("B", 1)), Action("B", 0)])
-    with pytest.raises(ScheduleError, match=r"tick 1, stage 0: pair F1\+B1 runs two actions of one"):
+    with pytest.raises(ScheduleError,
+                       match=r"tick 1, stage 0: pair F1\+B1 runs two actions of one"):
         validate(same)
     swapped = table([Action("F", 0), Pair(Action("B", 0), Action("F", 1)), Action("B", 1)])
     with pytest.raises(ScheduleError, match="must be a forward or W then a B or W"):
@@ -634,7 +635,8 @@ def test_validator_names_bad_pairs():
                     Pair(Action("W", 0), Action("B", 1)), Action("W", 1)]))
     validate(split([Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1),
                     Pair(Action("W", 0), Action("W", 1))]))
-    with pytest.raises(ScheduleError, match=r"tick 3, stage 0: pair W0\+B0 runs two actions of one"):
+    with pytest.raises(ScheduleError,
+                       match=r"tick 3, stage 0: pair W0\+B0 runs two actions of one"):
         validate(split([Action("F", 0), Action("F", 1), Action("B", 1),
                         Pair(Action("W", 0), Action("B", 0)), Action("W", 1)]))
     with pytest.raises(ScheduleError, match="must be a forward or W then a B or W"):

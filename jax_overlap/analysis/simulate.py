@@ -531,8 +531,9 @@ def simulate(
         tasks = []
         for t, cell in enumerate(row):
             acts = [s.task(d, a) for a in cell_actions(cell)]
-            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's forward
-                lane0 = int(bool(acts) and (not s.paired or ticks.cell_lanes(cell, True)[0][0] == 0))
+            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's first
+                first = ticks.cell_lanes(cell, s.paired)[:1]
+                lane0 = int(bool(acts) and (not s.paired or first[0][0] == 0))
                 acts.insert(lane0, Task("H", heads[t], -1))
             tasks.extend(acts)
         rows.append(tasks)

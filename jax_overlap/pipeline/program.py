@@ -61,8 +61,8 @@ class TickProgram:
       branches: the `Branch` of branch 1, 2, ...; branch 0 is idle.
       table: int32 `(ticks, stages, lanes, len(FIELDS))`; unused slot columns hold `trash`.
         One lane per action a stage runs in a tick: 1, or 2 for a paired schedule (lane 0
-        a pair's first action, F or W; lane 1 its second, B or W). A lane's `file_*` columns say where the
-        arrivals sent by the neighbours' same lane go.
+        a pair's first action, F or W; lane 1 its second, B or W). A lane's `file_*`
+        columns say where the arrivals sent by the neighbours' same lane go.
       slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
         absorbs writes of arrivals that carry nothing.
       down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.

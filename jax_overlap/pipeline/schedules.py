@@ -574,7 +574,6 @@ def _list_schedule(
             if a != b:
                 near[a].add(b)
                 near[b].add(a)
-        near_f = tuple(frozenset(x) for x in near)
         near_l = [sorted(x) for x in near]
         clock = [0.0] * stages
         forwards_left = [sum(tid % 3 == 0 for tid in row) for row in order]
@@ -602,7 +601,7 @@ def _list_schedule(
                     second = o if o is not None else (ws[0] if ws else None)
                     if (guard is not None and f is None and o is not None and first is not None
                             and (not g_late or not forwards_left[d])):
-                        meet = max([clock[d]] + [clock[e] for e in near_f[d]]) + g_transfer
+                        meet = max([clock[d]] + [clock[e] for e in near_l[d]]) + g_transfer
                         if clock[d] + g_sec[2] - meet > g_share * g_sec[2]:
                             first = None  # the W would hold up the B: lane 0 waits instead
                     picks = tuple(i for i in (first, second) if i is not None)
