@@ -147,19 +147,32 @@ def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
     skew = skewed(s)
     lanes = len(near)
     seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
-    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane.
+    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane
+    # (`cell_lanes`, unrolled: this runs over every entry of tables with millions).
     work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
     for d, row in enumerate(s.grid):
+        first, second = work[0][d], work[-1][d]
         for t, cell in enumerate(row):
-            for lane, a in cell_lanes(cell, s.paired):
-                work[lane][d][t] += seconds[a.kind]
+            if cell is None:
+                continue
+            if len(cell) == 2:  # a pair: its positions are its lanes
+                first[t] += seconds[cell[0][0]]
+                second[t] += seconds[cell[1][0]]
+            else:
+                (first if cell[0] == "F" else second)[t] += seconds[cell[0]]
+    by_tick = [list(zip(*lane)) for lane in work]  # [lane][tick][stage]
+    # `lane_meet`'s rule, unrolled for speed: per stage, itself and its partners.
+    groups = [[(d, *sorted(near[lane][d])) if near[lane][d] else None
+               for d in range(s.stages)] for lane in range(lanes)]
     clock = [0.0] * s.stages
     stages = range(s.stages)
     for t in range(s.ticks):
         for lane in range(lanes):
-            done = [clock[d] + work[lane][d][t] for d in stages]
-            meet = lane_meet(clock, done, near[lane], transfer, skew)
-            clock = [done[d] if meet[d] is None else max(done[d], meet[d]) for d in stages]
+            w, group = by_tick[lane][t], groups[lane]
+            done = [clock[d] + w[d] for d in stages]
+            ref = clock if skew else done
+            clock = [done[d] if g is None else max(done[d], max([ref[e] for e in g]) + transfer)
+                     for d, g in zip(stages, group)]
     return clock
 
 
