@@ -158,9 +158,10 @@ class PipelineConfig:
     transfer_latency: int | Literal["auto"] = "auto"
     # Paired ticks: a stage may run one forward and one backward (of other microbatches) in
     # the same tick, so steady-state ticks cost alike on every stage and each stage-to-stage
-    # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
-    # twice the unpaired schedule's activations per stage. auto: on a GPU at latency 1, off
-    # on a CPU (collectives are synchronous there; pairing only adds permutes).
+    # transfer hides under the tick's other action (zb-h1 / zb-v: a W may take either lane).
+    # Needs transfer_latency 1; holds up to twice the unpaired schedule's activations per
+    # stage. auto: on a GPU at latency 1, off on a CPU (collectives are synchronous there;
+    # pairing only adds permutes).
     paired: bool | Literal["auto"] = "auto"
     # Paired tables only: steps of a search over which ticks run pairs, so the actions
     # sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the whole

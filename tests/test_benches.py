@@ -387,6 +387,12 @@ def test_zero_bubble_quick():
         fraction(r["table"]), fraction(r["paired"]), fraction(r["search"])
         assert r["paired"] < r["table"] and r["search"] <= r["paired"] + 1e-12
         assert r["best"] == min(r["table"], r["paired"], r["search"])
+        assert 1 <= r["mem"] <= 2  # at most twice the plain table's activations
+    filled = {r["schedule"]: r["filled"] for r in doc["rows"] if "filled" in r}
+    assert sorted(filled) == ["zb-h1", "zb-v"]
+    for r in doc["rows"][1:]:  # the filled table is what --paired --costs picks here
+        assert r["paired"] == pytest.approx(r["filled"])
+        assert r["paired"] <= r["paper"] + 0.02
     assert len(doc["timings"]) == 5 and all(t["seconds"] >= 0 and t["ticks"] > 0
                                             for t in doc["timings"])
 
