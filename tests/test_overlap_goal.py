@@ -57,9 +57,13 @@ def test_dp2_tp4_ring_steps_hide_under_gemms_shallow():
 
 @pytest.mark.slow
 def test_dp8_gpt_1p3b_reaches_its_overlap():
-    data = _under_gemm([])  # measured 0.984 (0.867 before; GSPMD: 0.60)
+    data = _under_gemm([])
     assert data["async_fraction"] == pytest.approx(1.0)
-    assert data["collective_bytes_under_gemm_fraction"] >= 0.97
+    # Measured 0.907 with the plan's 4 microbatches of 8 sequences under remat full
+    # (2026-12-03; 0.959 at 8 of 4, whose step is 10% slower; GSPMD: 0.60): seven of the
+    # last microbatch's buckets finish with no GEMM left, 4.7 ms exposed of a 1.01 s step.
+    assert data["collective_bytes_under_gemm_fraction"] >= 0.90
+    assert data["exposed_comm_s_estimate"] <= 0.01 * data["estimate"]["step_ms"] / 1e3
 
 
 @pytest.mark.slow
@@ -72,6 +76,7 @@ def test_dp2_tp4_defaults_reach_their_overlap():
         "pipeline.microbatches": 8, "overlap.xla_preset": "gpu_overlap_tp"}
     # measured 0.977 (2026-12-03; 0.824 before collective matmul; GSPMD: 0.21)
     assert data["collective_bytes_under_gemm_fraction"] >= 0.95
-    # No GEMM cloned (the pipelined all-gathers of gpu_overlap made 1.84x), and it fits.
+    # No GEMM cloned (the pipelined all-gathers of gpu_overlap made 1.84x), and it fits: what
+    # is over 1x is remat full's recompute of the forward (1.14x).
     est = data["estimate"]
-    assert est["gemm_flops"] <= 1.0 * est["model_flops"] and data["memory"]["fits"]
+    assert est["gemm_flops"] <= 1.15 * est["model_flops"] and data["memory"]["fits"]

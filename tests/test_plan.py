@@ -64,8 +64,11 @@ def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     # the step on the ring steps' small kernels).
     assert (tp4.microbatches, tp4.micro_batch) == (8, 16)
     assert "ring steps of 8192 rows" in tp4.choices["pipeline.microbatches"].why
+    # Data parallelism alone: 8 sequences, GEMMs of 16384 rows (estimated step 1.01 s; 8
+    # microbatches of 4: 1.11 s).
     dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
-    assert (dp8.overlap.tp_comm, dp8.microbatches) == ("plain", 8)
+    assert (dp8.overlap.tp_comm, dp8.microbatches, dp8.micro_batch) == ("plain", 4, 8)
+    assert "GEMMs of 16384 rows" in dp8.choices["pipeline.microbatches"].why
 
 
 def test_a_plain_gpu_config_gets_the_overlap_knobs():
@@ -210,12 +213,12 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
 
 
 def test_auto_remat_recomputes_on_a_gpu():
-    # GPT-1.3B dp8, 4 x 2048 tokens per microbatch: full on either attention path (deviceless
-    # 8 x H100: 1.27 s estimated step under none, 1.11 s under full).
+    # GPT-1.3B dp8: full on either attention path (deviceless 8 x H100, 8 microbatches of 4
+    # sequences: 1.27 s estimated step under none, 1.11 s under full).
     for attention in ("plain", "fused"):
         cfg = config.load(GPT_1P3B, [f"model.attention={attention}"])
         dp8 = ParallelPlan.build(cfg, target=H100)
-        assert (dp8.microbatches, dp8.remat) == (8, "full")
+        assert (dp8.microbatches, dp8.remat) == (4, "full")
         assert dp8.choices["model.remat"].why.startswith(plan_lib.GPU_REMAT_WHY)
         assert dp8.resolved_config(cfg).model.remat == "full"  # config.json holds the choice
     # An explicit policy always wins; auto microbatching then works around it.
