@@ -211,7 +211,13 @@ def _side_bwd(info, residuals, g):
 
 def _as_gradient_of(stats, sink, tp_axis, tp):
     """`stats` (identical on the tp ranks) typed as `sink`'s gradient, so that the step's
-    reductions of it give the sum over the data-parallel devices once."""
+    reductions of it give the sum over the data-parallel devices once.
+
+    The step sums a gradient over every axis its parameter varies over: where `sink` varies
+    over tp (in-backward buckets mark the parameters tp-varying and reduce over (dp, tp)),
+    each tp rank gives its 1/tp share, whether or not `stats` is typed tp-varying (it is
+    when the router weight was marked so, though its value is the same on every tp rank).
+    """
     have, want = varying_axes(stats), varying_axes(sink)
     extra = have - want
     if tp_axis in extra:  # identical on tp ranks: their mean
@@ -219,9 +225,9 @@ def _as_gradient_of(stats, sink, tp_axis, tp):
     rest = tuple(sorted(extra - {tp_axis}))
     if rest:
         stats = jax.lax.psum(stats, rest)
-    missing = tuple(sorted(want - varying_axes(stats)))
-    if tp_axis in missing:
+    if tp_axis is not None and tp_axis in want:  # the step sums the tp ranks' shares
         stats = stats / tp
+    missing = tuple(sorted(want - varying_axes(stats)))
     return to_varying(stats, missing).astype(sink.dtype)
 
 
