@@ -90,8 +90,9 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 DEFAULT = [
     # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
-    # all-gather the slot's 2 and reduce-scatter their gradients.
-    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
+    # all-gather the slot's 2 and reduce-scatter their gradients. 3 chunks: the middle
+    # stage runs beside the next chunk's dispatch and the previous one's combine.
+    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3"]),
     # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
     # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1.
     ("dropless", 2, 1, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
@@ -133,6 +134,17 @@ def test_route_keeps_first_choices_first_and_drops_past_capacity():
     # With identity experts a kept token comes back times its first gate only.
     np.testing.assert_allclose(out[0], np.arange(8.0).reshape(4, 2) * np.asarray(gate[0, :4])[:, None],
                                rtol=1e-6)
+
+
+def test_chunk_bounds_cover_the_slots_with_half_size_ends():
+    # 3+ chunks: the first and the last (whose all-to-alls have no GEMM of the layer to go
+    # under) are half the others.
+    assert moe.chunk_bounds(12, 4) == [0, 2, 6, 10, 12]
+    assert moe.chunk_bounds(20480, 6) == [0, 2048, 6144, 10240, 14336, 18432, 20480]
+    assert moe.chunk_bounds(10, 2) == [0, 5, 10] and moe.chunk_bounds(10, 1) == [0, 10]
+    # more chunks than slots: no empty chunk
+    bounds = moe.chunk_bounds(3, 8)
+    assert bounds[0] == 0 and bounds[-1] == 3 and all(b > a for a, b in zip(bounds, bounds[1:]))
 
 
 def _explicit_router_loss(model, params, batch):
