@@ -203,6 +203,7 @@ class ParallelPlan:
       stage_layers: layers per virtual stage in model order (`pipeline.stage_layers`
         resolved: even, explicit or auto); empty only in hand-built plans (= even).
       dcn: the slow data axis's size (mesh.dcn; the mesh has a 'dcn' axis when > 1).
+      ep: expert parallelism (mesh.ep): above 1 the routed experts are stored split over dp.
       diloco: Streaming DiLoCo over dcn, or None.
       slow_decisions: what the plan decided about the slow axis, one line each.
       grad_bytes: fp32 gradient bytes per device (tp / pp split, before any dp split), when
@@ -232,6 +233,7 @@ class ParallelPlan:
     chunk_buckets: Any = None
     stage_layers: tuple[int, ...] = ()
     dcn: int = 1
+    ep: int = 1
     diloco: DilocoPlan | None = None
     slow_decisions: tuple[str, ...] = ()
     grad_bytes: int = 0
@@ -447,7 +449,7 @@ class ParallelPlan:
                    micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=remat, target=target,
-                   choices=choices, stage_layers=split, dcn=m.dcn, diloco=_diloco_plan(cfg),
+                   choices=choices, stage_layers=split, dcn=m.dcn, ep=m.ep, diloco=_diloco_plan(cfg),
                    dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
                    attention=attention)
         plan = dataclasses.replace(plan, split_backward=_resolve_split(cfg, target, schedule,

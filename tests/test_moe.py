@@ -311,3 +311,17 @@ def test_memory_estimate_stores_experts_split_over_dp():
     zero1 = memory.step_memory(*args, ep=dp, zero1=True)  # experts' moments not split twice
     other = full.state / 16 - m.layers * routed  # elements of everything else
     assert split.state - zero1.state == pytest.approx(8 * other * (1 - 1 / dp))
+    # The plan carries mesh.ep, so its estimate and preflight's see the split experts.
+    import dataclasses
+
+    from jax_overlap.plan import ParallelPlan
+    from jax_overlap.resilience import preflight
+
+    cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2",
+                                                    "overlap.param_sharding=replicated"])
+    plan = ParallelPlan.build(cfg)
+    assert plan.ep == cfg.mesh.ep == cfg.mesh.dp == 8
+    parts = memory.plan_step_memory(m, cfg.train.precision, plan)
+    whole = memory.plan_step_memory(m, cfg.train.precision, dataclasses.replace(plan, ep=1))
+    assert whole.state - parts.state == pytest.approx(16 * m.layers * routed * (1 - 1 / 8))
+    assert preflight.device_step_parts(m, cfg.train, plan)["state"] == parts.state
