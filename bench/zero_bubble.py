@@ -8,8 +8,14 @@ neighbours, one transfer per lane at latency 1; what `jax-overlap schedule --cos
 reports as `weighted_bubble`), three ways:
 
 * `table`: the schedule as generated (unit-cost tables);
-* `paired`: the paired table chosen for these costs (`--paired --costs`);
-* `search`: that table after `--pair-search N` steps at these costs.
+* `filled`: the paired table whose lanes are positions -- lane 0 runs F or W, lane 1 B or W, so
+  delayed W's fill the free lane of each tick (`schedules.filled_schedule`, ZB-H1 and ZB-V);
+* `paired`: the paired table chosen for these costs (`--paired --costs`: the filled table or
+  the lockstep-quorum one, whichever the executor runs faster);
+* `search`: after `--pair-search N` steps at these costs.
+
+`mem` is the chosen paired table's activation peak over the plain table's (the most
+(microbatch, chunk)s a stage holds, from F to its last backward action).
 
 It also times building the largest tables (p = 64, m = 1024, v <= 4) and the pair search at
 p = 16, m = 64.
@@ -28,7 +34,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax_overlap.pipeline.schedules import make_schedule  # noqa: E402
+from jax_overlap.pipeline.schedules import (  # noqa: E402
+    FILLED,
+    filled_schedule,
+    make_schedule,
+    peak_activations,
+)
 from jax_overlap.pipeline.ticks import executed_bubble  # noqa: E402
 
 # (F, B, W, transfer) in ms. 1.5B is the quote of the paper's Table 9; 6.2B and 14.6B
@@ -60,11 +71,15 @@ def bubbles(name: str, p: int, m: int, key: str, search: int) -> dict:
     f, b, w, c = COSTS[key]
     cost = {"F": f, "B": b, "W": w}
     v = 2 if name == "zb-v" else 1
-    out = {"table": executed_bubble(make_schedule(name, p, m, v), cost, c)}
+    plain = make_schedule(name, p, m, v)
+    out = {"table": executed_bubble(plain, cost, c)}
+    if name in FILLED:
+        out["filled"] = executed_bubble(filled_schedule(name, p, m, None, cost, c)[0], cost, c)
     start = time.perf_counter()
     paired = make_schedule(name, p, m, v, 1, True, cost, 0, c)
     out["paired"] = executed_bubble(paired, cost, c)
     out["paired_s"] = time.perf_counter() - start
+    out["mem"] = max(peak_activations(paired)) / max(peak_activations(plain))
     if search:
         start = time.perf_counter()
         found = make_schedule(name, p, m, v, 1, True, cost, search, c)
@@ -101,17 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     search = args.search if args.search is not None else (8 if args.quick else 200)
     rows = []
     print(f"{'model':6} {'p':>3} {'m':>4} {'schedule':8} {'paper':>6} {'table':>6} "
-          f"{'paired':>6} {'search':>6} {'best-paper':>10} within")
-    print("-" * 72)
+          f"{'filled':>6} {'paired':>6} {'search':>6} {'mem':>4} {'best-paper':>10} within")
+    print("-" * 84)
+    nan = float("nan")
     for model, p, m, name, key, paper in (QUICK_ROWS if args.quick else ROWS):
         got = bubbles(name, p, m, key, search)
-        best = min(v for k, v in got.items() if not k.endswith("_s"))
+        best = min(v for k, v in got.items() if k in ("table", "filled", "paired", "search"))
         within = best <= paper + 0.02
         rows.append({"model": model, "stages": p, "microbatches": m, "schedule": name,
                      "costs": COSTS[key], "paper": paper, **got, "best": best,
                      "within_0.02": within})
         print(f"{model:6} {p:>3} {m:>4} {name:8} {paper:6.3f} {got['table']:6.3f} "
-              f"{got['paired']:6.3f} {got.get('search', float('nan')):6.3f} "
+              f"{got.get('filled', nan):6.3f} {got['paired']:6.3f} "
+              f"{got.get('search', nan):6.3f} {got['mem']:4.1f} "
               f"{best - paper:+10.3f} {'yes' if within else 'no'}", flush=True)
     print()
     print(f"{'timing':44} {'ticks':>6} {'seconds':>8}")

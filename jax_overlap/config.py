@@ -155,12 +155,15 @@ class PipelineConfig:
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
     # at the price of a longer ramp (bubble L(p-1)/(m+L(p-1)) for 1F1B) and more activations.
-    transfer_latency: int = 1
+    # auto: 1, or 2 on a GPU where a transfer outlasts the GEMMs it would hide under and the
+    # step still fits (plan.AUTO_LATENCY_WHY); 1 on a CPU.
+    transfer_latency: int | Literal["auto"] = "auto"
     # Paired ticks: a stage may run one forward and one backward (of other microbatches) in
     # the same tick, so steady-state ticks cost alike on every stage and each stage-to-stage
-    # transfer hides under the tick's other action. Needs transfer_latency 1; holds up to
-    # twice the unpaired schedule's activations per stage. auto: on a GPU at latency 1, off
-    # on a CPU (collectives are synchronous there; pairing only adds permutes).
+    # transfer hides under the tick's other action (zb-h1 / zb-v: a W may take either lane).
+    # Needs transfer_latency 1; holds up to twice the unpaired schedule's activations per
+    # stage. auto: on a GPU at latency 1, off on a CPU (collectives are synchronous there;
+    # pairing only adds permutes).
     paired: bool | Literal["auto"] = "auto"
     # Paired tables only: steps of a search over which ticks run pairs, so the actions
     # sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the whole
@@ -199,7 +202,9 @@ class OverlapConfig:
     # when the embedding's bucket is above XLA's combine threshold (configs/gpt_1p3b.yaml).
     # auto: on where gradients go in buckets in backward order on a GPU.
     embed_before_first_layer: bool | Literal["auto"] = "auto"
-    zero1: bool = False  # shard optimizer state over dp (psum_scatter + all_gather)
+    # Shard the optimizer state over dp (psum_scatter + all_gather). auto: on a GPU with
+    # dp > 1 where a replica's step does not fit without it; off on a CPU.
+    zero1: bool | Literal["auto"] = "auto"
     # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
     # software-pipelined: chunk i's expert GEMMs run beside chunk i+1's dispatch and chunk
     # i-1's combine all-to-alls; from 3 chunks the first and the last are half-size, their

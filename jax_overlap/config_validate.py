@@ -124,7 +124,8 @@ def _schedule_problems(cfg: Config) -> list[str]:
     if explicit_mb and m.pp > 1 and pl.microbatches < m.pp and pl.schedule != "gpipe":
         p.append(f"pipeline.microbatches: {pl.microbatches} < mesh.pp={m.pp}, which schedule "
                  f"{pl.schedule} needs to fill the pipeline; use at least {m.pp}")
-    group = m.pp * pl.transfer_latency
+    latency = 1 if pl.transfer_latency == "auto" else pl.transfer_latency  # auto: 1 or 2
+    group = m.pp * latency
     if explicit_mb and pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
         from jax_overlap.pipeline.schedules import multiples_near  # pure Python, no jax
 
@@ -135,10 +136,10 @@ def _schedule_problems(cfg: Config) -> list[str]:
         p.append("pipeline.virtual_stages: interleaved needs >= 2; set pipeline.virtual_stages=2")
     if pl.schedule == "zb-v" and m.pp > 1 and pl.virtual_stages != 2:
         p.append("pipeline.virtual_stages: zb-v places exactly 2 chunks per stage; set it to 2")
-    if pl.transfer_latency not in (1, 2):
+    if pl.transfer_latency not in (1, 2, "auto"):
         p.append(f"pipeline.transfer_latency: must be 1 or 2, got {pl.transfer_latency}; use 2 "
                  f"to overlap stage-to-stage transfers with compute")
-    if pl.paired is True and pl.transfer_latency != 1:
+    if pl.paired is True and pl.transfer_latency not in (1, "auto"):
         p.append(f"pipeline.paired: paired ticks hide each transfer under the tick's other "
                  f"action and run at transfer_latency 1, got {pl.transfer_latency}; set "
                  f"pipeline.transfer_latency=1 or pipeline.paired=false")

@@ -396,12 +396,15 @@ class ParallelPlan:
         target = target or Target()
         choices: dict[str, Choice] = {}
         cfg = _resolve_schedule(cfg, target, choices)
+        cfg = _resolve_latency(cfg, target, choices)
         # Resolved first: the memory estimates below count the paired table's slots.
         cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
             cfg.pipeline, paired=_resolve_paired(cfg, target, choices)))
         m, pl, ov = cfg.mesh, cfg.pipeline, cfg.overlap
         tp_comm, direction = _resolve_tp(cfg, target, choices)
         attention = _resolve_attention(cfg, target, choices)
+        cfg = _resolve_zero1(cfg, target, choices, tp_comm, attention)
+        ov = cfg.overlap
         fsdp = _resolve_sharding(cfg, target, choices, tp_comm, attention)
         bucket_mb, embed_first, preset = _resolve_overlap(cfg, target, choices, fsdp)
         overlap = OverlapPlan(
@@ -604,6 +607,49 @@ def auto_xla_preset(accelerator: bool, cfg: Config) -> str:
     return "gpu_overlap"
 
 
+def _resolve_zero1(cfg: Config, target: Target, choices: dict[str, Choice], tp_comm: str,
+                   attention: str) -> Config:
+    """`cfg` with `overlap.zero1: auto` resolved: on a GPU with dp > 1, ZeRO-1 where a
+    replica's step does not fit without it even at its smallest (one sequence per microbatch,
+    remat full), off otherwise (its all-gather of the updated parameters after the optimizer
+    has no GEMM left to hide under)."""
+    m, ov = cfg.mesh, cfg.overlap
+    if ov.zero1 != "auto":
+        return cfg
+    on, why = False, ""
+    if m.dp == 1:
+        why = "dp = 1: nothing to shard over"
+    elif not target.accelerator:
+        why = "CPU: every device's state is in host memory; sharding only adds collectives"
+    elif ov.param_sharding == "fsdp":
+        why = "overlap.param_sharding=fsdp already shards the optimizer state"
+    elif cfg.model.kind not in ESTIMATED_KINDS:
+        why = f"no memory estimate for model.kind={cfg.model.kind}"
+    else:
+        # With the gradient buckets `auto` gives a replicated step (in a pipeline's tick loop
+        # they hold a second copy of the stage's gradients).
+        buckets = int(_resolve_overlap(cfg, target, {}, False)[0] * MIB)
+        need = estimated_step_bytes(cfg, 1, OverlapPlan(grad_bucket_bytes=buckets,
+                                                        tp_comm=tp_comm), "full", attention)
+        budget = f"budget {MEMORY_BUDGET * (target.memory_bytes or 0) / 1e9:.0f} GB"
+        if not fits_memory(need, target):
+            with_zero1 = estimated_step_bytes(
+                cfg, 1, OverlapPlan(zero1=True, grad_bucket_bytes=buckets, tp_comm=tp_comm),
+                "full", attention)
+            on = fits_memory(with_zero1, target)
+            why = (f"a replica's optimizer state does not fit: ~{need / 1e9:.0f} GB per device "
+                   f"at its smallest (1 sequence per microbatch, remat full; {budget}); "
+                   + (f"Adam's moments split over dp: ~{with_zero1 / 1e9:.0f} GB" if on else
+                      f"split over dp still ~{with_zero1 / 1e9:.0f} GB: left to "
+                      f"overlap.param_sharding"))
+        else:
+            why = (f"a replica fits: ~{need / 1e9:.0f} GB per device at its smallest ({budget}); "
+                   f"the all-gather after the optimizer would have no GEMM to hide under"
+                   if target.memory_bytes else "device memory unknown")
+    choices["overlap.zero1"] = Choice(on, why)
+    return dataclasses.replace(cfg, overlap=dataclasses.replace(ov, zero1=on))
+
+
 def _resolve_sharding(cfg: Config, target: Target, choices: dict[str, Choice], tp_comm: str,
                       attention: str) -> bool:
     """`overlap.param_sharding`, `auto` resolved (True: fsdp): on a GPU with dp > 1, FSDP
@@ -720,6 +766,82 @@ def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -
             f"several chunks per stage" if name == "interleaved"
             else AUTO_SCHEDULE_WHY[bool(target.accelerator)]))
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=name))
+
+
+# Why `pipeline.transfer_latency: auto` is 1 on a GPU unless a transfer is exposed: at latency
+# 1 paired ticks hide each transfer under the other lane's GEMMs, and latency 2 lengthens the
+# ramp (GPT-1.3B dp2 x pp4 1F1B m 8, simulated on FLOP costs: NVLink 2494 ms at latency 1,
+# 3093 ms at 2; a 2 GB/s stage link 3313 ms at 1, 3154 ms at 2; docs/results.md).
+AUTO_LATENCY_WHY = ("the transfer of a microbatch's activations between stages (~{t:.3g} ms "
+                    "over {link}) hides under the GEMMs of a tick (~{c:.3g} ms)")
+
+
+# A tick's kernels per layer and each kernel's launch (`analysis/step_estimate.LAUNCH_S`): a
+# small model's tick is launches, not GEMMs, and a transfer is one kernel too.
+TICK_KERNELS_PER_LAYER = 20
+KERNEL_LAUNCH_S = 4e-6
+
+
+def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str] | None:
+    """(seconds one microbatch's activations take between stages, seconds of one chunk's
+    forward: its GEMMs at the chip's peak plus its kernels' launches, the link's name) on a
+    GPU the chip table knows; None otherwise. One sequence per microbatch (the GEMMs and the
+    transfer grow with its tokens alike)."""
+    from jax_overlap.hardware.machine import chip_for_device_kind, chip_key, CHIPS
+    from jax_overlap.hardware.memory import dtype_bytes, param_elements
+
+    chip = CHIPS.get(chip_key(target.name)) or chip_for_device_kind(target.name)
+    if chip is None:
+        return None
+    m, mo = cfg.mesh, cfg.model
+    tokens = mo.seq_len
+    act = tokens * mo.d_model * dtype_bytes(cfg.train.precision) / max(m.tp, 1)
+    chunk_layers = mo.layers / (m.pp * max(cfg.pipeline.virtual_stages, 1))
+    _, block = param_elements(mo)
+    flops = 2 * tokens * block / max(m.tp, 1) * chunk_layers
+    dtype = "bf16" if cfg.train.precision in ("bf16", "fp16") else "f32"
+    launches = TICK_KERNELS_PER_LAYER * chunk_layers * KERNEL_LAUNCH_S
+    return (KERNEL_LAUNCH_S + act / chip.nvlink_unidirectional_bytes_per_s,
+            flops / chip.matmul_flops_per_s(dtype) + launches, f"{chip.name} NVLink")
+
+
+def _resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
+    """`cfg` with `pipeline.transfer_latency: auto` resolved: 1, or 2 on a GPU where one
+    microbatch's transfer between stages outlasts the GEMMs of a tick it would hide under and
+    the step at its smallest still fits (`AUTO_LATENCY_WHY`)."""
+    pl, m = cfg.pipeline, cfg.mesh
+    if pl.transfer_latency != "auto":
+        return cfg
+    latency, why = 1, None
+    if m.pp > 1:
+        times = _transfer_and_tick_s(cfg, target) if target.accelerator else None
+        if not target.accelerator:
+            why = ("CPU: collectives are synchronous, nothing hides a transfer; latency 2 only "
+                   "lengthens the ramp")
+        elif pl.paired is True:
+            why = "pipeline.paired is on: paired ticks run at latency 1"
+        elif times is None:
+            why = f"no link model for {target.name}: the shorter ramp"
+        else:
+            transfer, tick, link = times
+            detail = AUTO_LATENCY_WHY.format(t=transfer * 1e3, link=link, c=tick * 1e3)
+            why = detail
+            if transfer > tick:
+                two = dataclasses.replace(cfg, pipeline=dataclasses.replace(
+                    pl, transfer_latency=2, paired=False))
+                need = estimated_step_bytes(two, 1, OverlapPlan(), "full")
+                if fits_memory(need, target):
+                    latency = 2
+                    why = (f"the transfer of a microbatch's activations (~{transfer * 1e3:.3g} "
+                           f"ms over {link}) outlasts a tick's GEMMs (~{tick * 1e3:.3g} ms): "
+                           f"latency 2 sends it under the next tick")
+                else:
+                    why = (f"a transfer (~{transfer * 1e3:.3g} ms) outlasts a tick's GEMMs "
+                           f"(~{tick * 1e3:.3g} ms), but at latency 2 the step needs "
+                           f"~{need / 1e9:.0f} GB at its smallest: kept at 1")
+    if why is not None:
+        choices["pipeline.transfer_latency"] = Choice(latency, why)
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, transfer_latency=latency))
 
 
 def _resolve_paired(cfg: Config, target: Target, choices: dict[str, Choice]) -> bool:

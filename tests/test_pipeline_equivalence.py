@@ -132,18 +132,25 @@ def test_paired_ticks_match_single_device(references, name, pp, dp, tp, m, tied,
     check_equivalence(references, name, pp, dp, tp, m, tied, [*extra, f"model.remat={remat}"])
 
 
-def test_cost_aware_table_matches_single_device(references):
-    """A paired ZB-V table chosen and searched at the paper's costs with a transfer
-    (`schedule --paired --costs 14.4,14.4,9.7,1.6 --pair-search 20`) runs exactly."""
-    name, pp, dp, tp, m, tied = "zb-v", 4, 2, 1, 8, True
-    table = schedules.make_schedule(name, pp, m, 2, 1, True, {"F": 14.4, "B": 14.4, "W": 9.7},
-                                    20, 1.6)
-    assert table.grid != schedules.make_schedule(name, pp, m, 2, 1, True).grid
+@pytest.mark.parametrize("name,pp,m", [("zb-v", 4, 8), ("zb-h1", 2, 4)])
+def test_cost_aware_table_matches_single_device(references, name, pp, m):
+    """The paired table chosen at the zero-bubble paper's costs with a transfer (`schedule
+    --paired --costs 14.4,14.4,9.7,1.6`) runs exactly: lanes as positions, so it runs W's in
+    lane 0 beside B's and two W's in one tick."""
+    dp, tp, tied = 2, 1, True
+    table = schedules.make_schedule(name, pp, m, CHUNKS[name], 1, True,
+                                    {"F": 14.4, "B": 14.4, "W": 9.7}, 0, 1.6)
+    kinds = {(c.forward.kind, c.backward.kind) for row in table.grid for c in row
+             if isinstance(c, schedules.Pair)}
+    assert {("W", "B"), ("W", "W"), ("F", "B")} <= kinds, kinds
     cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["pipeline.paired=true"])
     model, params, batch, ref_loss, ref_grads = references(tied)
     run = assemble(cfg, jax.devices()[: dp * pp * tp], model=model)
     plan = run.plan.with_program(tick_program.compile_program(
         table, run.plan.overlap.buckets_in_loop, run.plan.vocab_parallel))
+    assert (plan.program.column("branch")[:, :, 0] > 0).any()
+    w_in_lane0 = [i + 1 for i, b in enumerate(plan.program.branches) if b.kind == "W"]
+    assert np.isin(plan.program.column("branch")[:, :, 0], w_in_lane0).any()
     run = dataclasses.replace(run, plan=plan)
     loss_and_grads = run.loss_and_grads()
     loss, grads = jax.jit(loss_and_grads)(run.place_params(params), run.put_batch(batch))
@@ -561,3 +568,30 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, name, pp, dp, 
                                                 run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, run.plan.layer_perm), ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("name,pp,m", [
+    ("zb-v", 2, 4), pytest.param("zb-h1", 4, 8, marks=pytest.mark.slow)])
+def test_a_gpu_planned_filled_table_matches_single_device(references, name, pp, m):
+    """The GPU step (pools filed in place, vocabulary-parallel head, split W) running a filled
+    paired table: W's in lane 0 beside B's and W+W ticks, as chosen at the paper's costs."""
+    from jax_overlap.plan import Target
+
+    dp, tp, tied = 2, 1, True
+    table = schedules.filled_schedule(name, pp, m, None, {"F": 14.4, "B": 14.4, "W": 9.7},
+                                      1.6)[0]
+    assert any(isinstance(c, schedules.Pair) and c.forward.kind == "W"
+               for row in table.grid for c in row)
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["model.attention=plain"])
+    model, params, batch, ref_loss, ref_grads = references(tied)
+    run = assemble(cfg, jax.devices()[: dp * pp * tp], target=Target("h100", True, 80e9),
+                   model=model)
+    assert run.plan.vocab_parallel and run.plan.schedule.paired
+    plan = run.plan.with_program(tick_program.compile_program(
+        table, run.plan.overlap.buckets_in_loop, run.plan.vocab_parallel))
+    run = dataclasses.replace(run, plan=plan)
+    loss_and_grads = run.loss_and_grads()
+    loss, grads = jax.jit(loss_and_grads)(run.place_params(params), run.put_batch(batch))
+    assert loss_and_grads.program.schedule.grid == table.grid
+    assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
+    assert max_rel_err(layout.to_logical(grads, plan.layer_perm), ref_grads) <= 1e-5

@@ -14,7 +14,8 @@ from jax_overlap.hardware.link_profiles import AxisLink, Link, load_profile
 from jax_overlap.analysis.simulate import Costs, simulate
 from jax_overlap.config import ConfigError
 from jax_overlap.pipeline.schedules import bubble_fraction
-from jax_overlap.plan import ParallelPlan, Target
+from jax_overlap import plan as plan_lib
+from jax_overlap.plan import ParallelPlan, Target, fits_memory
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
 H100 = Target("h100", True, 80e9)
@@ -27,7 +28,8 @@ def test_auto_knobs_on_cpu_keep_the_plain_step():
     assert set(plan.choices) == {"overlap.tp_comm", "overlap.collective_matmul_direction",
                                  "pipeline.microbatches", "model.attention", "model.remat",
                                  "overlap.grad_bucket_mb", "overlap.embed_before_first_layer",
-                                 "overlap.xla_preset", "overlap.param_sharding"}
+                                 "overlap.xla_preset", "overlap.param_sharding",
+                                 "overlap.zero1"}
     assert plan.remat == "none"  # CPU: recomputing only adds work
     # CPU collectives are synchronous: one reduction after the backward, no XLA flags.
     assert (plan.overlap.grad_bucket_bytes, plan.overlap.embed_before_first_layer,
@@ -130,6 +132,67 @@ def test_auto_param_sharding_shards_only_a_replica_that_does_not_fit():
     assert not tp4.overlap.fsdp and tp4.overlap.grad_bucket_bytes > 0
     cpu = ParallelPlan.build(config.load(llama, auto + ["mesh.dp=8", "mesh.tp=1"]))
     assert not cpu.overlap.fsdp and cpu.choices["overlap.param_sharding"].why.startswith("CPU")
+
+
+def test_auto_zero1_splits_only_an_optimizer_state_that_does_not_fit():
+    gpt_dp8 = f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml"
+    small = Target("h100", True, 30e9)  # a 24 GB budget: a replica ~27 GB at its smallest
+    tight = ParallelPlan.build(config.load(gpt_dp8), target=small)
+    assert tight.overlap.zero1 is True and not tight.overlap.fsdp
+    assert tight.choices["overlap.zero1"].why.startswith("a replica's optimizer state does "
+                                                         "not fit")
+    assert fits_memory(tight.memory_estimate, small)
+    assert tight.resolved_config(config.load(gpt_dp8)).overlap.zero1 is True
+    gpt = ParallelPlan.build(config.load(gpt_dp8), target=H100)
+    assert gpt.overlap.zero1 is False
+    assert gpt.choices["overlap.zero1"].why.startswith("a replica fits")
+    llama = f"{REPO}/configs/gpu/llama3_8b_pp4_dp2.yaml"
+    cpu = ParallelPlan.build(config.load(llama, ["model.layers=4", "model.d_model=256"]))
+    assert cpu.overlap.zero1 is False and cpu.choices["overlap.zero1"].why.startswith("CPU")
+    # Where ZeRO-1 alone does not make a replica fit (its in-loop buckets counted), FSDP
+    # decides (and shards the moments too).
+    big = ParallelPlan.build(config.load(llama), target=H100)
+    assert big.overlap.fsdp and big.overlap.zero1 is False
+    assert "left to overlap.param_sharding" in big.choices["overlap.zero1"].why
+    fsdp = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/llama3_8b_fsdp8.yaml"),
+                              target=H100)
+    assert fsdp.overlap.fsdp and fsdp.overlap.zero1 is False
+    given = ParallelPlan.build(config.load(llama, ["overlap.zero1=false"]), target=H100)
+    assert given.overlap.zero1 is False and "overlap.zero1" not in given.choices
+    given = ParallelPlan.build(config.load(TINY, ["overlap.zero1=true"]))
+    assert given.overlap.zero1 is True and "overlap.zero1" not in given.choices
+
+
+def test_auto_transfer_latency_is_two_only_where_a_transfer_outlasts_a_tick():
+    gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml"),
+                             target=H100)
+    assert gpt.transfer_latency == 1 and gpt.schedule.paired
+    assert "hides under the GEMMs of a tick" in gpt.choices["pipeline.transfer_latency"].why
+    # A stage link slower than a tick's GEMMs (as between hosts): latency 2, unpaired, where
+    # the step fits.
+    narrow = ["mesh.pp=4", "mesh.tp=1", "pipeline.microbatches=8", "model.layers=4"]
+    tiny = ParallelPlan.build(config.load(TINY, narrow), target=H100)  # launches: hidden
+    assert tiny.transfer_latency == 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_lib, "_transfer_and_tick_s", lambda cfg, target: (2e-3, 1e-3, "slow"))
+        exposed = ParallelPlan.build(config.load(TINY, narrow), target=H100)
+        assert exposed.transfer_latency == 2 and not exposed.schedule.paired
+        assert "outlasts a tick's GEMMs" in exposed.choices["pipeline.transfer_latency"].why
+        assert exposed.choices["pipeline.paired"].why.startswith("transfer_latency 2")
+        full = ParallelPlan.build(config.load(TINY, narrow), target=Target("h100", True, 1e3))
+        assert full.transfer_latency == 1  # latency 2's step would not fit
+        assert "kept at 1" in full.choices["pipeline.transfer_latency"].why
+        for explicit in (["pipeline.transfer_latency=1"], ["pipeline.paired=true"]):
+            given = ParallelPlan.build(config.load(TINY, narrow + explicit), target=H100)
+            assert given.transfer_latency == 1 and given.schedule.paired
+    cpu = ParallelPlan.build(config.load(TINY, narrow))
+    assert cpu.transfer_latency == 1
+    assert cpu.choices["pipeline.transfer_latency"].why.startswith("CPU")
+    given = ParallelPlan.build(config.load(TINY, narrow + ["pipeline.transfer_latency=1"]),
+                               target=H100)
+    assert "pipeline.transfer_latency" not in given.choices
+    flat = ParallelPlan.build(config.load(TINY), target=H100)  # pp = 1: nothing to decide
+    assert flat.transfer_latency == 1 and "pipeline.transfer_latency" not in flat.choices
 
 
 def test_explicit_choices_win_and_resolved_config_holds_the_choices():

@@ -525,19 +525,20 @@ def test_residual_slots_never_overlap_while_live(name, v, split, paired):
     """What an F keeps for its backward stays in its slot until the last backward action of
     the same (microbatch, chunk) has read it: no other F of the stage writes it meanwhile
     (paired ticks: the forward's lane runs before the backward's)."""
-    from jax_overlap.pipeline.program import COL, compile_program, lane_of
+    from jax_overlap.pipeline.program import COL, action_lanes, compile_program
 
     s = make_schedule(name, 4, 8, v, paired=paired)
     assert s.split_backward == split and s.paired == paired
     program = compile_program(s)
     assert program.lanes == (2 if paired else 1)
+    lane = action_lanes(s)  # a pair's first action runs in lane 0 (F or W), its second in 1
     last = "W" if split else "B"
     for d in range(s.stages):
         owner = {}  # (pool, slot) -> (mb, chunk) whose residuals it holds
         for _, t, a in sorted((x for x in s.actions() if x[0] == d),
-                              key=lambda x: (x[1], lane_of(x[2].kind, s))):
+                              key=lambda x: (x[1], lane[(d, x[2])])):
             vs = s.virtual_stage(d, a.chunk)
-            entry = program.table[t, d, lane_of(a.kind, s)]
+            entry = program.table[t, d, lane[(d, a)]]
             r, e = entry[COL["r_slot"]], entry[COL["e_slot"]]
             pools = [("chunk", r)] + ([("edge", (vs, e))] if vs in (0, 4 * v - 1) else [])
             for key in pools:
@@ -588,7 +589,11 @@ def test_paired_entry_spelling():
     assert format_entry(pair, 1) == "F3+B1"
     assert parse_entry("F3+B1") == pair
     assert parse_entry("F3.1+W0.0") == Pair(Action("F", 3, 1), Action("W", 0, 0))
-    for bad in ("B1+F3", "F1+F2", "F1+B2+W3"):
+    # Lanes are positions: lane 0 runs F or W, lane 1 B or W.
+    assert parse_entry("W2+B4") == Pair(Action("W", 2), Action("B", 4))
+    assert parse_entry("W2.1+W3.0") == Pair(Action("W", 2, 1), Action("W", 3, 0))
+    assert format_entry(Pair(Action("W", 2, 1), Action("W", 3, 0)), 2) == "W2.1+W3.0"
+    for bad in ("B1+F3", "F1+F2", "F1+B2+W3", "B1+W2", "W1+F2"):
         with pytest.raises(ValueError, match="paired entry"):
             parse_entry(bad)
 
@@ -614,13 +619,29 @@ def test_validator_names_bad_pairs():
         return Schedule("hand", 1, 2, 1, False, linear_placement(1), (tuple(cells),))
 
     same = table([Action("F", 0), Pair(Action("F", 1), Action("B", 1)), Action("B", 0)])
-    with pytest.raises(ScheduleError, match=r"tick 1, stage 0: pair F1\+B1 runs the forward and the backward of one"):
+    with pytest.raises(ScheduleError,
+                       match=r"tick 1, stage 0: pair F1\+B1 runs two actions of one"):
         validate(same)
     swapped = table([Action("F", 0), Pair(Action("B", 0), Action("F", 1)), Action("B", 1)])
-    with pytest.raises(ScheduleError, match="forward then a backward"):
+    with pytest.raises(ScheduleError, match="must be a forward or W then a B or W"):
         validate(swapped)
     ok = table([Action("F", 0), Pair(Action("F", 1), Action("B", 0)), Action("B", 1)])
     validate(ok)
+    # W's run in either lane; a pair's two actions never depend on each other.
+    def split(cells):
+        return Schedule("hand", 1, 2, 1, True, linear_placement(1), (tuple(cells),))
+
+    validate(split([Action("F", 0), Action("F", 1), Action("B", 0),
+                    Pair(Action("W", 0), Action("B", 1)), Action("W", 1)]))
+    validate(split([Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1),
+                    Pair(Action("W", 0), Action("W", 1))]))
+    with pytest.raises(ScheduleError,
+                       match=r"tick 3, stage 0: pair W0\+B0 runs two actions of one"):
+        validate(split([Action("F", 0), Action("F", 1), Action("B", 1),
+                        Pair(Action("W", 0), Action("B", 0)), Action("W", 1)]))
+    with pytest.raises(ScheduleError, match="must be a forward or W then a B or W"):
+        validate(split([Action("F", 0), Action("F", 1), Action("B", 0),
+                        Pair(Action("B", 1), Action("W", 0)), Action("W", 1)]))
     assert bubble_fraction(ok) == pytest.approx(1 - 4 / 4)  # 1 + 2 + 1 units, all busy
 
 
@@ -667,11 +688,12 @@ def test_per_tick_quorums_and_the_pairing_search():
     for q in PAIR_QUORUMS:
         assert (_build("zb-v", 4, 8, 2, 1, True, caps, (q,) * 5).grid
                 == _build("zb-v", 4, 8, 2, 1, True, caps, q).grid)
-    fixed = make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost)
-    searched = make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost, search=40)
+    # The search refines the quorum tables (make_schedule may still pick a filled one).
+    fixed, q = min(((_build("zb-v", 4, 8, 2, 1, True, caps, q), q) for q in PAIR_QUORUMS),
+                   key=lambda c: weighted_bubble_fraction(c[0], cost))
+    searched = search_pairings("zb-v", 4, 8, 2, caps, cost, q, 40)
     validate(searched)
-    assert searched.grid == make_schedule("zb-v", 4, 8, 2, paired=True, cost=cost,
-                                          search=40).grid
+    assert searched.grid == search_pairings("zb-v", 4, 8, 2, caps, cost, q, 40).grid
     assert sorted(searched.task(d, a) for d, _, a in searched.actions()) == sorted(
         base.task(d, a) for d, _, a in base.actions())
     assert all(got <= cap for got, cap in zip(peak_activations(searched), caps))
@@ -728,3 +750,44 @@ def test_plot_draws_pairs_side_by_side_and_ticks_at_their_cost():
     assert widths == [1.0, 3.0]  # F, and a non-split B (= B + W)
     assert "weighted bubble" in ax.get_title()
     matplotlib.pyplot.close("all")
+
+
+@pytest.mark.parametrize("name,v", [("zb-h1", 1), ("zb-v", 2)])
+def test_filled_tables_are_valid_within_twice_the_activations(name, v):
+    """Lanes as positions: every filled table runs each task once, meets the dependencies,
+    holds at most twice the plain table's activations per stage and compiles; W's run in
+    lane 0 beside B's and two in one tick. At the paper's costs it is the paired choice and
+    beats the lockstep-quorum table as the executor runs it."""
+    from jax_overlap.pipeline.program import compile_program
+    from jax_overlap.pipeline.schedules import Pair, Schedule, filled_schedule, peak_activations
+    from jax_overlap.pipeline.ticks import executed_bubble
+
+    paper = {"F": 14.4, "B": 14.4, "W": 9.7}
+    for p, m in ((1, 3), (2, 1), (3, 5), (4, 8), (5, 13)):
+        base = make_schedule(name, p, m, v)
+        for cost, c in ((None, 0.0), (paper, 1.6)):
+            (s,) = filled_schedule(name, p, m, None, cost, c)
+            validate(s)
+            compile_program(s)
+            assert sorted(s.task(d, a) for d, _, a in s.actions()) == sorted(
+                base.task(d, a) for d, _, a in base.actions())
+            assert all(got <= 2 * was for got, was in zip(peak_activations(s),
+                                                          peak_activations(base)))
+    s = make_schedule(name, 8, 24, v, 1, True, paper, 0, 1.6)
+    kinds = {(c.forward.kind, c.backward.kind) for row in s.grid for c in row
+             if isinstance(c, Pair)}
+    assert {("F", "B"), ("F", "W"), ("W", "B"), ("W", "W")} <= kinds
+    assert s.grid == filled_schedule(name, 8, 24, None, paper, 1.6)[0].grid
+    data = json.loads(json.dumps(s.to_json()))  # spelled e.g. "W3+B5", "W1+W2", and back
+    assert any(e.startswith("W") and "+" in e for row in data["table"] for e in row if e)
+    assert Schedule.from_json(data).grid == s.grid
+    unfilled = min((_quorum_table(name, 8, 24, v, q) for q in (0.0, 0.5, 0.75, 1.0)),
+                   key=lambda t: executed_bubble(t, paper, 1.6))
+    assert executed_bubble(s, paper, 1.6) < executed_bubble(unfilled, paper, 1.6) - 0.05
+
+
+def _quorum_table(name, p, m, v, quorum):
+    from jax_overlap.pipeline.schedules import _build, peak_activations
+
+    caps = [2 * x for x in peak_activations(make_schedule(name, p, m, v))]
+    return _build(name, p, m, v, 1, True, caps, quorum)

@@ -11,7 +11,11 @@ from jax_overlap.hardware.machine import AxisLink, HardwareProfile, Link
 from jax_overlap.analysis.simulate import Costs, Plan, simulate
 from jax_overlap.pipeline.program import compile_program
 from jax_overlap.pipeline.schedules import (
+    Action,
+    Pair,
+    Schedule,
     bubble_fraction,
+    linear_placement,
     make_schedule,
     schedule_command,
 )
@@ -29,14 +33,40 @@ def _hw() -> HardwareProfile:
 
 
 CASES = [("1f1b", 4, 8, 1, False), ("zb-h1", 4, 8, 1, False), ("zb-h1", 4, 8, 1, True),
-         ("zb-v", 4, 8, 2, False), ("zb-v", 4, 8, 2, True), ("interleaved", 4, 8, 2, False)]
+         ("zb-v", 4, 8, 2, False), ("zb-v", 4, 8, 2, True), ("interleaved", 4, 8, 2, False),
+         ("zb-h1", 4, 8, 1, "filled"), ("zb-v", 4, 8, 2, "filled")]
+
+
+def _table(name, p, m, v, paired):
+    """The case's table; "filled": the paired table chosen at the paper's costs, whose lanes
+    are positions (W's in lane 0 too)."""
+    if paired != "filled":
+        return make_schedule(name, p, m, v, 1, paired)
+    s = make_schedule(name, p, m, v, 1, True, PAPER_1P5B, 0, 0.6)
+    assert any(isinstance(c, Pair) and c.forward.kind == "W" for row in s.grid for c in row)
+    return s
+
+
+def test_a_pairs_lanes_are_its_positions():
+    """By hand: a W first in a pair runs in lane 0 (before the B beside it), a lone W in lane
+    1; each lane ends at its work or at the partners' start plus the transfer."""
+    F, B, W = Action("F", 0), Action("B", 0), Action("W", 0)
+    F1, B1, W1 = Action("F", 1), Action("B", 1), Action("W", 1)
+    s = Schedule("hand", 2, 2, 1, True, linear_placement(2), (
+        (F, F1, None, B, Pair(W, B1), W1),
+        (None, F, Pair(F1, B), Pair(W, B1), W1, None)))
+    validate(s)
+    assert lane_partners(s) == ((frozenset({1}), frozenset({0})),) * 2
+    cost = {"F": 2.0, "B": 3.0, "W": 1.0}
+    assert tick_clocks(s, cost, 0.5) == pytest.approx([19.0, 18.5])  # worked out by hand
+    assert executed_bubble(s, cost, 0.5) == pytest.approx((2 * 19 - 24) / 38)
 
 
 @pytest.mark.parametrize("name,p,m,v,paired", CASES)
 def test_executed_bubble_is_the_simulators_tick_timing(name, p, m, v, paired):
     """One implementation: the bare tick timing ends every stage where the simulator's
     `timing="ticks"` does, for the same action and transfer costs."""
-    s = make_schedule(name, p, m, v, 1, paired)
+    s = _table(name, p, m, v, paired)
     costs = Costs.uniform(p * v, 1.3, 1.7, 0.6, act_bytes=0.25)
     sim = simulate(Plan(s), costs, _hw(), timing="ticks")
     ends = tick_clocks(s, {"F": 1.3, "B": 1.7, "W": 0.6}, 0.25)
@@ -59,7 +89,7 @@ def test_equal_costs_without_transfer_give_the_tables_bubble():
 
 @pytest.mark.parametrize("name,p,m,v,paired", CASES)
 def test_lane_partners_are_the_programs_rings(name, p, m, v, paired):
-    s = make_schedule(name, p, m, v, 1, paired)
+    s = _table(name, p, m, v, paired)
     rings = compile_program(s).lane_rings
     for lane, partners in enumerate(lane_partners(s)):
         down, up, _ = rings[lane]

@@ -531,8 +531,9 @@ def simulate(
         tasks = []
         for t, cell in enumerate(row):
             acts = [s.task(d, a) for a in cell_actions(cell)]
-            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's forward
-                lane0 = int(bool(acts) and (not s.paired or acts[0].kind == "F"))
+            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's first
+                first = ticks.cell_lanes(cell, s.paired)[:1]
+                lane0 = int(bool(acts) and (not s.paired or first[0][0] == 0))
                 acts.insert(lane0, Task("H", heads[t], -1))
             tasks.extend(acts)
         rows.append(tasks)
@@ -799,9 +800,8 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
             begin = list(clock)
             done = list(clock)
             for d in range(p):
-                cell = s.grid[d][t]
-                for a in cell_actions(cell):
-                    if not s.paired or (a.kind == "F") == (lane == 0):
+                for at, a in ticks.cell_lanes(s.grid[d][t], s.paired):
+                    if at == lane or not s.paired:
                         done[d] = _place_action(tl, plan, costs, link, d, s.task(d, a),
                                                 done[d], starts, ends, held)
             # Synchronous collectives (a CPU) cannot run under the action: the permute

@@ -37,32 +37,3 @@ def remat_block(block: Callable, name: str) -> Callable:
     if policy is None:
         return block
     return jax.checkpoint(block, policy=policy)
-
-
-def remat_block_in_order(block: Callable, name: str) -> Callable:
-    """`remat_block` for unrolled layers: under `full`, each block's backward recomputes its
-    forward only once its output gradient exists.
-
-    In a scan the loop orders the recomputes; unrolled (the last microbatch with in-backward
-    gradient buckets), `jax.checkpoint`'s recompute depends only on the block's input, so XLA
-    may schedule every layer's recompute ahead of the backward and hold all their
-    activations at once, which is what `full` is chosen to avoid. Here the recompute reads
-    the input through an optimization barrier that also takes the output gradient. Other
-    policies are `remat_block`'s. `block(params, x)`.
-    """
-    if name != "full":
-        return remat_block(block, name)
-
-    @jax.custom_vjp
-    def run(params, x):
-        return block(params, x)
-
-    def forward(params, x):
-        return block(params, x), (params, x)
-
-    def backward(saved, ct):
-        params, x, ct = jax.lax.optimization_barrier((*saved, ct))
-        return jax.vjp(block, params, x)[1](ct)
-
-    run.defvjp(forward, backward)
-    return run

@@ -758,8 +758,9 @@ class _TickLoop:
         # filing switch's branches (and the scan's carry) agree.
         res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(ctx.zeros_btd))), res0)
         # Per lane, the branches its table column takes, and whether any of them adds to the
-        # gradients (a paired schedule's forward lane does not: its switches then neither take
-        # nor return the accumulators, which XLA would otherwise copy in every branch).
+        # gradients (a paired lane of only F's does not: its switches then neither take nor
+        # return the accumulators, which XLA would otherwise copy in every branch). A W runs
+        # in whichever lane its pair puts it: lane 0 of a zero-bubble table then adds too.
         fills = {name: program.fills(name) for name in res0}
         adds = [False] + [b.kind != "F" for b in program.branches]
         self.lanes = []
@@ -925,7 +926,8 @@ class _TickLoop:
         return _ring(out, down_pairs, self.zeros), _ring(out, up_pairs, self.zeros), out
 
     def paired_tick(self, carry, rows_now_next):
-        # Lane 0 runs the forward, lane 1 the backward, each as a skewed half-tick: what
+        # Lane 0 runs the forward (or a W), lane 1 the backward (B or W), each as a skewed
+        # half-tick (a W sends nothing: its lane's output is zeros, filed in `trash`): what
         # the other lane produced last is sent before this lane's action and filed after
         # it, just before the other lane runs again. So the backward's output (tick t-1)
         # travels under tick t's forward and the forward's under tick t's backward; neither

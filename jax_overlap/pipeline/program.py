@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap
+from jax_overlap.pipeline.ticks import cell_lanes
 from jax_overlap.pipeline.validate import validate
 
 IDLE = 0  # branch 0 of every program
@@ -60,8 +61,8 @@ class TickProgram:
       branches: the `Branch` of branch 1, 2, ...; branch 0 is idle.
       table: int32 `(ticks, stages, lanes, len(FIELDS))`; unused slot columns hold `trash`.
         One lane per action a stage runs in a tick: 1, or 2 for a paired schedule (lane 0
-        the forward, lane 1 the backward, B or W). A lane's `file_*` columns say where the
-        arrivals sent by the neighbours' same lane go.
+        a pair's first action, F or W; lane 1 its second, B or W). A lane's `file_*`
+        columns say where the arrivals sent by the neighbours' same lane go.
       slots: stash slots per stage; the pool has `slots + 1` entries, the last (`trash`)
         absorbs writes of arrivals that carry nothing.
       down_pairs: `(src, dst)` pairs of the +1 ring that carry data at some tick.
@@ -234,9 +235,17 @@ def _messages(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = Fals
 
 
 def lane_of(kind: str, schedule: Schedule) -> int:
-    """The lane an action runs in: paired programs run forwards in lane 0 and backwards
-    (B, W) in lane 1; unpaired ones have the one lane."""
+    """The lane an action that sends runs in: paired tables run forwards in lane 0 and B's in
+    lane 1 (a W, which sends nothing, runs in its pair position: see `action_lanes`); unpaired
+    ones have the one lane."""
     return int(schedule.paired and kind != "F")
+
+
+def action_lanes(schedule: Schedule) -> dict[tuple[int, Any], int]:
+    """(stage, action) -> the lane it runs in: a pair's first action (F or W) in lane 0, its
+    second (B or W) in lane 1; a lone action in `lane_of`'s."""
+    return {(d, a): lane for d, row in enumerate(schedule.grid) for cell in row
+            for lane, a in cell_lanes(cell, schedule.paired)}
 
 
 def _residual_lifetimes(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = False
@@ -324,8 +333,9 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
     table = np.full((s.ticks, p, lanes, len(FIELDS)), trash, np.int32)
     table[..., [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
                 COL["e_slot"], COL["z_slot"], COL["head_mb"]]] = 0  # idle
+    lane_at = action_lanes(s)
     for (d, a), role in roles.items():
-        entry = table[tick_of[s.task(d, a)], d, lane_of(a.kind, s)]
+        entry = table[tick_of[s.task(d, a)], d, lane_at[(d, a)]]
         vs = s.virtual_stage(d, a.chunk)
         entry[COL["branch"]] = branch_id[branch_of[(d, a)]]
         entry[COL["microbatch"]], entry[COL["chunk"]] = a.microbatch, a.chunk

@@ -90,17 +90,21 @@ class Task(NamedTuple):
 
 
 class Pair(NamedTuple):
-    """A paired tick's entry: one forward and one backward action (``B`` or ``W``) of
-    different (microbatch, chunk)s, run by one stage in the same tick, forward first.
+    """A paired tick's entry: two actions of different (microbatch, chunk)s that one stage
+    runs in the same tick, in two lanes: ``forward`` in lane 0 (an ``F``, or a ``W``),
+    then ``backward`` in lane 1 (a ``B``, or a ``W``). Lanes are positions: a W runs in
+    whichever lane it is placed in, so ``F+B``, ``F+W``, ``W+B`` and ``W+W`` ticks exist
+    (``F`` only ever runs in lane 0 and ``B`` in lane 1: their outputs travel on those
+    lanes' rings).
 
-    Pairing is what makes a lockstep tick cost alike on every stage in the steady state
-    (each runs an F and a backward), and it gives each transfer compute to hide under: the
-    forward's output travels while the backward runs, and the backward's while the next
-    tick's forward runs (see ``jax_overlap.pipeline.executor``).
+    Pairing is what makes a tick cost alike on every stage in the steady state (each runs
+    an F and a backward), and it gives each transfer compute to hide under: the forward's
+    output travels while lane 1 runs, and the backward's while the next tick's lane 0 runs
+    (see ``jax_overlap.pipeline.executor``).
 
     Attributes:
-      forward: the ``F`` action.
-      backward: the ``B`` or ``W`` action.
+      forward: lane 0's action: ``F`` or ``W``.
+      backward: lane 1's action: ``B`` or ``W``.
     """
 
     forward: Action
@@ -111,7 +115,8 @@ Cell = Action | Pair | None
 
 
 def cell_actions(cell: Cell) -> tuple[Action, ...]:
-    """The actions of one table entry, in the order a stage runs them (forward first)."""
+    """The actions of one table entry, in the order a stage runs them (a pair's lane 0
+    first)."""
     if cell is None:
         return ()
     if isinstance(cell, Pair):
@@ -202,9 +207,9 @@ def parse_entry(entry: str | None) -> Cell:
         return None
     if isinstance(entry, str) and "+" in entry:
         parts = [parse_entry(e) for e in entry.split("+")]
-        if len(parts) != 2 or parts[0].kind != "F" or parts[1].kind not in ("B", "W"):
-            raise ValueError(f"bad paired entry {entry!r}: expected a forward then a backward, "
-                             f"e.g. 'F3+B1' or 'F3.1+W0.0'")
+        if len(parts) != 2 or parts[0].kind not in ("F", "W") or parts[1].kind not in ("B", "W"):
+            raise ValueError(f"bad paired entry {entry!r}: expected lane 0's F or W then lane "
+                             f"1's B or W, e.g. 'F3+B1', 'F3.1+W0.0' or 'W2+B4'")
         return Pair(parts[0], parts[1])
     match = _ENTRY.fullmatch(entry) if isinstance(entry, str) else None
     if match is None:
@@ -429,6 +434,8 @@ def _list_schedule(
     transfer_latency: int = 1,
     paired: bool = False,
     quorum: float | Sequence[float] = 0.0,
+    fill: bool = False,
+    guard: tuple[dict[str, float], float, float, bool] | None = None,
 ) -> Schedule:
     """Lockstep list scheduling of every task of one training step.
 
@@ -446,6 +453,17 @@ def _list_schedule(
         tick to run pairs; below it every stage runs its best-ranked task alone (a pair
         makes the whole lockstep tick two actions long). A sequence gives one share per
         tick (its last entry for the ticks past its end): see :func:`search_pairings`.
+      fill: with ``paired`` (greedy policies only): lanes are positions, not kinds. Lane 0
+        runs the best ready forward or, without one, the oldest ready ``W``; lane 1 the best
+        ready ``B`` or, without one, the next ready ``W``. So a stage runs ``{F, B}``,
+        ``{F, W}``, ``{W, B}`` or ``{W, W}`` ticks and pending weight gradients fill the
+        slots the critical path leaves free; ``quorum`` is not used.
+      guard: with ``fill``, ``(cost, transfer, share, late)``: the scheduler plays the
+        executor's tick timing (:mod:`jax_overlap.pipeline.ticks`) as it goes, and a ``W``
+        goes in lane 0 ahead of a ready ``B`` only if it delays that ``B`` by at most
+        ``share`` of a ``W`` (it mostly fills the wait for the ``B``'s transfer and the
+        neighbours); with ``late``, only once the stage has run all its forwards (the
+        cool-down, where the ``B`` chain is the critical path).
 
     Returns:
       The schedule table.
@@ -487,6 +505,7 @@ def _list_schedule(
     cursor = [[0] * lanes for _ in range(stages)]
     ready_f: list[list[int]] = [[] for _ in range(stages)]
     ready_o: list[list[int]] = [[] for _ in range(stages)]
+    ready_w: list[list[int]] = [[] for _ in range(stages)]  # fill: the W's, apart
     future: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
     never = 1 << 62
     arrive = [never] * (n_vs * m * 3)
@@ -546,6 +565,18 @@ def _list_schedule(
             return None
         return i
 
+    if guard is not None:
+        g_cost, g_transfer, g_share, g_late = guard
+        g_sec = [action_cost(k, split_backward, g_cost) for k in KINDS]
+        near = [set() for _ in range(stages)]
+        for vs in range(n_vs - 1):
+            a, b = stage_of[vs], stage_of[vs + 1]
+            if a != b:
+                near[a].add(b)
+                near[b].add(a)
+        near_l = [sorted(x) for x in near]
+        clock = [0.0] * stages
+        forwards_left = [sum(tid % 3 == 0 for tid in row) for row in order]
     tick, stalled = 0, 0
     while remaining:
         chosen: list[tuple[int, ...]] = []
@@ -559,10 +590,22 @@ def _list_schedule(
                 fut = future[d]
                 while fut and fut[0][0] <= tick:
                     i = heapq.heappop(fut)[1]
-                    heapq.heappush(ready_f[d] if order[d][i] % 3 == 0 else ready_o[d], i)
+                    k = order[d][i] % 3
+                    heapq.heappush(ready_f[d] if k == 0 else
+                                   ready_w[d] if fill and k == 2 else ready_o[d], i)
                 f = ready_f[d][0] if ready_f[d] and held[d] < caps[d] else None
                 o = ready_o[d][0] if ready_o[d] else None
-                if paired:  # one forward and one backward per tick, forward first
+                if fill:  # lane 0: F, else the oldest W; lane 1: B, else the next W
+                    ws = heapq.nsmallest(2, ready_w[d]) if f is None or o is None else []
+                    first = f if f is not None else (ws.pop(0) if ws else None)
+                    second = o if o is not None else (ws[0] if ws else None)
+                    if (guard is not None and f is None and o is not None and first is not None
+                            and (not g_late or not forwards_left[d])):
+                        meet = max([clock[d]] + [clock[e] for e in near_l[d]]) + g_transfer
+                        if clock[d] + g_sec[2] - meet > g_share * g_sec[2]:
+                            first = None  # the W would hold up the B: lane 0 waits instead
+                    picks = tuple(i for i in (first, second) if i is not None)
+                elif paired:  # one forward and one backward per tick, forward first
                     picks = (f, o) if f is not None and o is not None else (
                         (f,) if f is not None else (o,) if o is not None else ())
                 elif f is None:
@@ -571,7 +614,7 @@ def _list_schedule(
                     picks = (f,) if o is None or f < o else (o,)
             chosen.append(picks)
         share = quorum if isinstance(quorum, (int, float)) else quorum[min(tick, len(quorum) - 1)]
-        if paired and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
+        if paired and not fill and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
             # Too few stages can pair: a pair would make the whole lockstep tick two actions
             # long while most stages run one. Each stage runs its better-ranked task instead.
             chosen = [(min(c),) if len(c) == 2 else c for c in chosen]
@@ -589,12 +632,25 @@ def _list_schedule(
                 if in_order:
                     cursor[d][lane_of[kind]] += 1
                 else:
-                    heapq.heappop(ready_f[d] if kind == 0 else ready_o[d])
+                    heapq.heappop(ready_f[d] if kind == 0 else
+                                  ready_w[d] if fill and kind == 2 else ready_o[d])
                 finish(tid, tick)
                 held[d] += (kind == 0) - (kind == release)
                 cell.append(action(tid))
             remaining -= len(picks)
             rows[d].append(cell[0] if len(cell) == 1 else Pair(*cell))
+        if guard is not None:  # the executor's clocks: ticks.lane_meet's rule, inlined
+            work = ([0.0] * stages, [0.0] * stages)
+            for d, picks in enumerate(chosen):
+                for j, i in enumerate(picks):
+                    kind = order[d][i] % 3
+                    work[j if len(picks) == 2 else int(kind != 0)][d] += g_sec[kind]
+                    forwards_left[d] -= kind == 0
+            for lane_work in work:
+                begin = clock
+                clock = [max(begin[d] + lane_work[d],
+                             max([begin[d]] + [begin[e] for e in near_l[d]]) + g_transfer)
+                         if near_l[d] else begin[d] + lane_work[d] for d in range(stages)]
         tick += 1
     return Schedule(
         name=name,
@@ -972,9 +1028,11 @@ def make_schedule(
       transfer_latency: ticks between stages, 1 or 2 (2: the executor hides every
         transfer under the next tick's compute); interleaved then needs ``m`` to be a
         multiple of ``2p``.
-      paired: paired F+B ticks (:class:`Pair`), capped at twice the unpaired table's
+      paired: paired ticks (:class:`Pair`), capped at twice the unpaired table's
         per-stage activation peak; 1 is the only latency pairs take: each transfer hides
-        under the tick's other action instead.
+        under the tick's other action instead. For zb-h1 and zb-v the filled table (lanes
+        as positions, :func:`filled_schedule`) is chosen where the executor runs it faster
+        at `cost` and `transfer` (none without one).
       cost: F/B/W times the paired generator balances lockstep ticks for (default equal).
       search: paired only: steps of :func:`search_pairings` from the best pairing quorum's
         table (0: that table).
@@ -1017,11 +1075,21 @@ def make_schedule(
                                               1, True, these, q), these, q))
                 except RuntimeError:  # a tighter cap can deadlock the greedy
                     continue
-        table, caps, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
+        table, caps2, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
         if search:
-            return search_pairings(base.name, stages, microbatches, virtual_stages, caps, cost,
-                                   quorum, search, transfer=transfer)
-        return table
+            table = search_pairings(base.name, stages, microbatches, virtual_stages, caps2, cost,
+                                    quorum, search, transfer=transfer)
+        if base.name not in FILLED:
+            return table
+        # Lanes as positions (W's in either lane): if better at these costs as the executor
+        # runs it (ring neighbours wait for each other, one transfer per lane; none without
+        # `transfer`), it wins.
+        timed = 0.0 if transfer is None else transfer
+        filled = filled_schedule(base.name, stages, microbatches, caps, cost, timed)
+        # Ties (e.g. F = B = W without a transfer) keep the table that wastes least in global
+        # lockstep, the one chosen so far.
+        return min([table, *filled[:1]], key=lambda t: (*_pairing_key(t, cost, timed)[:1],
+                                                        *_pairing_key(t, cost)))
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -1096,6 +1164,87 @@ def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: i
         return interleaved(stages, microbatches, virtual_stages, lat, paired, caps, quorum)
     builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-v": zb_v}[key]
     return builder(stages, microbatches, lat, paired, caps, quorum)
+
+
+# Schedules with a filled paired table (`_filled`): lanes are positions, W's fill free slots.
+FILLED: tuple[str, ...] = ("zb-h1", "zb-v")
+# (share, late) guards `make_schedule` tries for a filled table (see `_list_schedule`'s
+# `guard`); None: no guard. At the zero-bubble paper's costs no one setting is best on every
+# row (ZB-H1 at p = 8 likes the guard everywhere, ZB-V at p = 24 only in the cool-down).
+FILL_GUARDS: tuple[tuple[float, bool] | None, ...] = (None, (0.0, False), (0.5, False),
+                                                      (0.5, True))
+
+
+def _fill_guards(cost: dict[str, float] | None, transfer: float):
+    """`_list_schedule` guards for :data:`FILL_GUARDS` at these costs."""
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    return [None if g is None else (cost, transfer, g[0], g[1]) for g in FILL_GUARDS]
+
+
+def filled_schedule(name: str, stages: int, microbatches: int, caps: Sequence[int] | None,
+                    cost: dict[str, float] | None = None,
+                    transfer: float = 0.0) -> list[Schedule]:
+    """The best filled paired table (lanes as positions, see `_filled`) at these costs.
+
+    Args:
+      name: ``zb-h1`` or ``zb-v``.
+      stages, microbatches: ``p``, ``m``.
+      caps: per-stage activation caps; None: twice the unpaired table's peak per stage (what
+        ``make_schedule(paired=True)`` uses).
+      cost: F/B/W times (default equal).
+      transfer: one stage-to-stage transfer's time.
+
+    Returns:
+      ``[table]``, the least executed bubble (:func:`executed_bubble`) of the
+      :data:`FILL_GUARDS` tables, or ``[]`` if every one deadlocks.
+    """
+    if caps is None:
+        v = 2 if name == "zb-v" else 1
+        base = make_schedule(name, stages, microbatches, v)
+        caps = [min(2 * peak, microbatches * v) for peak in peak_activations(base)]
+    tables = []
+    for guard in _fill_guards(cost, transfer):
+        try:
+            tables.append(_filled(name, stages, microbatches, caps, guard))
+        except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
+            continue
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    return sorted(tables, key=lambda t: round(executed_bubble(t, cost, transfer), 9))[:1]
+
+
+def _filled(key: str, stages: int, microbatches: int, caps: Sequence[int],
+            guard: tuple | None) -> Schedule:
+    """A paired ZB-H1 / ZB-V table whose lanes are positions (``_list_schedule``'s ``fill``).
+
+    Greedy with the schedule's priorities (``B`` first, then ``F``, then ``W``; older
+    microbatches, for ZB-V later virtual stages first), the forwards held to `caps`
+    activations per stage. A stage runs ``{F, B}`` in the steady state and the delayed
+    ``W``'s fill the free lane of the other ticks, so every stage does the same work between
+    transfers; the ramps fill with pending ``W``'s as ZB-H1 and ZB-V do.
+
+    Args:
+      key: ``zb-h1`` or ``zb-v``.
+      stages, microbatches: ``p``, ``m``.
+      caps: per-stage activation caps ((microbatch, chunk)s held from F to W).
+      guard: ``_list_schedule``'s ``guard``, or None.
+
+    Returns:
+      The table.
+
+    Raises:
+      RuntimeError: if the greedy deadlocks.
+    """
+    if key == "zb-h1":
+        policy = _Policy(priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch),
+                         cap=lambda d: caps[d])
+        placement = linear_placement(stages)
+    else:
+        policy = _Policy(priority=lambda t, d: (_KIND_RANK[t.kind], t.microbatch,
+                                                -t.virtual_stage),
+                         cap=lambda d: caps[d])
+        placement = v_placement(stages)
+    return _list_schedule(key, stages, microbatches, placement, True, policy, 1, True, 0.0,
+                          True, guard)
 
 
 def _pairing_key(schedule: Schedule, cost: dict[str, float] | None,

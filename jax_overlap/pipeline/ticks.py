@@ -1,8 +1,8 @@
 """How long the executor takes to run a schedule table when actions cost F, B, W and a
 stage-to-stage transfer costs C: the tick timing the simulator's ``timing="ticks"`` plays.
 
-The executor is a loop over ticks; in a tick each stage runs its entry (a paired entry: the
-forward lane, then the backward lane) and the stages exchange activations and gradients with
+The executor is a loop over ticks; in a tick each stage runs its entry (a paired entry: lane 0,
+an F or a W, then lane 1, a B or a W) and the stages exchange activations and gradients with
 permutes on the +1 / -1 rings. A permute completes on a stage once the stage it sends to and
 the stage it receives from have both reached it:
 
@@ -40,8 +40,19 @@ def _cell_actions(cell: Any) -> tuple:
 
 
 def lane_of(kind: str, paired: bool) -> int:
-    """The lane an action runs in: paired tables run forwards in lane 0 and B / W in lane 1."""
+    """The lane a single (unpaired) action runs in: in a paired table a lone forward runs in
+    lane 0, a lone B or W in lane 1."""
     return int(paired and kind != "F")
+
+
+def cell_lanes(cell: Any, paired: bool) -> tuple[tuple[int, Any], ...]:
+    """A table entry's ``(lane, action)``s. A pair's actions run in their positions: the first
+    (``F`` or ``W``) in lane 0, the second (``B`` or ``W``) in lane 1; a lone action in
+    :func:`lane_of`'s lane."""
+    acts = _cell_actions(cell)
+    if len(acts) == 2:
+        return ((0, acts[0]), (1, acts[1]))
+    return tuple((lane_of(a.kind, paired), a) for a in acts)
 
 
 def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
@@ -64,18 +75,19 @@ def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     stage_of = [pos[0] for pos in s.placement]
     out = [[set() for _ in range(s.stages)] for _ in range(lanes)]
     seen = set()
-    for d, _, a in s.actions():
-        key = (d, a.kind, a.chunk)
-        if key in seen:
-            continue
-        seen.add(key)
-        vs = s.virtual_stage(d, a.chunk)
-        target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
-        if target is None or not 0 <= target < n_vs or stage_of[target] == d:
-            continue
-        lane = lane_of(a.kind, s.paired)
-        out[lane][d].add(stage_of[target])
-        out[lane][stage_of[target]].add(d)
+    for d, row in enumerate(s.grid):
+        for cell in row:
+            for lane, a in cell_lanes(cell, s.paired):
+                key = (d, lane, a.kind, a.chunk)
+                if key in seen:
+                    continue
+                seen.add(key)
+                vs = s.virtual_stage(d, a.chunk)
+                target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
+                if target is None or not 0 <= target < n_vs or stage_of[target] == d:
+                    continue
+                out[lane][d].add(stage_of[target])
+                out[lane][stage_of[target]].add(d)
     return tuple(tuple(frozenset(x) for x in lane) for lane in out)
 
 
@@ -135,19 +147,32 @@ def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
     skew = skewed(s)
     lanes = len(near)
     seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
-    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane.
+    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane
+    # (`cell_lanes`, unrolled: this runs over every entry of tables with millions).
     work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
     for d, row in enumerate(s.grid):
+        first, second = work[0][d], work[-1][d]
         for t, cell in enumerate(row):
-            for a in _cell_actions(cell):
-                work[lane_of(a.kind, s.paired)][d][t] += seconds[a.kind]
+            if cell is None:
+                continue
+            if len(cell) == 2:  # a pair: its positions are its lanes
+                first[t] += seconds[cell[0][0]]
+                second[t] += seconds[cell[1][0]]
+            else:
+                (first if cell[0] == "F" else second)[t] += seconds[cell[0]]
+    by_tick = [list(zip(*lane)) for lane in work]  # [lane][tick][stage]
+    # `lane_meet`'s rule, unrolled for speed: per stage, itself and its partners.
+    groups = [[(d, *sorted(near[lane][d])) if near[lane][d] else None
+               for d in range(s.stages)] for lane in range(lanes)]
     clock = [0.0] * s.stages
     stages = range(s.stages)
     for t in range(s.ticks):
         for lane in range(lanes):
-            done = [clock[d] + work[lane][d][t] for d in stages]
-            meet = lane_meet(clock, done, near[lane], transfer, skew)
-            clock = [done[d] if meet[d] is None else max(done[d], meet[d]) for d in stages]
+            w, group = by_tick[lane][t], groups[lane]
+            done = [clock[d] + w[d] for d in stages]
+            ref = clock if skew else done
+            clock = [done[d] if g is None else max(done[d], max([ref[e] for e in g]) + transfer)
+                     for d, g in zip(stages, group)]
     return clock
 
 

@@ -139,18 +139,20 @@ def validate(schedule: Schedule) -> None:
 
 
 def _pair_error(s: Schedule, cell) -> str | None:
-    """Why a paired entry is not a forward then a backward of another (microbatch, chunk)."""
+    """Why a paired entry is not a first-lane action (``F`` or ``W``) then a second-lane one
+    (``B`` or ``W``) of another (microbatch, chunk)."""
     if not isinstance(cell, Pair):
         return None
     fwd, bwd = cell
     if not (isinstance(fwd, Action) and isinstance(bwd, Action)):
         return f"pair {cell!r} does not hold two Actions"
     spelled = format_entry(cell, max(s.virtual_stages, 2 if fwd.chunk or bwd.chunk else 1))
-    if fwd.kind != "F" or bwd.kind not in ("B", "W"):
-        return f"pair {spelled} must be a forward then a backward (B or W)"
+    if fwd.kind not in ("F", "W") or bwd.kind not in ("B", "W"):
+        return (f"pair {spelled} must be a forward or W then a B or W (lane 0 runs F or W, "
+                f"lane 1 B or W)")
     if (fwd.microbatch, fwd.chunk) == (bwd.microbatch, bwd.chunk):
-        return (f"pair {spelled} runs the forward and the backward of one (microbatch, chunk) "
-                f"in one tick; the backward needs the forward at an earlier tick")
+        return (f"pair {spelled} runs two actions of one (microbatch, chunk) in one tick; "
+                f"each needs the one before it at an earlier tick")
     return None
 
 

@@ -23,7 +23,7 @@ from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec, microbatched
-from jax_overlap.parallel.remat import remat_block, remat_block_in_order
+from jax_overlap.parallel.remat import remat_block
 
 
 def tree_zeros_like(tree):
@@ -107,8 +107,6 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     layout = plan.layout
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
-    # The last microbatch's layers, unrolled for the buckets: recomputed in backward order.
-    unrolled_block = remat_block_in_order(lambda p, x: model.block(p, x, par), plan.remat)
     if layout.fsdp is not None:
         # Weight matrices travel in the compute dtype (the model casts them to it anyway).
         low = None if par.compute_dtype == jnp.float32 else par.compute_dtype
@@ -161,7 +159,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
         loss_last, grads = _bucketed_last_microbatch(
-            model, par, unrolled_block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
+            model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
             ov.grad_comm_dtype)
         if fsdp_whole:  # FSDP block leaves stored whole: summed over dp after the backward
             leaves, treedef = jax.tree.flatten(grads)
