@@ -182,12 +182,14 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int
     outputs back, (E/ep, ep N, D) -> (E, N, D).
 
     The chunks are software-pipelined: stage i runs chunk i's GEMMs beside chunk i+1's
-    dispatch and chunk i-1's combine, and an optimization barrier closes each stage, so the
-    latency-hiding scheduler finds each stage's two all-to-alls with only that stage's GEMMs
-    to go under (left alone it ran each chunk's dispatch -> GEMMs -> combine nearly in order
-    in a forward). Only chunk 0's dispatch and the last chunk's combine are outside a stage,
-    and those two chunks are the smallest (`chunk_bounds`).
-    The barriers' transposes give the backward the mirrored stages.
+    dispatch and chunk i-1's combine, and an optimization barrier closes each stage (what
+    follows waits for all three), so XLA's latency-hiding scheduler finds GEMMs of the same
+    stage to put under each all-to-all; left alone it ran each chunk's dispatch -> GEMMs ->
+    combine nearly in order in a forward. (A dispatch's input is ready from the start, so the
+    scheduler may still start one a stage early.) Only chunk 0's dispatch and the last
+    chunk's combine are outside a stage, and those two chunks are the smallest
+    (`chunk_bounds`). The barriers' transposes give the backward the mirrored stages.
+    Measured: docs/results.md, "All-to-alls under GEMMs".
     """
     ep, dp = spec.ep, axis_size(DP)
     a2a, gather = ep_groups(dp, ep)
