@@ -4,7 +4,7 @@ on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mes
 
 Default run: tiny meshes with drops, shared experts and dense layers between the MoE
 ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP over dp4, which stores
-the statistics leaf whole; ep2 x tp2 with in-backward buckets). `make test-slow`:
+the statistics leaf whole; ep2 x tp2 with ZeRO-1 and in-backward buckets). `make test-slow`:
 pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
 remat, dropless, configs/moe_tiny.yaml learning with balanced experts, and a checkpoint
 saved with ep2 + FSDP resuming with ep1.
@@ -94,15 +94,14 @@ DEFAULT = [
     # stage runs beside the next chunk's dispatch and the previous one's combine.
     ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3"]),
     # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
-    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1.
-    ("dropless", 2, 1, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
+    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1. At tp2 the buckets mark
+    # the router weight tp-varying and reduce the statistics over (dp, tp): each tp rank
+    # gives half (the counts came out doubled).
+    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
     # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
                         "overlap.grad_bucket_mb=0.01"]),
-    # In-backward buckets at tp2 mark the router weight tp-varying and reduce the statistics
-    # over (dp, tp): each tp rank gives half (the counts came out doubled).
-    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.grad_bucket_mb=0.01"]),
 ]
 
 
