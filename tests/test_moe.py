@@ -325,3 +325,9 @@ def test_memory_estimate_stores_experts_split_over_dp():
     whole = memory.plan_step_memory(m, cfg.train.precision, dataclasses.replace(plan, ep=1))
     assert whole.state - parts.state == pytest.approx(16 * m.layers * routed * (1 - 1 / 8))
     assert preflight.device_step_parts(m, cfg.train, plan)["state"] == parts.state
+    # Under FSDP the routed experts stay out of the gathered window preflight counts.
+    fsdp = ParallelPlan.build(config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"]))
+    gathered = (fsdp.overlap.window + 1) * 4 / fsdp.tp
+    comm_ep = preflight.device_step_parts(m, cfg.train, fsdp)["comm"]
+    comm_no = preflight.device_step_parts(m, cfg.train, dataclasses.replace(fsdp, ep=1))["comm"]
+    assert fsdp.overlap.fsdp and comm_no - comm_ep == pytest.approx(gathered * routed)
