@@ -10,12 +10,10 @@ the plan (or plain values from it) and never look at the config's parallel secti
 
 Knobs left at `auto` are chosen here for the target the step runs on (`Target`): with tp > 1
 on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two), and
-together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows and the remat
-policy that recomputes least (`REMAT_ORDER`) with the estimated step
-(`hardware.memory`) within `MEMORY_BUDGET` of the device's memory; on a CPU, where every
-collective is synchronous and wall time follows total work, plain TP, no extra microbatches
-and no recompute. `ParallelPlan.choices` says
-what was picked and why; `resolved_config` writes the choices back into the config (the run's
+together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows with the estimated
+step (`hardware.memory`, remat `full`: `GPU_REMAT_WHY`) within `MEMORY_BUDGET` of the device's
+memory; on a CPU, where every collective is synchronous and wall time follows total work, plain
+TP, no extra microbatches and no recompute. `ParallelPlan.choices` says what was picked and why; `resolved_config` writes the choices back into the config (the run's
 config.json holds them).
 """
 
@@ -54,9 +52,11 @@ MEMORY_BUDGET = 0.8
 # about 0.8 of a pp = 1 step's under `full`, 1.5 under `none`).
 CPU_PIPELINE_REMAT_WHY = ("CPU pipeline: stashing each block's input and recomputing costs "
                           "less work than moving every residual through the stash slots")
-# `model.remat` policies by how much of the forward the backward recomputes, least first:
-# `auto` takes the first whose estimated step fits.
-REMAT_ORDER = ("none", "save_dots", "minimal", "full")
+# Why `model.remat: auto` recomputes on a GPU even where keeping every residual would fit.
+GPU_REMAT_WHY = ("GPU: stashing only each block's input and recomputing is faster than moving "
+                 "every residual through memory (deviceless 8 x H100, estimated step: GPT-1.3B "
+                 "dp8 m 8 1.27 s under none, 1.11 s under full; dp2 x tp4 2.23 -> 2.19 s; "
+                 "pp4 x dp2 paired 1F1B 3.24 -> 1.43 s)")
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
 XLA_REMAT_PASS = "rematerialization"
 # Model kinds `hardware.memory` estimates (transformers; GPT-calibrated).
@@ -1010,9 +1010,11 @@ def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
     if not target.accelerator and cfg.mesh.pp > 1:
         return ("full",)  # see CPU_PIPELINE_REMAT_WHY
     if target.accelerator and cfg.model.kind in ESTIMATED_KINDS:
-        # A pipeline's F files its residuals into stash slots that every tick reads and
-        # writes: stashing only each block's input costs less than the recompute it saves.
-        return ("full",) if cfg.mesh.pp > 1 else REMAT_ORDER
+        # Kept residuals travel through memory: a pipeline's F files them into stash slots
+        # that every tick reads and writes, and the pp = 1 layer scan stacks them with
+        # dynamic-update-slices and copies. Stashing only each block's input and recomputing
+        # costs less on both (GPU_REMAT_WHY).
+        return ("full",)
     return ("none",)
 
 
@@ -1068,17 +1070,14 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
             and chosen is not None), need
 
 
-def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target,
-               pipelined: bool = False) -> str:
+def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target) -> str:
     """Why auto took `remat`: its estimate against the budget, and what the policies that
     recompute less were estimated to need."""
     budget = (f" (budget {MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB)"
               if target.memory_bytes else "")
     lead = ("nothing recomputed" if remat == "none" else "the least recompute that fits")
-    if pipelined and remat == "full":
-        lead = ("pipelined on a GPU: each tick moves the stashed residuals, so stashing only "
-                "each block's input is fastest (GPT-1.3B pp4 x dp2 paired 1F1B, estimated step "
-                "3.24 s under none, 1.43 s under full)")
+    if remat == "full" and target.accelerator and "none" not in tried:
+        lead = GPU_REMAT_WHY
     why = f"{lead}: ~{need / 1e9:.0f} GB per device estimated{budget}"
     over = [f"{r} ~{b / 1e9:.0f} GB" for r, b in tried.items() if r != remat]
     return why + (f"; over it: {', '.join(over)}" if over else "")
@@ -1089,8 +1088,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                           ) -> tuple[int, str]:
     """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
     kept): on a GPU the fewest microbatches whose GEMMs stay within `MICROBATCH_TOKENS` rows
-    and, for that count, the policy that recomputes least (`REMAT_ORDER`) whose estimated
-    step fits (`fits_memory`); on a CPU the fewest microbatches and no recompute but in a
+    and whose estimated step fits (`fits_memory`) under the candidate policies
+    (`_remat_candidates`: an explicit one, else `full`); on a CPU the fewest microbatches and no recompute but in a
     pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
     m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
     remats = _remat_candidates(cfg, target)
@@ -1120,7 +1119,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                                                     f"still not fit the device's memory")
             return "full"
         choices["model.remat"] = Choice(remat,
-                                        _remat_why(remat, need, tried, target, m.pp > 1))
+                                        _remat_why(remat, need, tried, target))
         return remat
 
     if pl.microbatches != "auto":
@@ -1160,7 +1159,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                 return n, pick_remat(n)
             if auto_remat:
                 choices["model.remat"] = Choice(
-                    remat, _remat_why(remat, need, tried, target, m.pp > 1))
+                    remat, _remat_why(remat, need, tried, target))
             return n, remat
     n = valid[-1]
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "
