@@ -32,9 +32,11 @@ class MeshConfig:
     # joined by a slow link. The batch is split over (dcn, dp); gradients are reduced over dp
     # first, so only 1/dp of them crosses dcn (docs/guides/slow_links.md).
     dcn: int = 1
-    # Expert parallelism (model.experts > 0): each group of ep consecutive dp ranks splits the
-    # experts among itself, tokens travelling to their experts and back with all-to-alls
-    # inside the group; must divide dp and model.experts.
+    # Expert parallelism (model.experts > 0): the routed experts are stored split over dp
+    # (each rank holds experts/dp of them, with their gradients and optimizer state); ep
+    # slots of dp/ep consecutive ranks each serve experts/ep, gathered from the slot's ranks.
+    # Tokens travel to their experts and back by all-to-alls among ep ranks, one per slot.
+    # Must divide dp; model.experts must be divisible by dp.
     ep: int = 1
     # Per-device bandwidth of the slow link in Gb/s: what the plan's slow-axis decisions and
     # the exposed-time estimate in metrics.jsonl assume.
@@ -204,8 +206,10 @@ class OverlapConfig:
     # dp > 1 where a replica's step does not fit without it; off on a CPU.
     zero1: bool | Literal["auto"] = "auto"
     # Expert parallelism (mesh.ep > 1): each MoE layer sends its tokens in this many chunks,
-    # so chunk i's all-to-all can run under chunk i-1's expert GEMMs (models/moe.py).
-    # auto: 4 on a GPU with ep > 1, else 1.
+    # software-pipelined: chunk i's expert GEMMs run beside chunk i+1's dispatch and chunk
+    # i-1's combine all-to-alls; from 3 chunks the first and the last are half-size, their
+    # all-to-alls having no GEMM of the layer to hide under (models/moe.py).
+    # auto: 6 on a GPU with ep > 1, else 1.
     moe_chunks: int | Literal["auto"] = "auto"
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves dp gradient traffic
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one

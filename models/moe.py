@@ -154,6 +154,22 @@ def ep_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
             [[j * r + i for i in range(r)] for j in range(ep)])
 
 
+def chunk_bounds(n: int, chunks: int) -> list[int]:
+    """Where `chunks` pieces of `n` token slots start and end (empty pieces left out).
+
+    With 3 or more chunks the first and the last are half the size of the others: chunk 0's
+    dispatch and the last chunk's combine have no GEMM of the layer to go under
+    (`expert_parallel`), so they carry the fewest tokens; the middle ones each go under a
+    stage's GEMMs either way.
+    """
+    weights = [1] + [2] * (chunks - 2) + [1] if chunks >= 3 else [1] * chunks
+    total, acc, bounds = sum(weights), 0, [0]
+    for w in weights:
+        acc += w
+        bounds.append(round(acc * n / total))
+    return sorted(set(bounds))
+
+
 def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int = 1):
     """The experts' SwiGLU on their tokens, the experts split over `spec.ep` slots of dp
     ranks (inside the step's shard_map).
@@ -163,8 +179,17 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int
     the gather's transpose reduce-scatters their gradients over the replicas (`ep_groups`).
     Per chunk of the token slots: an all-to-all over the group sends each expert's tokens to
     its slot, (E, N, D) -> (E/ep, ep N, D), the GEMMs run there, and a second one brings the
-    outputs back, (E/ep, ep N, D) -> (E, N, D). The chunks are independent, so XLA can run
-    one's all-to-alls under another's GEMMs.
+    outputs back, (E/ep, ep N, D) -> (E, N, D).
+
+    The chunks are software-pipelined: stage i runs chunk i's GEMMs beside chunk i+1's
+    dispatch and chunk i-1's combine, and an optimization barrier closes each stage (what
+    follows waits for all three), so XLA's latency-hiding scheduler finds GEMMs of the same
+    stage to put under each all-to-all; left alone it ran each chunk's dispatch -> GEMMs ->
+    combine nearly in order in a forward. (A dispatch's input is ready from the start, so the
+    scheduler may still start one a stage early.) Only chunk 0's dispatch and the last
+    chunk's combine are outside a stage, and those two chunks are the smallest
+    (`chunk_bounds`). The barriers' transposes give the backward the mirrored stages.
+    Measured: docs/results.md, "All-to-alls under GEMMs".
     """
     ep, dp = spec.ep, axis_size(DP)
     a2a, gather = ep_groups(dp, ep)
@@ -173,19 +198,28 @@ def expert_parallel(x_end, w_gu_ed2f, w_down_efd, spec: MoeSpec, dt, chunks: int
                                        axis_index_groups=gather)
         w_down_efd = jax.lax.all_gather(w_down_efd, DP, axis=0, tiled=True,
                                         axis_index_groups=gather)
-    n = x_end.shape[1]
-    bounds = [round(i * n / chunks) for i in range(chunks + 1)]
+
+    def send(x_end):  # (E, n, D) -> (E/ep, ep n, D) over the ep group
+        return jax.lax.all_to_all(x_end, DP, 0, 1, tiled=True, axis_index_groups=a2a)
+
+    def back(y_lnd):  # (E/ep, ep n, D) -> (E, n, D) over the ep group
+        return jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=a2a)
+
+    bounds = chunk_bounds(x_end.shape[1], chunks)
+    parts = jax.lax.split(x_end, [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)
+    if len(parts) == 1:
+        return back(swiglu_experts(send(parts[0]), w_gu_ed2f, w_down_efd, dt))
     outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi == lo:
-            continue
-        # (E, n, D) -> (E/ep, ep n, D) over the ep group
-        x_lnd = jax.lax.all_to_all(x_end[:, lo:hi], DP, 0, 1, tiled=True,
-                                   axis_index_groups=a2a)
-        y_lnd = swiglu_experts(x_lnd, w_gu_ed2f, w_down_efd, dt)
-        # (E/ep, ep n, D) -> (E, n, D) over the ep group
-        outs.append(jax.lax.all_to_all(y_lnd, DP, 1, 0, tiled=True, axis_index_groups=a2a))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    recv, y_prev = send(parts[0]), None
+    for i in range(len(parts)):
+        stage = (swiglu_experts(recv, w_gu_ed2f, w_down_efd, dt),  # chunk i's GEMMs
+                 send(parts[i + 1]) if i + 1 < len(parts) else None,
+                 back(y_prev) if y_prev is not None else None)
+        y_prev, recv, done = jax.lax.optimization_barrier(stage)
+        if done is not None:
+            outs.append(done)
+    outs.append(back(y_prev))
+    return jnp.concatenate(outs, axis=1)
 
 
 # The side channel: identity on x, router-loss gradient and statistics in the backward ------
@@ -211,7 +245,13 @@ def _side_bwd(info, residuals, g):
 
 def _as_gradient_of(stats, sink, tp_axis, tp):
     """`stats` (identical on the tp ranks) typed as `sink`'s gradient, so that the step's
-    reductions of it give the sum over the data-parallel devices once."""
+    reductions of it give the sum over the data-parallel devices once.
+
+    The step sums a gradient over every axis its parameter varies over: where `sink` varies
+    over tp (in-backward buckets mark the parameters tp-varying and reduce over (dp, tp)),
+    each tp rank gives its 1/tp share, whether or not `stats` is typed tp-varying (it is
+    when the router weight was marked so, though its value is the same on every tp rank).
+    """
     have, want = varying_axes(stats), varying_axes(sink)
     extra = have - want
     if tp_axis in extra:  # identical on tp ranks: their mean
@@ -219,9 +259,9 @@ def _as_gradient_of(stats, sink, tp_axis, tp):
     rest = tuple(sorted(extra - {tp_axis}))
     if rest:
         stats = jax.lax.psum(stats, rest)
-    missing = tuple(sorted(want - varying_axes(stats)))
-    if tp_axis in missing:
+    if tp_axis is not None and tp_axis in want:  # the step sums the tp ranks' shares
         stats = stats / tp
+    missing = tuple(sorted(want - varying_axes(stats)))
     return to_varying(stats, missing).astype(sink.dtype)
 
 

@@ -2,9 +2,9 @@
 losses' gradients, the statistics the step reports, and the single-device loss and gradients
 on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mesh.
 
-Default run: two tiny meshes with drops, shared experts and dense layers between the MoE
+Default run: tiny meshes with drops, shared experts and dense layers between the MoE
 ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP over dp4, which stores
-the statistics leaf whole). `make test-slow`:
+the statistics leaf whole; ep2 x tp2 with ZeRO-1 and in-backward buckets). `make test-slow`:
 pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
 remat, dropless, configs/moe_tiny.yaml learning with balanced experts, and a checkpoint
 saved with ep2 + FSDP resuming with ep1.
@@ -90,11 +90,14 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 DEFAULT = [
     # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
-    # all-gather the slot's 2 and reduce-scatter their gradients.
-    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=2"]),
+    # all-gather the slot's 2 and reduce-scatter their gradients. 3 chunks: the middle
+    # stage runs beside the next chunk's dispatch and the previous one's combine.
+    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3"]),
     # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
-    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1.
-    ("dropless", 2, 1, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
+    # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1. At tp2 the buckets mark
+    # the router weight tp-varying and reduce the statistics over (dp, tp): each tp rank
+    # gives half (the counts came out doubled).
+    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
     # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
@@ -130,6 +133,17 @@ def test_route_keeps_first_choices_first_and_drops_past_capacity():
     # With identity experts a kept token comes back times its first gate only.
     np.testing.assert_allclose(out[0], np.arange(8.0).reshape(4, 2) * np.asarray(gate[0, :4])[:, None],
                                rtol=1e-6)
+
+
+def test_chunk_bounds_cover_the_slots_with_half_size_ends():
+    # 3+ chunks: the first and the last (whose all-to-alls have no GEMM of the layer to go
+    # under) are half the others.
+    assert moe.chunk_bounds(12, 4) == [0, 2, 6, 10, 12]
+    assert moe.chunk_bounds(20480, 6) == [0, 2048, 6144, 10240, 14336, 18432, 20480]
+    assert moe.chunk_bounds(10, 2) == [0, 5, 10] and moe.chunk_bounds(10, 1) == [0, 10]
+    # more chunks than slots: no empty chunk
+    bounds = moe.chunk_bounds(3, 8)
+    assert bounds[0] == 0 and bounds[-1] == 3 and all(b > a for a, b in zip(bounds, bounds[1:]))
 
 
 def _explicit_router_loss(model, params, batch):
@@ -208,7 +222,8 @@ SWEEP = [
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),
-    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
+    ("dropless", 4, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2",
+                                                                 "overlap.moe_chunks=3"]),
     ("drops", 4, 2, 1, ["mesh.ep=4", "overlap.param_sharding=fsdp",
                         "overlap.tp_comm=sequence_parallel"]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b", paired=True) + ["mesh.ep=2"]),
@@ -296,3 +311,23 @@ def test_memory_estimate_stores_experts_split_over_dp():
     zero1 = memory.step_memory(*args, ep=dp, zero1=True)  # experts' moments not split twice
     other = full.state / 16 - m.layers * routed  # elements of everything else
     assert split.state - zero1.state == pytest.approx(8 * other * (1 - 1 / dp))
+    # The plan carries mesh.ep, so its estimate and preflight's see the split experts.
+    import dataclasses
+
+    from jax_overlap.plan import ParallelPlan
+    from jax_overlap.resilience import preflight
+
+    cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2",
+                                                    "overlap.param_sharding=replicated"])
+    plan = ParallelPlan.build(cfg)
+    assert plan.ep == cfg.mesh.ep == cfg.mesh.dp == 8
+    parts = memory.plan_step_memory(m, cfg.train.precision, plan)
+    whole = memory.plan_step_memory(m, cfg.train.precision, dataclasses.replace(plan, ep=1))
+    assert whole.state - parts.state == pytest.approx(16 * m.layers * routed * (1 - 1 / 8))
+    assert preflight.device_step_parts(m, cfg.train, plan)["state"] == parts.state
+    # Under FSDP the routed experts stay out of the gathered window preflight counts.
+    fsdp = ParallelPlan.build(config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"]))
+    gathered = (fsdp.overlap.window + 1) * 4 / fsdp.tp
+    comm_ep = preflight.device_step_parts(m, cfg.train, fsdp)["comm"]
+    comm_no = preflight.device_step_parts(m, cfg.train, dataclasses.replace(fsdp, ep=1))["comm"]
+    assert fsdp.overlap.fsdp and comm_no - comm_ep == pytest.approx(gathered * routed)

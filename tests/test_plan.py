@@ -44,9 +44,9 @@ def test_auto_moe_chunks_split_the_all_to_alls_on_a_gpu_with_ep_only():
     mixtral = f"{REPO}/configs/mixtral_8x7b.yaml"
     small = ["model.layers=2"]
     gpu = ParallelPlan.build(config.load(mixtral, small), target=H100)
-    assert gpu.overlap.moe_chunks == 4 and gpu.parallel().moe_chunks == 4
+    assert gpu.overlap.moe_chunks == 6 and gpu.parallel().moe_chunks == 6
     assert "all-to-all bytes under GEMMs" in gpu.choices["overlap.moe_chunks"].why
-    assert gpu.resolved_config(config.load(mixtral, small)).overlap.moe_chunks == 4
+    assert gpu.resolved_config(config.load(mixtral, small)).overlap.moe_chunks == 6
     no_ep = ParallelPlan.build(config.load(mixtral, small + ["mesh.ep=1"]), target=H100)
     assert no_ep.overlap.moe_chunks == 1
     assert no_ep.choices["overlap.moe_chunks"].why.startswith("no expert parallelism")

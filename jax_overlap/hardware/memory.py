@@ -365,8 +365,8 @@ def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: st
 
 
 def plan_step_memory(model, precision: str, plan) -> StepMemory:
-    """`step_memory` of a built `ParallelPlan` (its mesh, microbatching, remat policy,
-    attention kernel, TP mode and pipeline program)."""
+    """`step_memory` of a built `ParallelPlan` (its mesh and expert parallelism,
+    microbatching, remat policy, attention kernel, TP mode and pipeline program)."""
     ov = plan.overlap
     program = plan.program
     return step_memory(
@@ -376,4 +376,4 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
         slots=PipelineSlots.of_program(program) if program is not None else None,
         split_backward=plan.split_backward, vocab_parallel=plan.vocab_parallel,
         paired=program is not None and bool(program.schedule.paired),
-        buckets_in_loop=program is not None and ov.buckets_in_loop)
+        buckets_in_loop=program is not None and ov.buckets_in_loop, ep=plan.ep)

@@ -110,7 +110,8 @@ def device_step_parts(model, train, plan) -> dict[str, float]:
       {"state": parameters + gradients + optimizer moments, "activations": what the schedule
       and remat policy keep for the backward plus the logits, "comm": communication buffers}.
     """
-    from jax_overlap.hardware.memory import dtype_bytes, param_elements, plan_step_memory
+    from jax_overlap.hardware.memory import (dtype_bytes, param_elements, plan_step_memory,
+                                             routed_expert_elements)
 
     ov = plan.overlap
     # The plan's own estimate (the one its auto microbatches and remat policy were chosen by).
@@ -120,7 +121,9 @@ def device_step_parts(model, train, plan) -> dict[str, float]:
     _, block = param_elements(model)
     comm = 2.0 * ov.grad_bucket_bytes  # a bucket being filled and one being reduced
     if ov.fsdp:
-        comm += (ov.window + 1) * block / plan.tp * 4  # gathered blocks in flight
+        # gathered blocks in flight (mesh.ep > 1: the routed experts stay out of the window)
+        window = block - (routed_expert_elements(model) if plan.ep > 1 else 0.0)
+        comm += (ov.window + 1) * window / plan.tp * 4
     if plan.pp > 1:
         comm += 2 * tokens * model.d_model * act_bytes * plan.transfer_latency
     return {"state": mem.state, "activations": mem.kept + mem.work, "comm": float(comm)}
