@@ -983,7 +983,9 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
                       slots=slots, split_backward=split, vocab_parallel=vocab_parallel,
                       paired=m.pp > 1 and pl.paired is True,
-                      buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop, ep=m.ep)
+                      buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop,
+                      buckets_in_backward=(m.pp == 1 and overlap.grad_bucket_bytes > 0
+                                           and not overlap.fsdp), ep=m.ep)
 
 
 @functools.lru_cache(maxsize=256)

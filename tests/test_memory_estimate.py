@@ -103,6 +103,25 @@ def test_pp1_minimal_keeps_what_full_keeps():
         memory.layer_token_bytes(mo, 1, "bf16", "full", pipelined=True)
 
 
+
+def test_unrolled_last_microbatch_term():
+    """pp = 1 with buckets in the backward under a recomputing policy: a share of the last
+    microbatch's unrecomputed residuals (GPT-1.3B dp8, 8 x 2048 tokens: XLA 49.9 GiB)."""
+    mo = config.load(GPT_1P3B, []).model
+    args = (mo, 8, 1, 1, 8, "bf16")
+
+    def est(**kw):
+        return memory.step_memory(*args, remat=kw.pop("remat", "full"), attention="fused",
+                                  microbatches=4, **kw)
+
+    extra = est(buckets_in_backward=True).kept - est().kept
+    per_token = memory.layer_token_bytes(mo, 1, "bf16", "none", attention="fused")
+    everything = mo.layers * 8 * mo.seq_len * per_token
+    assert extra == pytest.approx(memory.UNROLLED_RECOMPUTE_SHARE * everything)
+    assert est(buckets_in_backward=True, remat="none").kept == est(remat="none").kept
+    assert 38 < est(buckets_in_backward=True).total / 2**30 < 45
+
+
 # ------------------------------------------------- GPT-1.3B, deviceless for 8 x H100 (slow)
 
 PLAIN = ["train.global_batch=256", "train.precision=bf16", "overlap.grad_bucket_mb=0",
