@@ -264,8 +264,8 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
         "pipeline.vocab_parallel"].why
     assert not ParallelPlan.build(cfg, target=H100).split_backward  # 1f1b: nothing to split
     huge = config.load(GPT_1P3B, ["model.attention=plain", "pipeline.microbatches=1"])
-    plan = ParallelPlan.build(huge, target=H100)  # 32 sequences per microbatch
-    assert plan.remat == "full" and "~51 GB per device" in plan.choices["model.remat"].why
+    plan = ParallelPlan.build(huge, target=H100)  # 32 sequences per microbatch, unrolled last
+    assert plan.remat == "full" and "may still not fit" in plan.choices["model.remat"].why
     plan = ParallelPlan.build(huge, target=Target("small", True, 40e9))  # nothing fits
     assert plan.remat == "full" and "may still not fit" in plan.choices["model.remat"].why
 
