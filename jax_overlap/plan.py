@@ -57,6 +57,9 @@ MEMORY_BUDGET = 0.8
 # about 0.8 of a pp = 1 step's under `full`, 1.5 under `none`).
 CPU_PIPELINE_REMAT_WHY = ("CPU pipeline: stashing each block's input and recomputing costs "
                           "less work than moving every residual through the stash slots")
+# `model.remat` policies by how much of the forward the backward recomputes, least first: on a
+# GPU `auto` takes the first whose estimated step fits where no layer scan stacks residuals.
+REMAT_ORDER = ("none", "save_dots", "minimal", "full")
 # Why `model.remat: auto` recomputes on a GPU even where keeping every residual would fit.
 GPU_REMAT_WHY = ("GPU: stashing only each block's input and recomputing is faster than moving "
                  "every residual through memory (deviceless 8 x H100, estimated step: GPT-1.3B "
@@ -1007,11 +1010,13 @@ def fits_memory(need: float, target: Target) -> bool:
     return not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
 
 
-def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
+def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False
+                      ) -> tuple[str, ...]:
     """The policies `model.remat` may take: the explicit one; `auto` on a CPU `none` (there
-    recomputing only adds work) but `full` for a pipeline, on a GPU every policy, least
-    recompute first (`none` for a model the memory estimate does not describe:
-    `ESTIMATED_KINDS`)."""
+    recomputing only adds work) but `full` for a pipeline; on a GPU `full` (`GPU_REMAT_WHY`),
+    but every policy, least recompute first, for a step whose one microbatch runs `unrolled`
+    (`_unrolled`: no layer scan stacks its residuals); `none` for a model the memory estimate
+    does not describe (`ESTIMATED_KINDS`)."""
     if cfg.model.remat != "auto":
         return (cfg.model.remat,)
     if not target.accelerator and cfg.mesh.pp > 1:
@@ -1021,8 +1026,16 @@ def _remat_candidates(cfg: Config, target: Target) -> tuple[str, ...]:
         # that every tick reads and writes, and the pp = 1 layer scan stacks them with
         # dynamic-update-slices and copies. Stashing only each block's input and recomputing
         # costs less on both (GPU_REMAT_WHY).
-        return ("full",)
+        return REMAT_ORDER if unrolled else ("full",)
     return ("none",)
+
+
+def _unrolled(cfg: Config, overlap: OverlapPlan, microbatches: int) -> bool:
+    """Whether the whole step is the last microbatch, run with its layers unrolled for the
+    gradient buckets (`training/grads.py`): one microbatch at pp = 1 with in-backward buckets
+    and no FSDP."""
+    return (cfg.mesh.pp == 1 and microbatches == 1 and overlap.grad_bucket_bytes > 0
+            and not overlap.fsdp)
 
 
 def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
@@ -1073,7 +1086,9 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
     remat = remat or cfg.model.remat
     if attention is None:
         attention = _resolve_attention(cfg, target, {})
-    remats = _remat_candidates(cfg, target) if remat == "auto" else (remat,)
+    per_replica = cfg.train.global_batch // (cfg.mesh.dcn * cfg.mesh.dp)
+    unrolled = _unrolled(cfg, overlap, max(1, per_replica // max(micro_batch, 1)))
+    remats = _remat_candidates(cfg, target, unrolled) if remat == "auto" else (remat,)
     chosen, need, _ = _cheapest_remat(cfg, micro_batch, overlap, target, attention, remats)
     return (micro_batch * cfg.model.seq_len <= gemm_tokens(cfg, overlap.tp_comm)
             and chosen is not None), need
@@ -1098,12 +1113,14 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
     kept): on a GPU the fewest microbatches whose GEMMs stay within `MICROBATCH_TOKENS` rows
     and whose estimated step fits (`fits_memory`) under the candidate policies
-    (`_remat_candidates`: an explicit one, else `full`); on a CPU the fewest microbatches and no recompute but in a
+    (`_remat_candidates`); on a CPU the fewest microbatches and no recompute but in a
     pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
     m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
-    remats = _remat_candidates(cfg, target)
     auto_remat = mo.remat == "auto"
     per_replica = cfg.train.global_batch // (m.dcn * m.dp)
+
+    def remats(n: int) -> tuple[str, ...]:
+        return _remat_candidates(cfg, target, _unrolled(cfg, overlap, n))
 
     def pick_remat(n: int) -> str:
         """The remat policy for an explicit (or CPU) microbatch count."""
@@ -1121,7 +1138,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                                                     f"{mo.kind}: nothing recomputed")
             return "none"
         b = max(1, per_replica // n)
-        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats)
+        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats(n))
         if remat is None:
             choices["model.remat"] = Choice("full", f"the least memory: ~{need / 1e9:.0f} GB "
                                                     f"per device estimated; the step may "
@@ -1155,7 +1172,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         b = per_replica // n
         if b * mo.seq_len > tokens:
             continue
-        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats)
+        remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats(n))
         if remat is not None:
             rows = (f"collective-matmul ring steps of {b * mo.seq_len // m.tp} rows"
                     if tokens > MICROBATCH_TOKENS and m.tp > 1
