@@ -13,8 +13,9 @@ on a GPU, collective matmul (bidirectional when the local sequence chunk splits 
 together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows with the estimated
 step (`hardware.memory`, remat `full`: `GPU_REMAT_WHY`) within `MEMORY_BUDGET` of the device's
 memory; on a CPU, where every collective is synchronous and wall time follows total work, plain
-TP, no extra microbatches and no recompute. `ParallelPlan.choices` says what was picked and why; `resolved_config` writes the choices back into the config (the run's
-config.json holds them).
+TP, no extra microbatches and no recompute. `ParallelPlan.choices` says what was picked and
+why; `resolved_config` writes the choices back into the config (the run's config.json holds
+them).
 """
 
 from __future__ import annotations
