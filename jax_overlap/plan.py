@@ -452,7 +452,8 @@ class ParallelPlan:
             raise ConfigError([
                 f"pipeline.vocab_parallel: model {type(model).__name__} does not declare "
                 f"vocab_parallel_head (its head must slice its output layer with "
-                f"collectives.vocab_columns and use vocab_cross_entropy, docs/guides/custom_models.md); "
+                f"collectives.vocab_columns and use vocab_cross_entropy, "
+                f"docs/guides/custom_models.md); "
                 f"set it to false"])
         split = _resolve_stage_layers(cfg, num_layers, schedule, choices, vocab_parallel)
         if m.pp > 1:
@@ -461,7 +462,8 @@ class ParallelPlan:
                    micro_batch=cfg.train.global_batch // (m.dcn * m.dp * microbatches),
                    schedule=schedule, layer_perm=perm, overlap=overlap,
                    compute_dtype=cfg.train.precision, remat=remat, target=target,
-                   choices=choices, stage_layers=split, dcn=m.dcn, ep=m.ep, diloco=_diloco_plan(cfg),
+                   choices=choices, stage_layers=split, dcn=m.dcn, ep=m.ep,
+                   diloco=_diloco_plan(cfg),
                    dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
                    attention=attention)
         plan = dataclasses.replace(plan, split_backward=_resolve_split(cfg, target, schedule,
