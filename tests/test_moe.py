@@ -314,19 +314,19 @@ def test_memory_estimate_stores_experts_split_over_dp():
     # The plan carries mesh.ep, so its estimate and preflight's see the split experts.
     import dataclasses
 
-    from jax_overlap.plan import ParallelPlan
     from jax_overlap.resilience import preflight
+    from jax_overlap.training.assemble import plan_for
 
     cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2",
                                                     "overlap.param_sharding=replicated"])
-    plan = ParallelPlan.build(cfg)
+    plan = plan_for(cfg)
     assert plan.ep == cfg.mesh.ep == cfg.mesh.dp == 8
     parts = memory.plan_step_memory(m, cfg.train.precision, plan)
     whole = memory.plan_step_memory(m, cfg.train.precision, dataclasses.replace(plan, ep=1))
     assert whole.state - parts.state == pytest.approx(16 * m.layers * routed * (1 - 1 / 8))
     assert preflight.device_step_parts(m, cfg.train, plan)["state"] == parts.state
     # Under FSDP the routed experts stay out of the gathered window preflight counts.
-    fsdp = ParallelPlan.build(config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"]))
+    fsdp = plan_for(config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"]))
     gathered = (fsdp.overlap.window + 1) * 4 / fsdp.tp
     comm_ep = preflight.device_step_parts(m, cfg.train, fsdp)["comm"]
     comm_no = preflight.device_step_parts(m, cfg.train, dataclasses.replace(fsdp, ep=1))["comm"]
