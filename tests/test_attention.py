@@ -172,7 +172,8 @@ def test_the_gpu_step_runs_cudnn_flash_attention_and_no_score_tensor():
     cfg = config.load(TINY, ["train.precision=bf16", "model.d_model=128", "model.heads=4",
                              "model.d_ff=256", f"model.seq_len={t}", "mesh.dp=2", "mesh.tp=2",
                              # one code path per microbatch (buckets give the last its own)
-                             "overlap.grad_bucket_mb=0"])
+                             "overlap.grad_bucket_mb=0",
+                             "model.remat=none"])  # one forward kernel (full re-runs it)
     built = analyze.build_plan(cfg, "h100")
     plan = built.plan
     assert plan.attention == "fused"
