@@ -132,8 +132,10 @@ def test_rope_permutation_maps_interleaved_pairs_to_halves():
         layouts.half_to_interleaved(layouts.interleaved_to_half(w_meta, heads), heads), w_meta)
 
 
-def write_hf(tmp_path, name="hf", hf_cfg=None, tensors=None):
-    cfg, params = model_and_params(LLAMA)
+def write_hf(tmp_path, name="hf", hf_cfg=None, tensors=None, model=LLAMA):
+    """An exported HF checkpoint of `model` (a config path), its config.json and tensors
+    edited by `hf_cfg` / `tensors`."""
+    cfg, params = model_and_params(model)
     out = tmp_path / name
     convert.export_params(cfg.model, params, str(out))
     if hf_cfg is not None:
@@ -158,16 +160,7 @@ def wrong_shape(c):
 
 
 def write_mixtral(tmp_path, hf_cfg=None, tensors=None):
-    cfg, params = model_and_params(MIXTRAL)
-    out = tmp_path / "hf"
-    convert.export_params(cfg.model, params, str(out))
-    if hf_cfg is not None:
-        json.dump(hf_cfg(json.load(open(out / "config.json"))), open(out / "config.json", "w"))
-    if tensors is not None:
-        t = tensors(safetensors_io.read_tensors(str(out)))
-        os.remove(out / safetensors_io.SINGLE)
-        safetensors_io.write_tensors(str(out), t)
-    return str(out)
+    return write_hf(tmp_path, hf_cfg=hf_cfg, tensors=tensors, model=MIXTRAL)
 
 
 def sliding(c):
