@@ -787,10 +787,9 @@ AUTO_LATENCY_WHY = ("the transfer of a microbatch's activations between stages (
                     "over {link}) hides under the GEMMs of a tick (~{c:.3g} ms)")
 
 
-# A tick's kernels per layer and each kernel's launch (`analysis/step_estimate.LAUNCH_S`): a
-# small model's tick is launches, not GEMMs, and a transfer is one kernel too.
+# A tick's kernels per layer, each launched in `hardware.machine.KERNEL_LAUNCH_S`: a small
+# model's tick is launches, not GEMMs, and a transfer is one kernel too.
 TICK_KERNELS_PER_LAYER = 20
-KERNEL_LAUNCH_S = 4e-6
 
 
 def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str] | None:
@@ -798,7 +797,8 @@ def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str
     forward: its GEMMs at the chip's peak plus its kernels' launches, the link's name) on a
     GPU the chip table knows; None otherwise. One sequence per microbatch (the GEMMs and the
     transfer grow with its tokens alike)."""
-    from jax_overlap.hardware.machine import chip_for_device_kind, chip_key, CHIPS
+    from jax_overlap.hardware.machine import (CHIPS, KERNEL_LAUNCH_S, chip_for_device_kind,
+                                              chip_key)
     from jax_overlap.hardware.memory import dtype_bytes, param_elements
 
     chip = CHIPS.get(chip_key(target.name)) or chip_for_device_kind(target.name)

@@ -53,10 +53,10 @@ from jax_overlap.analysis.hlo_parse import (
     tuple_elements,
     while_trip_count,
 )
+from jax_overlap.hardware.machine import KERNEL_LAUNCH_S as LAUNCH_S  # seconds a launch
 from jax_overlap.hardware.machine import ChipSpec
 from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE
 
-LAUNCH_S = 4e-6  # seconds per kernel launch
 
 _FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",

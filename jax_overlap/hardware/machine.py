@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GIB = 1 << 30
+# Seconds to launch one GPU kernel: what the GPU-step estimate charges every kernel, and what
+# a tick of many small kernels costs beyond its GEMMs.
+KERNEL_LAUNCH_S = 4e-6
 
 # ----------------------------------------------------------------------------- chips
 
