@@ -31,8 +31,6 @@ one collective at the end of the backward, the opposite of the point.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -531,31 +529,13 @@ def assemble(plan: BucketPlan, reduced: Sequence[jax.Array], axis_sizes: dict[st
 # After the backward (pp > 1 executor, and the bucket-less baseline)
 
 
-# Paths ('blocks/moe/w_experts_down') of leaves stored split over dp (expert parallelism):
-# `reduce_gradients` leaves their gradients as they are while tracing under `own_rows`.
-_OWN_ROWS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "own_rows", default=frozenset())
-
-
 def path_name(path) -> str:
     """'blocks/moe/w_experts_down' for a tree path of dict keys (or sequence indices)."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-@contextlib.contextmanager
-def own_rows(paths: frozenset[str]):
-    """While tracing inside it, `reduce_gradients` skips the leaves at these paths: each
-    rank holds its own rows of them (stored split over dp) and their gradient is already
-    summed over the ranks that share those rows (`DpLayout.own_rows`)."""
-    token = _OWN_ROWS.set(frozenset(paths))
-    try:
-        yield
-    finally:
-        _OWN_ROWS.reset(token)
-
-
 def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
-                     split_dims: Any = None) -> Any:
+                     split_dims: Any = None, own: frozenset[str] = frozenset()) -> Any:
     """Sums per-replica gradients over `axis` after the backward, bucketed by size.
 
     `bucket_bytes: 0` is one collective per leaf. Otherwise whole leaves are packed into
@@ -570,6 +550,9 @@ def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
       axis: the data-parallel mesh axis name.
       split_dims: optional tree (same structure, int or None leaves) of dims to
         reduce-scatter over `axis` (ZeRO-1); None everywhere reduces with psum.
+      own: paths ('blocks/moe/w_experts_down', `path_name`) of leaves stored split over
+        `axis` (`DpLayout.own_rows`): each rank holds its own rows and their gradient is
+        already summed where rows are shared, so they are returned as they are.
 
     Returns:
       The reduced gradients: full leaves, or each rank's slice along its split dim.
@@ -579,7 +562,6 @@ def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
     dims = ([None] * len(leaves) if split_dims is None
             else treedef.flatten_up_to(split_dims))
     dp = axis_size(axis)
-    own = _OWN_ROWS.get()
     out: list[Any] = [None] * len(leaves)
     units = []
     for i, ((path, g), d) in enumerate(zip(paths_leaves, dims)):

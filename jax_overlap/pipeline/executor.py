@@ -1069,7 +1069,8 @@ def _filed(leaves: list, values: list, slot) -> list:
             for p, v in zip(leaves, values)]
 
 
-def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) -> dict:
+def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
+                      own_rows: frozenset[str] = frozenset()) -> dict:
     """The step's gradients after the tick loop, reduced over pp and dp.
 
     Blocks stay on their stage; embedding and head gradients are summed over pp (which also
@@ -1077,7 +1078,8 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
     (`synced`; without a slow axis the embedding and head then go in one fp32 all-reduce
     each over (pp, dp): nothing is left to hide them under, and one collective's latency is
     less than two in a row), fsdp reduce-scatters them, otherwise every leaf goes through
-    `buckets.reduce_gradients`.
+    `buckets.reduce_gradients`, but the `own_rows` leaves (`DpLayout.own_rows`: stored split
+    over dp, their gradients already summed where their rows are shared).
     """
     # Each stage holds its own layers' gradients: nothing to combine over pp.
     blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
@@ -1095,12 +1097,12 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool) 
         return {"blocks": blocks, **buckets.reduce_gradients(ends, bucket_bytes, comm_dtype, DP)}
     grads = {"blocks": blocks, **ends}
     if fsdp_layout is None:
-        return buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP)
+        return buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP, own=own_rows)
     scattered = _scatter_stage_grads(grads["blocks"], fsdp_layout, dp, comm_dtype)
     # Leaves stored whole (no dim divisible by dp) are psum'd with the embedding and head.
     grads["blocks"] = jax.tree.map(lambda g, sc: g if sc is None else None, grads["blocks"],
                                    scattered, is_leaf=lambda x: x is None)
-    reduced = buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP)
+    reduced = buckets.reduce_gradients(grads, bucket_bytes, comm_dtype, DP, own=own_rows)
     reduced["blocks"] = jax.tree.map(lambda r, sc: r if sc is None else sc, reduced["blocks"],
                                      scattered, is_leaf=lambda x: x is None)
     return reduced
@@ -1252,7 +1254,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
                 remat: str = "none", stage_layers=(), split_backward: bool = True,
-                in_place: bool = True):
+                in_place: bool = True, own_rows: frozenset[str] = frozenset()):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
@@ -1299,7 +1301,8 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
     branches = [idle_branch(ctx)] + branches
     grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools, in_place)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
-    return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced)
+    return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced,
+                                   own_rows)
 
 
 def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
@@ -1329,7 +1332,8 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
                    remat=plan.remat, stage_layers=plan.stage_layers,
                    split_backward=plan.split_backward,
-                   in_place=bool(plan.target is not None and plan.target.accelerator))
+                   in_place=bool(plan.target is not None and plan.target.accelerator),
+                   own_rows=plan.layout.own_rows)
     batch_spec = data_spec(dict(mesh.shape))
     mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
                                  {"inputs": batch_spec, "targets": batch_spec}, plan.slow_mode,

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.overlap import buckets, slow_strategy
+from jax_overlap.overlap import slow_strategy
 from jax_overlap.parallel.mesh import DP, PP, data_spec, rules_for, tree_specs
 from jax_overlap.pipeline import executor, layout
 from jax_overlap.training import grads
@@ -58,17 +58,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     """(params, batch) -> (mean loss, grads), both global: the pipeline executor when the plan
     has stages (pp > 1), else `grads.make_loss_and_grads`."""
     if plan.pipelined:
-        run = executor.make_pipeline_loss_and_grads(model, plan, mesh)
-        own = plan.layout.own_rows
-        if not own:
-            return run
-
-        def traced(params, batch):
-            # The experts each rank stores (mesh.ep > 1) leave the dp reduction alone.
-            with buckets.own_rows(own):
-                return run(params, batch)
-
-        return traced
+        return executor.make_pipeline_loss_and_grads(model, plan, mesh)
     return grads.make_loss_and_grads(model, plan, mesh)
 
 
