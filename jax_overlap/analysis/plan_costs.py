@@ -328,6 +328,16 @@ def busy_scale(cfg: Config, plan, capacity: float, devices: int, bubble: float) 
     return max(busy, capacity) / max(devices, capacity)
 
 
+def backward_of(fb: float, f: float) -> float:
+    """Seconds of a backward from a measured forward+backward ``fb`` and forward ``f``.
+
+    A backward does twice its forward's FLOPs, so it never costs less than the forward;
+    at tiny shapes on a loaded host the difference ``fb - f`` is noise and can even be
+    negative, and the forward's own time is the floor.
+    """
+    return max(fb - f, f)
+
+
 def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bubble: float = 0.0
                   ) -> tuple[list[float], list[float], list[float]]:
     """Per-virtual-stage F, B, W seconds of ``cfg`` from a calibration.
@@ -356,13 +366,13 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
         fb = n * s[f"{blk}_fb"] + first * s["embed_fb"] + last * s["head_fb"]
         if plan.pp == 1:
             fwd.append(f)
-            bwd.append(max(fb - f, 0.0))
+            bwd.append(backward_of(fb, f))
             wgt.append(0.0)
         elif not split_backward:
             # An F stashes its residuals: the backward re-runs no forward but what the remat
             # policy recomputes (`full`: the blocks' forward).
             fwd.append(f)
-            bwd.append(max(fb - f, 0.0) + n * redo)
+            bwd.append(backward_of(fb, f) + n * redo)
             wgt.append(0.0)
         else:
             # The measured backward (fb less its forward) split between B (the input
@@ -371,7 +381,7 @@ def compute_times(cal: Calibration, cfg: Config, plan, split_backward: bool, bub
             # fbx - f are noise at small shapes; the ratio keeps both parts positive. The
             # head's backward runs half in each (its pullback gives the input gradient in B,
             # the weights' in W). Virtual stage 0's B also pulls back into the embedding.
-            back = max(s[f"{blk}_fb"] - s[f"{blk}_f"], 0.0)
+            back = backward_of(s[f"{blk}_fb"], s[f"{blk}_f"])
             pieces = s[f"{blk}_fbx"] + s[f"{blk}_fbw"]
             if pieces <= 0:  # the tuner prices such a plan by FLOPs (`nonpositive_pieces`)
                 raise ValueError(f"calibration: {blk}_fbx and {blk}_fbw are both 0 at micro-batch "
