@@ -87,7 +87,7 @@ def test_ring_is_ppermutes_not_gathers():
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     kinds = analyze_hlo(text).collectives
-    # Forward: tp-1 permutes; backward (autodiff of the ring) is a reduce-scatter ring: tp-1.
+    # Forward: tp-1 permutes; backward (the custom VJP) is a reduce-scatter ring: tp-1.
     assert kinds["collective-permute"].count == 2 * (tp - 1)
     assert "all-gather" not in kinds and "reduce-scatter" not in kinds
 

@@ -29,8 +29,9 @@ Directions:
        the link, so a full-duplex link finishes each step in half the time.
 
 Numbers equal the plain collectives up to floating-point summation order (the ring adds the
-partial sums in a fixed order; XLA's reduce-scatter may use another). Autodiff of the ring
-is again a ring: the backward of the all-gather ring is a reduce-scatter ring and vice versa.
+partial sums in a fixed order; XLA's reduce-scatter may use another). The backward of each
+ring is the other ring, written out as a custom VJP (see "the two rings" below), plus one
+weight-gradient GEMM over the whole sequence.
 
 Grouped steps (`grouped=True`, what the plan uses at pp > 1): the same software-pipelined
 loop, but each step moves its piece with an `all_gather` / `psum_scatter` over `axis` instead
@@ -51,10 +52,12 @@ Both functions are written per device (inside `shard_map`); `tp` must equal the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jax_overlap.parallel.compat import vary_like
+from jax_overlap.parallel.compat import sum_to_type, vary_like
 
 
 def _ring(tp: int, shift: int) -> list[tuple[int, int]]:
@@ -83,6 +86,154 @@ def _pieces(t_local: int, tp: int) -> int:
     return max(k for k in range(1, tp + 1) if t_local % k == 0)
 
 
+def _mm(a_btk: jax.Array, w_kn: jax.Array) -> jax.Array:
+    return jnp.einsum("btk,kn->btn", a_btk, w_kn)
+
+
+def _wgrad(a_btk: jax.Array, g_btn: jax.Array) -> jax.Array:
+    """a^T g contracting batch and positions: (K, N), accumulated in fp32."""
+    return jax.lax.dot_general(a_btk, g_btn, (((0, 1), (0, 1)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
+          size: int | None = None) -> jax.Array:
+    """Positions [offset, offset + size) of sequence chunk `chunk` (mod tp) of `a`."""
+    return jax.lax.dynamic_slice_in_dim(a_btn, (chunk % tp) * t_local + offset,
+                                        size or t_local, axis=1)
+
+
+def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, keep_input: bool):
+    """`(all_gather(x) @ w, all_gather(x) if keep_input else None)` by ring steps.
+
+    Each step writes its matmul (and, kept, its chunk) into a whole-sequence buffer carried
+    through the loop at the chunk's rows: XLA:GPU updates it in place. (Stacked as the
+    scan's per-step outputs instead, the writes became async fusions that XLA scheduled
+    under the transfers, leaving the matmuls outside them.)
+    """
+    b, t_local, _ = x_btd.shape
+    rank = jax.lax.axis_index(axis)
+    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
+    out_btn = vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn)
+    full_btd = (vary_like(jnp.zeros((b, t_local * tp, x_btd.shape[2]), x_btd.dtype), x_btd)
+                if keep_input else None)
+
+    def place(bufs, piece_btd, row):
+        out_btn, full_btd = bufs
+        out_btn = jax.lax.dynamic_update_slice_in_dim(out_btn, _mm(piece_btd, w_dn), row, axis=1)
+        if full_btd is not None:
+            full_btd = jax.lax.dynamic_update_slice_in_dim(full_btd, piece_btd, row, axis=1)
+        return out_btn, full_btd
+
+    if direction == "uni":
+        def step(carry, i):
+            # Rank r holds chunk (r - i) mod tp. The next chunk's transfer does not depend
+            # on this chunk's matmul: it runs under it.
+            bufs, chunk_btd = carry
+            nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            return place(bufs, chunk_btd, ((rank - i) % tp) * t_local), nxt_btd
+
+        bufs, chunk_btd = _steps(step, ((out_btn, full_btd), x_btd), 0, tp - 1)
+        # The last chunk arrives with no transfer left to hide: its matmul ends the op.
+        return place(bufs, chunk_btd, ((rank - (tp - 1)) % tp) * t_local)
+    half = _halves(t_local)
+
+    def both(bufs, fwd_btd, bwd_btd, i):
+        # Step i: first half of chunk (r - i), second half of chunk (r + i).
+        bufs = place(bufs, fwd_btd, ((rank - i) % tp) * t_local)
+        return place(bufs, bwd_btd, ((rank + i) % tp) * t_local + half)
+
+    def step_bi(carry, i):
+        bufs, fwd_btd, bwd_btd = carry
+        nxt_fwd = jax.lax.ppermute(fwd_btd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        return both(bufs, fwd_btd, bwd_btd, i), nxt_fwd, nxt_bwd
+
+    carry = ((out_btn, full_btd), x_btd[:, :half], x_btd[:, half:])  # halves go +1 and -1
+    bufs, fwd_btd, bwd_btd = _steps(step_bi, carry, 0, tp - 1)
+    return both(bufs, fwd_btd, bwd_btd, tp - 1)
+
+
+def _reduce_scatter_ring(h_btn, w_nd, axis: str, tp: int, direction: str):
+    """`psum_scatter(h @ w)` by ring steps."""
+    t_local = h_btn.shape[1] // tp
+    rank = jax.lax.axis_index(axis)
+
+    def part(chunk, offset=0, size=None):
+        return _mm(_rows(h_btn, chunk, t_local, tp, offset, size), w_nd)
+
+    if direction == "uni":
+        # The accumulator on rank r at step i is for chunk (r - 1 - i) mod tp; after tp - 1
+        # moves to r + 1 it lands on its owner with every rank's term added.
+        def step(acc_btd, i):
+            own_btd = part(rank - 1 - i)
+            acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            return acc_btd + own_btd
+
+        # Every move is a loop step, the last (own chunk) too: see the module docstring.
+        return _steps(step, part(rank - 1), 1, tp)
+    half = _halves(t_local)
+
+    # First halves accumulate along +1 (chunk (r - 1 - i)), second halves along -1
+    # (chunk (r + 1 + i)); both end on their owner after tp - 1 moves.
+    def step_bi(carry, i):
+        acc_fwd, acc_bwd = carry
+        own_fwd = part(rank - 1 - i, 0, half)
+        own_bwd = part(rank + 1 + i, half, half)
+        acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        return acc_fwd + own_fwd, acc_bwd + own_bwd
+
+    first = (part(rank - 1, 0, half), part(rank + 1, half, half))
+    acc_fwd, acc_bwd = _steps(step_bi, first, 1, tp)
+    return jnp.concatenate([acc_fwd, acc_bwd], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ring_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, direction: str):
+    return _all_gather_ring(x_btd, w_dn, axis, tp, direction, keep_input=False)[0]
+
+
+def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction):
+    out, x_full = _all_gather_ring(x_btd, w_dn, axis, tp, direction, keep_input=True)
+    return out, (x_btd, x_full, w_dn)
+
+
+def _ring_all_gather_matmul_bwd(axis, tp, direction, residuals, dy_btn):
+    x_btd, x_full, w_dn = residuals
+    dx_btd = _reduce_scatter_ring(dy_btn, w_dn.T, axis, tp, direction)
+    dw_dn = _wgrad(x_full, dy_btn)
+    return (sum_to_type(dx_btd.astype(x_btd.dtype), x_btd),
+            sum_to_type(dw_dn.astype(w_dn.dtype), w_dn))
+
+
+_ring_all_gather_matmul.defvjp(_ring_all_gather_matmul_fwd, _ring_all_gather_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ring_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int, direction: str):
+    return _reduce_scatter_ring(h_btn, w_nd, axis, tp, direction)
+
+
+def _ring_matmul_reduce_scatter_fwd(h_btn, w_nd, axis, tp, direction):
+    return _reduce_scatter_ring(h_btn, w_nd, axis, tp, direction), (h_btn, w_nd)
+
+
+def _ring_matmul_reduce_scatter_bwd(axis, tp, direction, residuals, dz_btd):
+    h_btn, w_nd = residuals
+    dh_btn, dz_full = _all_gather_ring(dz_btd, w_nd.T, axis, tp, direction, keep_input=True)
+    dw_nd = _wgrad(h_btn, dz_full)
+    return (sum_to_type(dh_btn.astype(h_btn.dtype), h_btn),
+            sum_to_type(dw_nd.astype(w_nd.dtype), w_nd))
+
+
+_ring_matmul_reduce_scatter.defvjp(_ring_matmul_reduce_scatter_fwd,
+                                   _ring_matmul_reduce_scatter_bwd)
+
+
+# ------------------------------------------------------------------------------ public ops
+
+
 def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
                       direction: str = "uni", grouped: bool = False) -> jax.Array:
     """`all_gather(x, axis, seq) @ w`, with the gather done as ring steps under the matmuls.
@@ -103,71 +254,9 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
         return jnp.einsum("btd,dn->btn", x_btd, w_dn)
     if grouped:
         return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp)
-    b, t_local, _ = x_btd.shape
-    rank = jax.lax.axis_index(axis)
-    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
-    out_btn = vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn)
-
-    def place(out, part_btn, row):
-        return jax.lax.dynamic_update_slice_in_dim(out, part_btn, row, axis=1)
-
-    if direction == "uni":
-        def step(carry, i):
-            # Rank r holds chunk (r - i) mod tp. The next chunk's transfer does not depend
-            # on this chunk's matmul: it runs under it.
-            out, chunk_btd = carry
-            nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
-            part_btn = jnp.einsum("btd,dn->btn", chunk_btd, w_dn)
-            return place(out, part_btn, ((rank - i) % tp) * t_local), nxt_btd
-
-        out_btn, chunk_btd = _steps(step, (out_btn, x_btd), 0, tp - 1)
-        # The last chunk arrives with no transfer left to hide: its matmul ends the op.
-        part_btn = jnp.einsum("btd,dn->btn", chunk_btd, w_dn)
-        return place(out_btn, part_btn, ((rank - (tp - 1)) % tp) * t_local)
-
-    half = _halves(t_local)
-
-    def matmuls(out, fwd_btd, bwd_btd, i):
-        # Step i: first half of chunk (r - i), second half of chunk (r + i).
-        out = place(out, jnp.einsum("btd,dn->btn", fwd_btd, w_dn), ((rank - i) % tp) * t_local)
-        return place(out, jnp.einsum("btd,dn->btn", bwd_btd, w_dn),
-                     ((rank + i) % tp) * t_local + half)
-
-    def step_bi(carry, i):
-        out, fwd_btd, bwd_btd = carry
-        nxt_fwd = jax.lax.ppermute(fwd_btd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
-        nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
-        return matmuls(out, fwd_btd, bwd_btd, i), nxt_fwd, nxt_bwd
-
-    carry = (out_btn, x_btd[:, :half], x_btd[:, half:])  # first half goes +1, second -1
-    out_btn, fwd_btd, bwd_btd = _steps(step_bi, carry, 0, tp - 1)
-    return matmuls(out_btn, fwd_btd, bwd_btd, tp - 1)
-
-
-def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
-    """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
-    b, t_local, _ = x_btd.shape
-    k = _pieces(t_local, tp)
-    size = t_local // k
-    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
-    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), out_dtype), x_btd, w_dn)
-
-    def gather(j):  # piece j of every rank's chunk: (B, tp * size, D), rank-major
-        piece = jax.lax.dynamic_slice_in_dim(x_btd, j * size, size, axis=1)
-        return jax.lax.all_gather(piece, axis, axis=1, tiled=True)  # over tp
-
-    def place(out, got_btd, j):
-        part = jnp.einsum("btd,dn->btn", got_btd, w_dn).reshape(b, tp, size, -1)
-        return jax.lax.dynamic_update_slice_in_dim(out, part, j * size, axis=2)
-
-    def step(carry, j):
-        # The next piece's gather does not depend on this piece's matmul: it runs under it.
-        out, got_btd = carry
-        return place(out, got_btd, j), gather(j + 1)
-
-    out, got_btd = _steps(step, (out, gather(0)), 0, k - 1)
-    out = place(out, got_btd, k - 1)
-    return out.reshape(b, tp * t_local, -1)
+    if direction == "bi":
+        _halves(x_btd.shape[1])
+    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction)
 
 
 def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
@@ -194,40 +283,35 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
         return jnp.einsum("btn,nd->btd", h_btn, w_nd)
     if grouped:
         return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
-    t_local = h_btn.shape[1] // tp
-    rank = jax.lax.axis_index(axis)
+    if direction == "bi":
+        _halves(h_btn.shape[1] // tp)
+    return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction)
 
-    def part(row, rows):
-        h_rows = jax.lax.dynamic_slice_in_dim(h_btn, row, rows, axis=1)
-        return jnp.einsum("btn,nd->btd", h_rows, w_nd)
 
-    if direction == "uni":
-        # The accumulator on rank r at step i is for chunk (r - 1 - i) mod tp; after tp - 1
-        # moves to r + 1 it lands on its owner with every rank's term added.
-        def step(acc_btd, i):
-            own_btd = part(((rank - 1 - i) % tp) * t_local, t_local)
-            acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
-            return acc_btd + own_btd
+def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
+    """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
+    b, t_local, _ = x_btd.shape
+    k = _pieces(t_local, tp)
+    size = t_local // k
+    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
+    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), out_dtype), x_btd, w_dn)
 
-        # Every move is a loop step, the last (own chunk) too: see the module docstring.
-        return _steps(step, part(((rank - 1) % tp) * t_local, t_local), 1, tp)
+    def gather(j):  # piece j of every rank's chunk: (B, tp * size, D), rank-major
+        piece = jax.lax.dynamic_slice_in_dim(x_btd, j * size, size, axis=1)
+        return jax.lax.all_gather(piece, axis, axis=1, tiled=True)  # over tp
 
-    half = _halves(t_local)
+    def place(out, got_btd, j):
+        part = jnp.einsum("btd,dn->btn", got_btd, w_dn).reshape(b, tp, size, -1)
+        return jax.lax.dynamic_update_slice_in_dim(out, part, j * size, axis=2)
 
-    # First halves accumulate along +1 (chunk (r - 1 - i)), second halves along -1
-    # (chunk (r + 1 + i)); both end on their owner after tp - 1 moves.
-    def step_bi(carry, i):
-        acc_fwd, acc_bwd = carry
-        own_fwd = part(((rank - 1 - i) % tp) * t_local, half)
-        own_bwd = part(((rank + 1 + i) % tp) * t_local + half, half)
-        acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
-        acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
-        return acc_fwd + own_fwd, acc_bwd + own_bwd
+    def step(carry, j):
+        # The next piece's gather does not depend on this piece's matmul: it runs under it.
+        out, got_btd = carry
+        return place(out, got_btd, j), gather(j + 1)
 
-    first = (part(((rank - 1) % tp) * t_local, half),
-             part(((rank + 1) % tp) * t_local + half, half))
-    acc_fwd, acc_bwd = _steps(step_bi, first, 1, tp)
-    return jnp.concatenate([acc_fwd, acc_bwd], axis=1)
+    out, got_btd = _steps(step, (out, gather(0)), 0, k - 1)
+    out = place(out, got_btd, k - 1)
+    return out.reshape(b, tp * t_local, -1)
 
 
 def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:

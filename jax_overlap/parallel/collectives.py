@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap.parallel import collective_matmul as cm
-from jax_overlap.parallel.compat import to_varying, vary_like, varying_axes  # noqa: F401 - re-exported for models
+from jax_overlap.parallel.compat import (  # noqa: F401 - re-exported for models
+    sum_to_type, to_varying, vary_like, varying_axes)
 
 
 @dataclass(frozen=True)
@@ -124,12 +125,7 @@ def _matmul_bwd(residuals, dy_bn):
     dx_bk = jnp.einsum("...n,kn->...k", dy_bn, w_kn)
     lead = tuple(range(x_bk.ndim - 1))
     dw_kn = jax.lax.dot_general(x_bk, dy_bn, ((lead, lead), ((), ())))  # x^T dy: (K, N)
-    return _sum_to_type(dx_bk, x_bk), _sum_to_type(dw_kn, w_kn)
-
-
-def _sum_to_type(ct: jax.Array, primal: jax.Array) -> jax.Array:
-    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
-    return jax.lax.psum(ct, extra) if extra else ct
+    return sum_to_type(dx_bk, x_bk), sum_to_type(dw_kn, w_kn)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -50,6 +50,13 @@ def vary_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
     return to_varying(x, tuple(sorted(want - varying_axes(x))))
 
 
+def sum_to_type(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent summed over the mesh axes it varies over and its primal does not (what
+    autodiff does for an implicit pvary), so a custom VJP returns the primal's type."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
 def axis_size(axis: str) -> int:
     """Static size of a mesh axis inside shard_map (`axis_size` is missing on old JAX)."""
     if hasattr(jax.lax, "axis_size"):
