@@ -45,8 +45,8 @@ MICROBATCH_TOKENS = 8192
 DATA_PARALLEL_MICROBATCH_TOKENS = 2 * MICROBATCH_TOKENS
 # Under collective matmul each GEMM runs as tp ring steps of 1/tp of the rows; auto
 # microbatching keeps each step's GEMM at MICROBATCH_TOKENS rows (GPT-1.3B dp2 x tp4: 8
-# microbatches of 16 sequences, 2.23 s estimated step; 32 of 4: 3.64 s, mostly the ring steps'
-# kernel launches): `gemm_tokens`.
+# microbatches of 16 sequences, 1.84 s estimated step; 32 of 4 took 1.6x as long, mostly the
+# ring steps' kernel launches): `gemm_tokens`.
 # Share of device memory the estimated step may take under auto microbatching / remat; the rest
 # is headroom for the buffers that overlapping keeps alive longer and for XLA's own
 # temporaries. (XLA's GPU scheduler itself plans for 80% of the device, and its
@@ -560,8 +560,8 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             tp_comm, why = "collective_matmul", (
                 f"tp={m.tp} on {target.name}: each block's all-gather and reduce-scatter run as "
                 f"ring steps under the partial matmuls (GPT-1.3B dp2 x tp4, deviceless 8 x "
-                f"H100: 2.23 s estimated step with 0.03 s of communication exposed; sequence "
-                f"parallel 1.83 s with 0.35 s exposed)")
+                f"H100: 1.84 s estimated step with 0.06 s of communication exposed; sequence "
+                f"parallel 1.52 s with 0.48 s exposed)")
         choices["overlap.tp_comm"] = Choice(tp_comm, why)
     direction = ov.collective_matmul_direction
     if direction == "auto":

@@ -30,8 +30,8 @@ Directions:
 
 Numbers equal the plain collectives up to floating-point summation order (the ring adds the
 partial sums in a fixed order; XLA's reduce-scatter may use another). The backward of each
-ring is the other ring, written out as a custom VJP (see "the two rings" below), plus one
-weight-gradient GEMM over the whole sequence.
+ring is the other ring, written out as a custom VJP with the weight-gradient GEMMs in the
+same loop (see "the two rings" below).
 
 Grouped steps (`grouped=True`, what the plan uses at pp > 1): the same software-pipelined
 loop, but each step moves its piece with an `all_gather` / `psum_scatter` over `axis` instead
@@ -103,27 +103,42 @@ def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
                                         size or t_local, axis=1)
 
 
-def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, keep_input: bool):
-    """`(all_gather(x) @ w, all_gather(x) if keep_input else None)` by ring steps.
+# --------------------------------------------------------------------------- the two rings
+# Each op is a custom VJP whose backward is the other ring, with the weight gradient's GEMMs
+# in the same loop: the all-gather ring's input gradient is a reduce-scatter ring of
+# dy @ w^T, beside which the saved input chunk travels the ring again for its weight GEMMs;
+# the reduce-scatter ring's input gradient is an all-gather ring of dz, each arriving chunk
+# also giving its weight GEMM. Only the local chunk (and h) is kept from the forward.
+# Autodiff of the forward loops instead carried a whole-sequence gradient buffer through
+# the loop, updated at a dynamic slice each step, and XLA:GPU copied that buffer at every
+# step; keeping the gathered input instead cost a whole sequence per layer (Llama-3-8B
+# dp2 x tp4 no longer fit 80 GB).
 
-    Each step writes its matmul (and, kept, its chunk) into a whole-sequence buffer carried
-    through the loop at the chunk's rows: XLA:GPU updates it in place. (Stacked as the
-    scan's per-step outputs instead, the writes became async fusions that XLA scheduled
-    under the transfers, leaving the matmuls outside them.)
+
+def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=None):
+    """`all_gather(x) @ w` by ring steps; with `rows_of(row, size)` (the rows of another
+    `(B, T, K)` operand) also `sum over chunks of rows_of(chunk)^T @ x_chunk`, `(K, D)` fp32.
+
+    Each step writes its matmul into a whole-sequence buffer carried through the loop at the
+    chunk's rows: XLA:GPU updates it in place. (Stacked as the scan's per-step outputs
+    instead, the writes became async fusions that XLA scheduled under the transfers,
+    leaving the matmuls outside them.)
     """
-    b, t_local, _ = x_btd.shape
+    b, t_local, d = x_btd.shape
     rank = jax.lax.axis_index(axis)
     out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
     out_btn = vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn)
-    full_btd = (vary_like(jnp.zeros((b, t_local * tp, x_btd.shape[2]), x_btd.dtype), x_btd)
-                if keep_input else None)
+    dw = None
+    if rows_of is not None:
+        probe = rows_of(0, 1)
+        dw = vary_like(jnp.zeros((probe.shape[2], d), jnp.float32), x_btd, probe)
 
     def place(bufs, piece_btd, row):
-        out_btn, full_btd = bufs
+        out_btn, dw = bufs
         out_btn = jax.lax.dynamic_update_slice_in_dim(out_btn, _mm(piece_btd, w_dn), row, axis=1)
-        if full_btd is not None:
-            full_btd = jax.lax.dynamic_update_slice_in_dim(full_btd, piece_btd, row, axis=1)
-        return out_btn, full_btd
+        if dw is not None:
+            dw = dw + _wgrad(rows_of(row, piece_btd.shape[1]), piece_btd)
+        return out_btn, dw
 
     if direction == "uni":
         def step(carry, i):
@@ -133,7 +148,7 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, keep_input
             nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             return place(bufs, chunk_btd, ((rank - i) % tp) * t_local), nxt_btd
 
-        bufs, chunk_btd = _steps(step, ((out_btn, full_btd), x_btd), 0, tp - 1)
+        bufs, chunk_btd = _steps(step, ((out_btn, dw), x_btd), 0, tp - 1)
         # The last chunk arrives with no transfer left to hide: its matmul ends the op.
         return place(bufs, chunk_btd, ((rank - (tp - 1)) % tp) * t_local)
     half = _halves(t_local)
@@ -149,7 +164,7 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, keep_input
         nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
         return both(bufs, fwd_btd, bwd_btd, i), nxt_fwd, nxt_bwd
 
-    carry = ((out_btn, full_btd), x_btd[:, :half], x_btd[:, half:])  # halves go +1 and -1
+    carry = ((out_btn, dw), x_btd[:, :half], x_btd[:, half:])  # halves go +1 and -1
     bufs, fwd_btd, bwd_btd = _steps(step_bi, carry, 0, tp - 1)
     return both(bufs, fwd_btd, bwd_btd, tp - 1)
 
@@ -189,20 +204,66 @@ def _reduce_scatter_ring(h_btn, w_nd, axis: str, tp: int, direction: str):
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1)
 
 
+def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction: str):
+    """`(dx, dw)` of `all_gather(x) @ w`: a reduce-scatter ring of dy @ w^T for dx, and in the
+    same loop x's chunks travelling the ring again, each giving its GEMM of dw (fp32)."""
+    t_local = x_btd.shape[1]
+    rank = jax.lax.axis_index(axis)
+    w_nd = w_dn.T
+    dw = vary_like(jnp.zeros(w_dn.shape, jnp.float32), x_btd, dy_btn)
+
+    def dy_rows(chunk, offset=0, size=None):
+        return _rows(dy_btn, chunk, t_local, tp, offset, size)
+
+    if direction == "uni":
+        def step(carry, k):
+            # Reduce-scatter step k + 1: the accumulator for chunk (r - 2 - k) arrives while
+            # this rank's term for it is computed; gather step k: chunk (r - k) of x.
+            acc_btd, chunk_btd, dw = carry
+            own_btd = _mm(dy_rows(rank - 2 - k), w_nd)
+            acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
+            dw = dw + _wgrad(chunk_btd, dy_rows(rank - k))
+            return (acc_btd + own_btd, nxt_btd, dw), None
+
+        first = _mm(dy_rows(rank - 1), w_nd)
+        (dx_btd, chunk_btd, dw), _ = jax.lax.scan(step, (first, x_btd, dw), jnp.arange(tp - 1))
+        return dx_btd, dw + _wgrad(chunk_btd, dy_rows(rank + 1))  # chunk (r - (tp - 1))
+    half = _halves(t_local)
+
+    def step_bi(carry, k):
+        acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw = carry
+        own_fwd = _mm(dy_rows(rank - 2 - k, 0, half), w_nd)
+        own_bwd = _mm(dy_rows(rank + 2 + k, half, half), w_nd)
+        acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        nxt_fwd = jax.lax.ppermute(fwd_btd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
+        nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
+        dw = (dw + _wgrad(fwd_btd, dy_rows(rank - k, 0, half))
+              + _wgrad(bwd_btd, dy_rows(rank + k, half, half)))
+        return (acc_fwd + own_fwd, acc_bwd + own_bwd, nxt_fwd, nxt_bwd, dw), None
+
+    carry = (_mm(dy_rows(rank - 1, 0, half), w_nd), _mm(dy_rows(rank + 1, half, half), w_nd),
+             x_btd[:, :half], x_btd[:, half:], dw)
+    (acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw), _ = jax.lax.scan(step_bi, carry,
+                                                                jnp.arange(tp - 1))
+    dw = (dw + _wgrad(fwd_btd, dy_rows(rank + 1, 0, half))
+          + _wgrad(bwd_btd, dy_rows(rank - 1, half, half)))
+    return jnp.concatenate([acc_fwd, acc_bwd], axis=1), dw
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _ring_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, direction: str):
-    return _all_gather_ring(x_btd, w_dn, axis, tp, direction, keep_input=False)[0]
+    return _all_gather_ring(x_btd, w_dn, axis, tp, direction)[0]
 
 
 def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction):
-    out, x_full = _all_gather_ring(x_btd, w_dn, axis, tp, direction, keep_input=True)
-    return out, (x_btd, x_full, w_dn)
+    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction), (x_btd, w_dn)
 
 
 def _ring_all_gather_matmul_bwd(axis, tp, direction, residuals, dy_btn):
-    x_btd, x_full, w_dn = residuals
-    dx_btd = _reduce_scatter_ring(dy_btn, w_dn.T, axis, tp, direction)
-    dw_dn = _wgrad(x_full, dy_btn)
+    x_btd, w_dn = residuals
+    dx_btd, dw_dn = _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis, tp, direction)
     return (sum_to_type(dx_btd.astype(x_btd.dtype), x_btd),
             sum_to_type(dw_dn.astype(w_dn.dtype), w_dn))
 
@@ -220,9 +281,11 @@ def _ring_matmul_reduce_scatter_fwd(h_btn, w_nd, axis, tp, direction):
 
 
 def _ring_matmul_reduce_scatter_bwd(axis, tp, direction, residuals, dz_btd):
+    # dh = all_gather(dz) @ w^T, and each arriving chunk of dz gives its GEMM of dw = h^T dz.
     h_btn, w_nd = residuals
-    dh_btn, dz_full = _all_gather_ring(dz_btd, w_nd.T, axis, tp, direction, keep_input=True)
-    dw_nd = _wgrad(h_btn, dz_full)
+    dh_btn, dw_nd = _all_gather_ring(
+        dz_btd, w_nd.T, axis, tp, direction,
+        rows_of=lambda row, size: jax.lax.dynamic_slice_in_dim(h_btn, row, size, axis=1))
     return (sum_to_type(dh_btn.astype(h_btn.dtype), h_btn),
             sum_to_type(dw_nd.astype(w_nd.dtype), w_nd))
 
