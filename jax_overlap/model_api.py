@@ -12,13 +12,17 @@ and `param_axes()` names the logical axis of every dimension ('layers' first for
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from jax_overlap.parallel.collectives import Parallel
+from jax_overlap.parallel.mesh import LOGICAL_RULES, TP
 
 Batch = dict[str, jax.Array]  # {'inputs': (B, ...), 'targets': (B, ...)}; leading dim = batch
 
@@ -136,3 +140,80 @@ def batch_shapes(model, batch: int, seq_len: int) -> dict[str, tuple]:
     if hasattr(model, "example_batch_shapes"):
         return model.example_batch_shapes(batch)
     return {"inputs": ((batch, seq_len), "int32"), "targets": ((batch, seq_len), "int32")}
+
+
+# ------------------------------------------------------------------------ parameter count
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter elements on one TP rank: the package's one parameter count, traced from the
+    model's own `init` and `param_axes` (abstract shapes: nothing is allocated).
+
+    Attributes:
+      per_layer: one block's elements.
+      embed: embedding elements (token + position).
+      head: head elements (final norm; output matrix when untied).
+      leaves_per_layer: one block's parameter arrays, each ``(elements,)``.
+      embed_leaves: embedding arrays' elements.
+      head_leaves: head arrays' elements.
+    """
+
+    per_layer: int
+    embed: int
+    head: int
+    leaves_per_layer: tuple[int, ...]
+    embed_leaves: tuple[int, ...]
+    head_leaves: tuple[int, ...]
+
+
+def _local_shape(shape: tuple[int, ...], axes: tuple, tp: int) -> tuple[int, ...]:
+    """One TP rank's shape: every dimension bound to the TP mesh axis divided by ``tp``."""
+    return tuple(
+        n // tp if a is not None and LOGICAL_RULES.get(a) == TP else n
+        for n, a in zip(shape, axes)
+    )
+
+
+def local_param_shapes(model: StagedModel, tp: int) -> Any:
+    """``ShapeDtypeStruct`` tree of one TP rank's parameters (blocks keep the layer axis).
+    Traced abstractly, the key too: no backend starts (a plan is built before
+    `jax.distributed.initialize` may run)."""
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0)))
+    return jax.tree.map(
+        lambda s, axes: jax.ShapeDtypeStruct(_local_shape(s.shape, axes, tp), s.dtype),
+        abstract,
+        model.param_axes(),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+_COUNTS: dict[tuple, ParamCounts] = {}
+
+
+def param_counts(cfg, tp: int = 1) -> ParamCounts:
+    """Parameter elements of ``cfg``'s model on one rank of a ``tp``-way TP group.
+
+    The model is built as the library default config with only ``cfg.model`` set (so the
+    count depends on the model alone) and its init traced abstractly, once per model: ~0.1 s,
+    and a plan or a sweep asks for the same few counts many times.
+    """
+    key = (dataclasses.astuple(cfg.model), tp)
+    if key not in _COUNTS:
+        shapes = local_param_shapes(build_model(type(cfg)(model=cfg.model)), tp)
+
+        def sizes(tree, drop_layer_axis=False):
+            return tuple(int(np.prod(s.shape[1:] if drop_layer_axis else s.shape))
+                         for s in jax.tree.leaves(tree))
+
+        blocks = sizes(shapes["blocks"], drop_layer_axis=True)
+        embed, head = sizes(shapes["embed"]), sizes(shapes.get("head", {}))
+        _COUNTS[key] = ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
+    return _COUNTS[key]
+
+
+def param_elements(cfg) -> tuple[float, float]:
+    """``(embedding + head elements, elements of one block)`` of ``cfg``'s model, unsplit
+    (`param_counts` at tp = 1): what the memory model and the plan's estimates take."""
+    c = param_counts(cfg, 1)
+    return float(c.embed + c.head), float(c.per_layer)

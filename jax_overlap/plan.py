@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jax_overlap.config import Config, ConfigError
+from jax_overlap.model_api import param_elements
 from jax_overlap.pipeline.program import TickProgram, compile_program
 from jax_overlap.pipeline.schedules import KINDS, Schedule, make_schedule
 
@@ -224,6 +225,8 @@ class ParallelPlan:
         on an accelerator target; 0 elsewhere.
       split_backward: the executor runs W as only the weight-gradient GEMMs (a zb schedule,
         `pipeline.split_backward` resolved); False: W is the chunk's whole backward.
+      param_elements: (embedding + head elements, elements of one block) of the model, unsplit
+        (`model_api.param_elements`: the package's one parameter count).
     """
 
     dp: int
@@ -251,6 +254,7 @@ class ParallelPlan:
     attention: str = "plain"
     split_backward: bool = False
     memory_estimate: float = 0.0
+    param_elements: tuple[float, float] = (0.0, 0.0)
 
     # ------------------------------------------------------------------ derived values
 
@@ -465,7 +469,7 @@ class ParallelPlan:
                    choices=choices, stage_layers=split, dcn=m.dcn, ep=m.ep,
                    diloco=_diloco_plan(cfg),
                    dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
-                   attention=attention)
+                   attention=attention, param_elements=param_elements(cfg))
         plan = dataclasses.replace(plan, split_backward=_resolve_split(cfg, target, schedule,
                                                                        remat, choices))
         if target.accelerator:
@@ -799,7 +803,7 @@ def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str
     transfer grow with its tokens alike)."""
     from jax_overlap.hardware.machine import (CHIPS, KERNEL_LAUNCH_S, chip_for_device_kind,
                                               chip_key)
-    from jax_overlap.hardware.memory import dtype_bytes, param_elements
+    from jax_overlap.hardware.memory import dtype_bytes
 
     chip = CHIPS.get(chip_key(target.name)) or chip_for_device_kind(target.name)
     if chip is None:
@@ -808,7 +812,7 @@ def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str
     tokens = mo.seq_len
     act = tokens * mo.d_model * dtype_bytes(cfg.train.precision) / max(m.tp, 1)
     chunk_layers = mo.layers / (m.pp * max(cfg.pipeline.virtual_stages, 1))
-    _, block = param_elements(mo)
+    _, block = param_elements(cfg)
     flops = 2 * tokens * block / max(m.tp, 1) * chunk_layers
     dtype = "bf16" if cfg.train.precision in ("bf16", "fp16") else "f32"
     launches = TICK_KERNELS_PER_LAYER * chunk_layers * KERNEL_LAUNCH_S
@@ -985,7 +989,8 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
             slots = PipelineSlots.rough(m.pp, count, pl.virtual_stages)
         split = split and pl.split_backward is not False
     return step_bytes(cfg.model, micro_batch, m.tp, m.pp, m.dp, cfg.train.precision,
-                      zero1=overlap.zero1, fsdp=overlap.fsdp, remat=remat, attention=attention,
+                      params=param_elements(cfg), zero1=overlap.zero1, fsdp=overlap.fsdp,
+                      remat=remat, attention=attention,
                       microbatches=count, sequence_parallel=overlap.tp_comm != "plain",
                       slots=slots, split_backward=split, vocab_parallel=vocab_parallel,
                       paired=m.pp > 1 and pl.paired is True,

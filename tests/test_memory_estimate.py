@@ -8,6 +8,7 @@ are the program's own, not what XLA's cloning brought them down to).
 """
 
 import jax
+import numpy as np
 import pytest
 from helpers import REPO, TINY
 
@@ -15,6 +16,8 @@ from jax_overlap import config
 from jax_overlap.analysis import analyze as an
 from jax_overlap.analysis import deviceless
 from jax_overlap.hardware import memory
+from jax_overlap.model_api import param_elements
+from jax_overlap.training.assemble import plan_for
 from jax_overlap.pipeline.executor import residual_bytes
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
@@ -37,8 +40,7 @@ def _chunk_pool_estimate(cfg, plan) -> float:
     att = memory.attention_token_bytes(mo, plan.tp, cfg.train.precision, fused=False,
                                        remat=plan.remat, pipelined=True)
     a = memory.dtype_bytes(cfg.train.precision)
-    copies = a * memory.param_elements(mo)[1] / plan.tp if a < 4 and plan.remat == "none" \
-        else 0.0
+    copies = a * plan.param_elements[1] / plan.tp if a < 4 and plan.remat == "none" else 0.0
     return (slots.chunk + 1) * (layers * (tokens * per_token + copies) + tokens * att.chunk)
 
 
@@ -107,12 +109,13 @@ def test_pp1_minimal_keeps_what_full_keeps():
 def test_unrolled_last_microbatch_term():
     """pp = 1 with buckets in the backward under a recomputing policy: a share of the last
     microbatch's unrecomputed residuals (GPT-1.3B dp8, 8 x 2048 tokens: XLA 49.9 GiB)."""
-    mo = config.load(GPT_1P3B, []).model
+    cfg = config.load(GPT_1P3B, [])
+    mo = cfg.model
     args = (mo, 8, 1, 1, 8, "bf16")
 
     def est(**kw):
-        return memory.step_memory(*args, remat=kw.pop("remat", "full"), attention="fused",
-                                  microbatches=4, **kw)
+        return memory.step_memory(*args, params=param_elements(cfg), remat=kw.pop("remat", "full"),
+                                  attention="fused", microbatches=4, **kw)
 
     extra = est(buckets_in_backward=True).kept - est().kept
     per_token = memory.layer_token_bytes(mo, 1, "bf16", "none", attention="fused")
@@ -173,17 +176,23 @@ def test_gpt_1p3b_estimate_within_15_percent_of_xla(mesh, remat):
                          ids=["shipped", "untied", "tied"])
 @pytest.mark.parametrize("path", ["tiny.yaml", "gpt_1p3b.yaml", "llama_tiny.yaml",
                                   "bert_tiny.yaml", "moe_tiny.yaml", "llama3_8b.yaml"])
-def test_formula_parameter_count_is_the_traced_one(path, overrides):
-    """Two parameter counts stay: `memory.param_elements` (a formula: preflight and the plan
-    need it before any model is built) and `plan_shape.param_counts` (traced shapes, per TP
-    rank and per leaf: what the calibrated costs are keyed on). For every transformer kind
-    (GPT, BERT, Llama with GQA and SwiGLU, its MoE) they agree exactly."""
-    from jax_overlap.analysis.plan_shape import param_counts
+def test_the_parameter_count_is_the_models_own(path, overrides):
+    """One parameter count (`model_api.param_counts`, traced from the model's init): the
+    plan's `param_elements`, which the memory estimate and preflight use, is the sum of the
+    arrays the model's `init` makes, for every model kind (GPT, BERT, Llama with GQA and
+    SwiGLU, its MoE); split over tp = 2, a block holds its tp-bound dimensions halved."""
+    import jax
+
+    from jax_overlap.model_api import build_model, param_counts
 
     cfg = config.load(f"{REPO}/configs/{path}", overrides)
-    traced = param_counts(cfg, 1)
-    embed, block = memory.param_elements(cfg.model)
-    assert (traced.per_layer, traced.embed + traced.head) == (block, embed)
+    abstract = jax.eval_shape(lambda: build_model(cfg).init(jax.random.key(0)))
+    elements = {k: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(v))
+                for k, v in abstract.items()}
+    embed, block = plan_for(cfg).param_elements
+    assert (embed, block * cfg.model.layers) == (elements["embed"] + elements.get("head", 0),
+                                                 elements["blocks"])
+    assert sum(param_counts(cfg, 2).leaves_per_layer) < block
 
 
 # ------------------------- scaled plain GPU recipes, deviceless for 8 x H100 (slow, < 60 s each)

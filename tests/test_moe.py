@@ -299,16 +299,17 @@ def test_memory_estimate_stores_experts_split_over_dp():
     their fp32 gradient and Adam moments (4 + 4 + 8 bytes an element), and the rest as before;
     the plan's estimate passes mesh.ep."""
     from jax_overlap.hardware import memory
+    from jax_overlap.model_api import param_elements
 
     cfg = config.load("configs/mixtral_8x7b.yaml", ["model.layers=2"])
     m, dp = cfg.model, 4
     routed = memory.routed_expert_elements(m)
     assert routed == m.experts * 3 * m.d_model * m.d_ff
     args = (m, 1, 1, 1, dp, "bf16")
-    full = memory.step_memory(*args, ep=1)
-    split = memory.step_memory(*args, ep=dp)
+    full = memory.step_memory(*args, params=param_elements(cfg), ep=1)
+    split = memory.step_memory(*args, params=param_elements(cfg), ep=dp)
     assert full.state - split.state == pytest.approx(16 * m.layers * routed * (1 - 1 / dp))
-    zero1 = memory.step_memory(*args, ep=dp, zero1=True)  # experts' moments not split twice
+    zero1 = memory.step_memory(*args, params=param_elements(cfg), ep=dp, zero1=True)  # experts' moments not split twice
     other = full.state / 16 - m.layers * routed  # elements of everything else
     assert split.state - zero1.state == pytest.approx(8 * other * (1 - 1 / dp))
     # The plan carries mesh.ep, so its estimate and preflight's see the split experts.

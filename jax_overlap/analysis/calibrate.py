@@ -88,6 +88,7 @@ import numpy as np
 from jax_overlap.hardware.collective_cost import ring_factor, ring_steps
 from jax_overlap.hardware.machine import HardwareProfile, Link
 from jax_overlap.config import Config
+from jax_overlap.model_api import local_param_shapes
 
 # ``block_*``: per layer of a lax.scan over every layer; ``block1_*``: a one-layer chunk,
 # whose length-1 scan XLA unrolls, so it skips the residual stacking a longer scan pays.
@@ -292,29 +293,6 @@ def _median_time(fn: Callable[..., Any], args: Sequence[Any], repeats: int,
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _local_shape(shape: tuple[int, ...], axes: tuple, tp: int) -> tuple[int, ...]:
-    """One TP rank's shape: every dimension bound to the TP mesh axis divided by ``tp``."""
-    from jax_overlap.parallel.mesh import LOGICAL_RULES, TP
-
-    return tuple(
-        n // tp if a is not None and LOGICAL_RULES.get(a) == TP else n
-        for n, a in zip(shape, axes)
-    )
-
-
-def local_param_shapes(model: Any, tp: int) -> Any:
-    """``ShapeDtypeStruct`` tree of one TP rank's parameters (blocks keep the layer axis)."""
-    import jax
-
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    return jax.tree.map(
-        lambda s, axes: jax.ShapeDtypeStruct(_local_shape(s.shape, axes, tp), s.dtype),
-        abstract,
-        model.param_axes(),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
 
 
 def _random_like(shapes: Any, seed: int) -> Any:

@@ -26,13 +26,13 @@ from jax_overlap.analysis.plan_shape import (
     block_variant,
     layers_per_virtual_stage,
     micro_batch_size,
-    param_counts,
     quantities_for,
     stash_bytes,
 )
 from jax_overlap.analysis.simulate import Costs
 from jax_overlap.config import Config
 from jax_overlap.hardware.machine import HardwareProfile, Link
+from jax_overlap.model_api import param_counts
 from jax_overlap.hardware.memory import dtype_bytes
 
 # Assumed model-FLOPs utilisation of the compute for FLOP-based costs: an assumption,

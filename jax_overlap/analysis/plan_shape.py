@@ -5,14 +5,8 @@ which calibrated pieces a plan's compute is made of. Plain numbers for the cost 
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from functools import lru_cache
-
-import numpy as np
-
-from jax_overlap.analysis.calibrate import local_param_shapes
 from jax_overlap.config import Config
+from jax_overlap.model_api import param_counts
 
 
 def micro_batch_size(cfg: Config, plan) -> int:
@@ -34,63 +28,6 @@ def layers_per_device(cfg: Config, plan) -> list[int]:
     for vs, n in enumerate(layers_per_virtual_stage(cfg, plan)):
         out[plan.schedule.placement[vs][0]] += n
     return out
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter elements on one TP rank.
-
-    Attributes:
-      per_layer: one block's elements.
-      embed: embedding elements (token + position).
-      head: head elements (final norm; output matrix when untied).
-      leaves_per_layer: one block's parameter arrays, each ``(elements,)``.
-      embed_leaves: embedding arrays' elements.
-      head_leaves: head arrays' elements.
-    """
-
-    per_layer: int
-    embed: int
-    head: int
-    leaves_per_layer: tuple[int, ...]
-    embed_leaves: tuple[int, ...]
-    head_leaves: tuple[int, ...]
-
-
-def param_counts(cfg: Config, tp: int) -> ParamCounts:
-    """Parameter elements of ``cfg``'s model on one rank of a ``tp``-way TP group.
-
-    Args:
-      cfg: the config (its model).
-      tp: TP degree.
-
-    Returns:
-      The :class:`ParamCounts` (computed from abstract shapes; nothing is allocated).
-    """
-    return _param_counts(dataclasses.astuple(cfg.model), tp)
-
-
-@lru_cache(maxsize=64)
-def _param_counts(model_fields: tuple, tp: int) -> ParamCounts:
-    # Tracing the model's init takes ~0.1 s and a sweep asks for the same few counts
-    # thousands of times: keyed by the model's fields, which fully determine them.
-    import jax
-
-    from jax_overlap.config import ModelConfig
-    from jax_overlap.model_api import build_model
-
-    cfg = Config(model=ModelConfig(*model_fields))
-    shapes = local_param_shapes(build_model(cfg), tp)
-
-    def sizes(tree, drop_layer_axis=False):
-        return tuple(
-            int(np.prod(s.shape[1:] if drop_layer_axis else s.shape))
-            for s in jax.tree.leaves(tree)
-        )
-
-    blocks = sizes(shapes["blocks"], drop_layer_axis=True)
-    embed, head = sizes(shapes["embed"]), sizes(shapes.get("head", {}))
-    return ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
 
 
 def stage_param_elements(cfg: Config, plan) -> float:

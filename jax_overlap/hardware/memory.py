@@ -185,38 +185,6 @@ def layer_stash_bytes(model, micro_batch: int, tp: int, precision: str,
         sequence_parallel=sequence_parallel, pipelined=pipelined)
 
 
-def param_elements(model) -> tuple[float, float]:
-    """(embedding + head elements, elements of one block) of a transformer, by `model.kind`
-    (`models/gpt.py`, `bert.py`, `llama.py`, `moe.py`; equal to the traced count,
-    `analysis.plan_shape.param_counts`, at tp = 1).
-
-    GPT: fused q/k/v and out projections, a GELU MLP, biases, two LayerNorms; learned positions
-    and a final LayerNorm. BERT: GPT's block; its embedding adds a mask vector and its head the
-    MLM transform (dense + LayerNorm) and a vocabulary bias. Llama: grouped-query attention
-    (`kv_heads`), a SwiGLU MLP (or `experts` SwiGLU experts with a router and shared experts),
-    two RMSNorms, no biases, RoPE (no position table).
-    """
-    d, f, v = model.d_model, model.d_ff, model.vocab
-    kind = getattr(model, "kind", "gpt")
-    untied = 0 if getattr(model, "tied_embeddings", True) else v * d
-    if kind == "llama":
-        heads = max(model.heads, 1)
-        kv = getattr(model, "kv_heads", 0) or heads
-        attn = 2 * d * d + 2 * d * kv * (d // heads)  # q and out, k and v
-        experts = getattr(model, "experts", 0)
-        if experts:
-            shared = getattr(model, "shared_experts", 0)
-            mlp = d * experts + experts * 3 * d * f + 3 * d * f * shared + experts + 2
-        else:
-            mlp = 3 * d * f  # gate and up, down
-        return float(v * d + d + untied), float(attn + mlp + 2 * d)
-    block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv + out, MLP, biases and norms
-    embed = v * d + model.seq_len * d + 2 * d + untied
-    if kind == "bert":  # the mask vector; the MLM transform, its two norms, the vocab bias
-        embed += d + d * d + d + 2 * d + v
-    return float(embed), float(block)
-
-
 def routed_expert_elements(model) -> float:
     """Elements of one layer's routed experts (gate, up and down of every expert; 0 for a
     dense model): the part `mesh.ep` stores split over dp."""
@@ -279,7 +247,7 @@ class StepMemory:
 
 
 def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
-                zero1: bool = False, fsdp: bool = False, remat: str = "none",
+                params: tuple[float, float], zero1: bool = False, fsdp: bool = False, remat: str = "none",
                 attention="plain", microbatches: int = 1, sequence_parallel: bool = False,
                 slots: PipelineSlots | None = None, split_backward: bool = False,
                 vocab_parallel: bool = False, paired: bool = False,
@@ -291,6 +259,8 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
       model: the model config (`cfg.model`: layers, d_model, heads, d_ff, vocab, seq_len).
       micro_batch: sequences per microbatch on one replica.
       tp, pp, dp: mesh axis sizes.
+      params: (embedding + head elements, elements of one block), unsplit: the model's own
+        count (`model_api.param_elements`, `ParallelPlan.param_elements`).
       precision: "fp32", "bf16" or "fp16".
       zero1: Adam's moments split over dp.
       fsdp: block parameters, gradients and moments split over dp.
@@ -316,7 +286,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     d = model.d_model
     s = tp if sequence_parallel and tp > 1 else 1
     tokens = micro_batch * model.seq_len
-    embed, block = param_elements(model)
+    embed, block = params
     layers = model.layers / pp
     routed = routed_expert_elements(model) if ep > 1 else 0.0  # per layer, all E experts
     block_elems = (block - routed) / tp / (dp if fsdp else 1) + routed / tp / dp
@@ -369,13 +339,13 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
 
 
 def step_bytes(model, micro_batch: int, tp: int, pp: int, dp: int, precision: str, *,
-               zero1: bool = False, fsdp: bool = False, remat: str = "none",
-               attention="plain", **details) -> float:
+               params: tuple[float, float], zero1: bool = False, fsdp: bool = False,
+               remat: str = "none", attention="plain", **details) -> float:
     """Estimated peak bytes per device of one train step (`step_memory(...).total`; `details`
     are its keyword arguments: microbatches, sequence_parallel, slots, split_backward,
     vocab_parallel)."""
-    return step_memory(model, micro_batch, tp, pp, dp, precision, zero1=zero1, fsdp=fsdp,
-                       remat=remat, attention=attention, **details).total
+    return step_memory(model, micro_batch, tp, pp, dp, precision, params=params, zero1=zero1,
+                       fsdp=fsdp, remat=remat, attention=attention, **details).total
 
 
 def plan_step_memory(model, precision: str, plan) -> StepMemory:
@@ -384,7 +354,8 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
     ov = plan.overlap
     program = plan.program
     return step_memory(
-        model, plan.micro_batch, plan.tp, plan.pp, plan.dp, precision, zero1=ov.zero1,
+        model, plan.micro_batch, plan.tp, plan.pp, plan.dp, precision,
+        params=plan.param_elements, zero1=ov.zero1,
         fsdp=ov.fsdp, remat=plan.remat, attention=getattr(plan, "attention", "plain"),
         microbatches=plan.microbatches, sequence_parallel=ov.tp_comm != "plain",
         slots=PipelineSlots.of_program(program) if program is not None else None,

@@ -110,15 +110,14 @@ def device_step_parts(model, train, plan) -> dict[str, float]:
       {"state": parameters + gradients + optimizer moments, "activations": what the schedule
       and remat policy keep for the backward plus the logits, "comm": communication buffers}.
     """
-    from jax_overlap.hardware.memory import (dtype_bytes, param_elements, plan_step_memory,
-                                             routed_expert_elements)
+    from jax_overlap.hardware.memory import dtype_bytes, plan_step_memory, routed_expert_elements
 
     ov = plan.overlap
     # The plan's own estimate (the one its auto microbatches and remat policy were chosen by).
     mem = plan_step_memory(model, train.precision, plan)
     tokens = plan.micro_batch * model.seq_len
     act_bytes = dtype_bytes(train.precision)
-    _, block = param_elements(model)
+    _, block = plan.param_elements
     comm = 2.0 * ov.grad_bucket_bytes  # a bucket being filled and one being reduced
     if ov.fsdp:
         # gathered blocks in flight (mesh.ep > 1: the routed experts stay out of the window)
@@ -168,9 +167,7 @@ def memory_problems(model, train, data, plan, *, device_bytes: Optional[float],
                   f"{_gib(parts['comm'])}")
         budget = device_bytes or (host_bytes / max(1, local_devices) if host_bytes else None)
         if budget and parts["state"] > budget / 2:  # the model itself is too big
-            from jax_overlap.hardware.memory import param_elements
-
-            embed, block = param_elements(model)
+            embed, block = plan.param_elements
             field = "model.layers" if model.layers * block >= embed else "model.d_model"
             fix = ("shrink the model (model.layers, model.d_model, model.d_ff, model.vocab) "
                    "or split it further (mesh.pp, mesh.tp, overlap.param_sharding=fsdp)")

@@ -42,12 +42,12 @@ CALIBRATED_KINDS = ("gpt", "bert", "llama")
 def calibration_skipped(cfg: Config) -> str | None:
     """Why `tune` prices `cfg`'s plans by FLOPs on the calibrated profile, or None when it
     can calibrate them here."""
-    from jax_overlap.hardware.memory import param_elements
+    from jax_overlap.model_api import param_elements
 
     m = cfg.model
     if m.kind not in CALIBRATED_KINDS:
         return f"model.kind={m.kind}: calibration times transformer blocks only"
-    embed, block = param_elements(m)
+    embed, block = param_elements(cfg)
     params = embed + m.layers * block
     if params > CALIBRATED_MAX_PARAMS:
         return (f"{params / 1e9:.2f}e9 parameters: timing its layers on this CPU would take "
