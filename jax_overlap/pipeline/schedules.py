@@ -476,151 +476,179 @@ def _list_schedule(
     operations per stage: p = 64, m = 1024 builds in seconds (scanning every pending task
     each tick took minutes). Tasks are ints inside: ``(vs * m + mb) * 3 + kind``.
     """
-    n_vs, m, lat = len(placement), microbatches, transfer_latency
-    kinds = ("F", "B", "W") if split_backward else ("F", "B")
-    release = len(kinds) - 1
-    stage_of = [pos[0] for pos in placement]
-    caps = [policy.cap(d) for d in range(stages)]
-    # Every stage's task ids in rank order; heaps and program pointers hold ranks (positions
-    # in that order). The task itself breaks ties so the result never depends on set order.
-    order: list[list[int]] = []
-    for d in range(stages):
-        if policy.programs is not None:
-            mine = policy.programs[d]
-        else:
-            mine = [Task(kinds[k], mb, vs) for vs in range(n_vs) if stage_of[vs] == d
-                    for mb in range(m) for k in range(len(kinds))]
-            mine.sort(key=lambda t, d=d: (policy.priority(t, d), t))
-        order.append([(t.virtual_stage * m + t.microbatch) * 3 + KINDS.index(t.kind)
-                      for t in mine])
-    rank = [0] * (n_vs * m * 3)
-    for row in order:
-        for i, tid in enumerate(row):
-            rank[tid] = i
-    # In-order programs run each lane's tasks front to back (one lane unless paired).
-    lane_of = [0, int(paired), int(paired)]
-    lanes = 2 if paired else 1
-    programs = [[[i for i, tid in enumerate(order[d]) if lane_of[tid % 3] == lane]
-                 for lane in range(lanes)] for d in range(stages)]
-    cursor = [[0] * lanes for _ in range(stages)]
-    ready_f: list[list[int]] = [[] for _ in range(stages)]
-    ready_o: list[list[int]] = [[] for _ in range(stages)]
-    ready_w: list[list[int]] = [[] for _ in range(stages)]  # fill: the W's, apart
-    future: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
-    never = 1 << 62
-    arrive = [never] * (n_vs * m * 3)
-    done = [-1] * (n_vs * m * 3)
-    for mb in range(m):  # the first forwards need nothing
-        arrive[mb * 3] = 0
-        heapq.heappush(future[stage_of[0]], (0, rank[mb * 3]))
-    in_order = policy.in_order
-    held = [0] * stages
-    rows: list[list[Cell]] = [[] for _ in range(stages)]
-    remaining = sum(len(row) for row in order)
-    actions: dict[tuple[int, int, int], Action] = {}
+    return _ListScheduler(name, stages, microbatches, placement, split_backward, policy,
+                          transfer_latency, paired, quorum, fill, guard).run()
 
-    def action(tid: int) -> Action:
-        vs, mb = divmod(tid // 3, m)
-        key = (tid % 3, mb, placement[vs][1])
-        a = actions.get(key)
+
+class _ListScheduler:
+    """`_list_schedule`'s state: ranked tasks, ready heaps, arrival and finish ticks, and the
+    table rows built so far; one method per step of a tick."""
+
+    def __init__(self, name: str, stages: int, microbatches: int,
+                 placement: tuple[tuple[int, int], ...], split_backward: bool, policy: _Policy,
+                 lat: int, paired: bool, quorum: float | Sequence[float], fill: bool,
+                 guard: tuple[dict[str, float], float, float, bool] | None):
+        self.name, self.stages, self.m, self.lat = name, stages, microbatches, lat
+        self.placement, self.split_backward = placement, split_backward
+        self.paired, self.quorum, self.fill, self.guard = paired, quorum, fill, guard
+        self.n_vs = n_vs = len(placement)
+        kinds = ("F", "B", "W") if split_backward else ("F", "B")
+        self.release = len(kinds) - 1
+        self.stage_of = [pos[0] for pos in placement]
+        self.caps = [policy.cap(d) for d in range(stages)]
+        self.in_order = policy.in_order
+        self.order = self._ranked(policy, kinds)
+        self.rank = [0] * (n_vs * microbatches * 3)
+        for row in self.order:
+            for i, tid in enumerate(row):
+                self.rank[tid] = i
+        # In-order programs run each lane's tasks front to back (one lane unless paired).
+        self.lane_of = [0, int(paired), int(paired)]
+        lanes = 2 if paired else 1
+        self.programs = [[[i for i, tid in enumerate(self.order[d])
+                           if self.lane_of[tid % 3] == lane] for lane in range(lanes)]
+                         for d in range(stages)]
+        self.cursor = [[0] * lanes for _ in range(stages)]
+        self.ready_f: list[list[int]] = [[] for _ in range(stages)]
+        self.ready_o: list[list[int]] = [[] for _ in range(stages)]
+        self.ready_w: list[list[int]] = [[] for _ in range(stages)]  # fill: the W's, apart
+        self.future: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+        self.arrive = [1 << 62] * (n_vs * microbatches * 3)
+        self.done = [-1] * (n_vs * microbatches * 3)
+        for mb in range(microbatches):  # the first forwards need nothing
+            self.arrive[mb * 3] = 0
+            heapq.heappush(self.future[self.stage_of[0]], (0, self.rank[mb * 3]))
+        arrive, future, rank, stage_of = self.arrive, self.future, self.rank, self.stage_of
+
+        def became_ready(tid: int, tick: int) -> None:
+            """`tid`'s inputs are all on its stage from `tick` on."""
+            arrive[tid] = tick
+            heapq.heappush(future[stage_of[tid // 3 // microbatches]], (tick, rank[tid]))
+
+        self.became_ready = became_ready
+        self.held = [0] * stages
+        self.rows: list[list[Cell]] = [[] for _ in range(stages)]
+        self.remaining = sum(len(row) for row in self.order)
+        self.actions: dict[tuple[int, int, int], Action] = {}
+        if guard is not None:
+            self._init_guard(guard)
+
+    def _ranked(self, policy: _Policy, kinds: tuple[str, ...]) -> list[list[int]]:
+        """Every stage's task ids in rank order; heaps and program pointers hold ranks
+        (positions in that order). The task itself breaks ties so the result never depends
+        on set order."""
+        m, order = self.m, []
+        for d in range(self.stages):
+            if policy.programs is not None:
+                mine = policy.programs[d]
+            else:
+                mine = [Task(kinds[k], mb, vs) for vs in range(self.n_vs)
+                        if self.stage_of[vs] == d for mb in range(m) for k in range(len(kinds))]
+                mine.sort(key=lambda t, d=d: (policy.priority(t, d), t))
+            order.append([(t.virtual_stage * m + t.microbatch) * 3 + KINDS.index(t.kind)
+                          for t in mine])
+        return order
+
+    def _init_guard(self, guard) -> None:
+        g_cost, self.g_transfer, self.g_share, self.g_late = guard
+        self.g_sec = [action_cost(k, self.split_backward, g_cost) for k in KINDS]
+        near = [set() for _ in range(self.stages)]
+        for vs in range(self.n_vs - 1):
+            a, b = self.stage_of[vs], self.stage_of[vs + 1]
+            if a != b:
+                near[a].add(b)
+                near[b].add(a)
+        self.near = [sorted(x) for x in near]
+        self.clock = [0.0] * self.stages
+        self.forwards_left = [sum(tid % 3 == 0 for tid in row) for row in self.order]
+
+    def action(self, tid: int) -> Action:
+        vs, mb = divmod(tid // 3, self.m)
+        key = (tid % 3, mb, self.placement[vs][1])
+        a = self.actions.get(key)
         if a is None:
-            a = actions[key] = Action(KINDS[key[0]], mb, key[2])
+            a = self.actions[key] = Action(KINDS[key[0]], mb, key[2])
         return a
 
-    def became_ready(tid: int, tick: int) -> None:
-        vs = tid // 3 // m
-        dst = stage_of[vs]
-        arrive[tid] = tick
-        heapq.heappush(future[dst], (tick, rank[tid]))
-
-    def finish(tid: int, tick: int) -> None:
+    def finish(self, tid: int, tick: int) -> None:
         """Marks `tid` done at `tick`; its dependents whose inputs are all done get their
         arrival tick (the last input's tick plus its gap)."""
+        done, m, stage_of, lat = self.done, self.m, self.stage_of, self.lat
+        became_ready = self.became_ready
         done[tid] = tick
         kind, vs = tid % 3, tid // 3 // m
         src = stage_of[vs]
         if kind == 0:  # F: the next forward, and this stage's own B
-            if vs + 1 < n_vs:
+            if vs + 1 < self.n_vs:
                 became_ready(tid + 3 * m, tick + (1 if stage_of[vs + 1] == src else lat))
-            if vs == n_vs - 1:
+            if vs == self.n_vs - 1:
                 became_ready(tid + 1, tick + 1)
             elif done[tid + 1 + 3 * m] >= 0:  # B of the next virtual stage already ran
                 later = done[tid + 1 + 3 * m] + (1 if stage_of[vs + 1] == src else lat)
                 became_ready(tid + 1, max(tick + 1, later))
         elif kind == 1:  # B: the previous virtual stage's B, and this one's W
-            if split_backward:
+            if self.split_backward:
                 became_ready(tid + 1, tick + 1)
             if vs > 0 and done[tid - 3 * m - 1] >= 0:  # F of the previous virtual stage ran
                 gap = 1 if stage_of[vs - 1] == src else lat
                 became_ready(tid - 3 * m, max(tick + gap, done[tid - 3 * m - 1] + 1))
 
-    def head(d: int, lane: int, tick: int) -> int | None:
+    def head(self, d: int, lane: int, tick: int) -> int | None:
         """The next task of an in-order lane, if its inputs are here and the cap allows."""
-        program, k = programs[d][lane], cursor[d][lane]
+        program, k = self.programs[d][lane], self.cursor[d][lane]
         if k == len(program):
             return None
         i = program[k]
-        tid = order[d][i]
-        if arrive[tid] > tick or (tid % 3 == 0 and held[d] >= caps[d]):
+        tid = self.order[d][i]
+        if self.arrive[tid] > tick or (tid % 3 == 0 and self.held[d] >= self.caps[d]):
             return None
         return i
 
-    if guard is not None:
-        g_cost, g_transfer, g_share, g_late = guard
-        g_sec = [action_cost(k, split_backward, g_cost) for k in KINDS]
-        near = [set() for _ in range(stages)]
-        for vs in range(n_vs - 1):
-            a, b = stage_of[vs], stage_of[vs + 1]
-            if a != b:
-                near[a].add(b)
-                near[b].add(a)
-        near_l = [sorted(x) for x in near]
-        clock = [0.0] * stages
-        forwards_left = [sum(tid % 3 == 0 for tid in row) for row in order]
-    tick, stalled = 0, 0
-    while remaining:
-        chosen: list[tuple[int, ...]] = []
-        for d in range(stages):
-            if in_order:
-                i = head(d, 0, tick)
-                picks = () if i is None else (i,)
-                if paired and (j := head(d, 1, tick)) is not None:
-                    picks = (*picks, j)
-            else:
-                fut = future[d]
-                while fut and fut[0][0] <= tick:
-                    i = heapq.heappop(fut)[1]
-                    k = order[d][i] % 3
-                    heapq.heappush(ready_f[d] if k == 0 else
-                                   ready_w[d] if fill and k == 2 else ready_o[d], i)
-                f = ready_f[d][0] if ready_f[d] and held[d] < caps[d] else None
-                o = ready_o[d][0] if ready_o[d] else None
-                if fill:  # lane 0: F, else the oldest W; lane 1: B, else the next W
-                    ws = heapq.nsmallest(2, ready_w[d]) if f is None or o is None else []
-                    first = f if f is not None else (ws.pop(0) if ws else None)
-                    second = o if o is not None else (ws[0] if ws else None)
-                    if (guard is not None and f is None and o is not None and first is not None
-                            and (not g_late or not forwards_left[d])):
-                        meet = max([clock[d]] + [clock[e] for e in near_l[d]]) + g_transfer
-                        if clock[d] + g_sec[2] - meet > g_share * g_sec[2]:
-                            first = None  # the W would hold up the B: lane 0 waits instead
-                    picks = tuple(i for i in (first, second) if i is not None)
-                elif paired:  # one forward and one backward per tick, forward first
-                    picks = (f, o) if f is not None and o is not None else (
-                        (f,) if f is not None else (o,) if o is not None else ())
-                elif f is None:
-                    picks = () if o is None else (o,)
-                else:
-                    picks = (f,) if o is None or f < o else (o,)
-            chosen.append(picks)
-        share = quorum if isinstance(quorum, (int, float)) else quorum[min(tick, len(quorum) - 1)]
-        if paired and not fill and 0 < sum(len(c) == 2 for c in chosen) < share * stages:
-            # Too few stages can pair: a pair would make the whole lockstep tick two actions
-            # long while most stages run one. Each stage runs its better-ranked task instead.
-            chosen = [(min(c),) if len(c) == 2 else c for c in chosen]
-        stalled = stalled + 1 if not any(chosen) else 0
-        if stalled >= transfer_latency:  # nothing in flight can make a task ready
-            raise RuntimeError(f"{name}: list scheduler deadlocked at tick {tick}")
+    def pick(self, d: int, tick: int) -> tuple[int, ...]:
+        """The ranks stage `d` runs at `tick` (before the quorum rule)."""
+        if self.in_order:
+            i = self.head(d, 0, tick)
+            picks = () if i is None else (i,)
+            if self.paired and (j := self.head(d, 1, tick)) is not None:
+                picks = (*picks, j)
+            return picks
+        fut, order = self.future[d], self.order[d]
+        while fut and fut[0][0] <= tick:
+            i = heapq.heappop(fut)[1]
+            k = order[i] % 3
+            heapq.heappush(self.ready_f[d] if k == 0 else
+                           self.ready_w[d] if self.fill and k == 2 else self.ready_o[d], i)
+        f = self.ready_f[d][0] if self.ready_f[d] and self.held[d] < self.caps[d] else None
+        o = self.ready_o[d][0] if self.ready_o[d] else None
+        if self.fill:
+            return self.fill_picks(d, f, o)
+        if self.paired:  # one forward and one backward per tick, forward first
+            return (f, o) if f is not None and o is not None else (
+                (f,) if f is not None else (o,) if o is not None else ())
+        if f is None:
+            return () if o is None else (o,)
+        return (f,) if o is None or f < o else (o,)
+
+    def fill_picks(self, d: int, f: int | None, o: int | None) -> tuple[int, ...]:
+        """Lanes as positions: lane 0 the forward, else the oldest W; lane 1 the B, else the
+        next W (with the guard, a W ahead of a ready B only if it holds that B up little)."""
+        ws = heapq.nsmallest(2, self.ready_w[d]) if f is None or o is None else []
+        first = f if f is not None else (ws.pop(0) if ws else None)
+        second = o if o is not None else (ws[0] if ws else None)
+        if (self.guard is not None and f is None and o is not None and first is not None
+                and (not self.g_late or not self.forwards_left[d])):
+            clock = self.clock
+            meet = max([clock[d]] + [clock[e] for e in self.near[d]]) + self.g_transfer
+            if clock[d] + self.g_sec[2] - meet > self.g_share * self.g_sec[2]:
+                first = None  # the W would hold up the B: lane 0 waits instead
+        if first is None:
+            return () if second is None else (second,)
+        return (first,) if second is None else (first, second)
+
+    def run_tick(self, chosen: list[tuple[int, ...]], tick: int) -> None:
+        """Runs the chosen ranks: finishes their tasks and appends the table's cells."""
+        rows, order, held, release, fill = self.rows, self.order, self.held, self.release, self.fill
+        finish, action = self.finish, self.action
         for d, picks in enumerate(chosen):
             if not picks:
                 rows[d].append(None)
@@ -629,39 +657,61 @@ def _list_schedule(
             for i in picks:
                 tid = order[d][i]
                 kind = tid % 3
-                if in_order:
-                    cursor[d][lane_of[kind]] += 1
+                if self.in_order:
+                    self.cursor[d][self.lane_of[kind]] += 1
                 else:
-                    heapq.heappop(ready_f[d] if kind == 0 else
-                                  ready_w[d] if fill and kind == 2 else ready_o[d])
+                    heapq.heappop(self.ready_f[d] if kind == 0 else
+                                  self.ready_w[d] if fill and kind == 2 else self.ready_o[d])
                 finish(tid, tick)
                 held[d] += (kind == 0) - (kind == release)
                 cell.append(action(tid))
-            remaining -= len(picks)
+            self.remaining -= len(picks)
             rows[d].append(cell[0] if len(cell) == 1 else Pair(*cell))
-        if guard is not None:  # the executor's clocks: ticks.lane_meet's rule, inlined
-            work = ([0.0] * stages, [0.0] * stages)
-            for d, picks in enumerate(chosen):
-                for j, i in enumerate(picks):
-                    kind = order[d][i] % 3
-                    work[j if len(picks) == 2 else int(kind != 0)][d] += g_sec[kind]
-                    forwards_left[d] -= kind == 0
-            for lane_work in work:
-                begin = clock
-                clock = [max(begin[d] + lane_work[d],
-                             max([begin[d]] + [begin[e] for e in near_l[d]]) + g_transfer)
-                         if near_l[d] else begin[d] + lane_work[d] for d in range(stages)]
-        tick += 1
-    return Schedule(
-        name=name,
-        stages=stages,
-        microbatches=microbatches,
-        virtual_stages=n_vs // stages,
-        split_backward=split_backward,
-        placement=placement,
-        grid=tuple(tuple(row) for row in rows),
-        transfer_latency=transfer_latency,
-    )
+
+    def advance_clocks(self, chosen: list[tuple[int, ...]]) -> None:
+        """The executor's clocks after a tick (the guard's view): `ticks.lane_meet`'s rule."""
+        stages, near = self.stages, self.near
+        work = ([0.0] * stages, [0.0] * stages)
+        for d, picks in enumerate(chosen):
+            for j, i in enumerate(picks):
+                kind = self.order[d][i] % 3
+                work[j if len(picks) == 2 else int(kind != 0)][d] += self.g_sec[kind]
+                self.forwards_left[d] -= kind == 0
+        for lane_work in work:
+            begin = self.clock
+            self.clock = [max(begin[d] + lane_work[d],
+                              max([begin[d]] + [begin[e] for e in near[d]]) + self.g_transfer)
+                          if near[d] else begin[d] + lane_work[d] for d in range(stages)]
+
+    def run(self) -> Schedule:
+        tick, stalled = 0, 0
+        pick, stages = self.pick, range(self.stages)
+        while self.remaining:
+            chosen = [pick(d, tick) for d in stages]
+            q = self.quorum
+            share = q if isinstance(q, (int, float)) else q[min(tick, len(q) - 1)]
+            if (self.paired and not self.fill
+                    and 0 < sum(len(c) == 2 for c in chosen) < share * self.stages):
+                # Too few stages can pair: a pair would make the whole lockstep tick two
+                # actions long while most stages run one. Each runs its better-ranked task.
+                chosen = [(min(c),) if len(c) == 2 else c for c in chosen]
+            stalled = stalled + 1 if not any(chosen) else 0
+            if stalled >= self.lat:  # nothing in flight can make a task ready
+                raise RuntimeError(f"{self.name}: list scheduler deadlocked at tick {tick}")
+            self.run_tick(chosen, tick)
+            if self.guard is not None:
+                self.advance_clocks(chosen)
+            tick += 1
+        return Schedule(
+            name=self.name,
+            stages=self.stages,
+            microbatches=self.m,
+            virtual_stages=self.n_vs // self.stages,
+            split_backward=self.split_backward,
+            placement=self.placement,
+            grid=tuple(tuple(row) for row in self.rows),
+            transfer_latency=self.lat,
+        )
 
 
 def _program_policy(programs: Sequence[Sequence[Task]]) -> _Policy:
