@@ -101,8 +101,10 @@ def rows(meshes, microbatches, variants=VARIANTS) -> list[dict]:
                             p = tune.search_split(p, hw, timing="ticks")
                             cfg = p.config
                         else:
+                            # On a GPU `auto` is the balanced split.
                             cand = tune.Candidate(dp, tp, pp, v, m, schedule, BUCKET_MB, False,
-                                                  1, lat, split, vocab_parallel=head == "vocab")
+                                                  1, lat, "balanced" if split == "auto" else split,
+                                                  vocab_parallel=head == "vocab")
                             cfg = tune.apply_candidate(base, cand)
                             p = tune.predict(cand, cfg, hw, timing="ticks")
                         events = tune.predict(p.candidate, cfg, hw, timing="events")

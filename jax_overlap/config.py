@@ -174,9 +174,10 @@ class PipelineConfig:
     # prints them) or ratios; null: equal.
     tick_costs: list[float] | None = None
     # Layers per virtual stage, in model order (pp x virtual_stages counts summing to
-    # model.layers): even (equal chunks), auto (balanced by cost, counting the embedding on
-    # the first virtual stage and the LM head + loss on the last), or an explicit list.
-    stage_layers: Literal["even", "auto"] | list[int] = "even"
+    # model.layers): even (equal chunks), balanced (by cost, counting the embedding on the
+    # first virtual stage and the LM head + loss on the last), auto (balanced on a GPU; on a
+    # CPU even where the layers divide), or an explicit list.
+    stage_layers: Literal["even", "balanced", "auto"] | list[int] = "auto"
     # Vocabulary-parallel LM head: instead of the last virtual stage's stage running the
     # whole head and loss, every stage computes the logits of 1/pp of the vocabulary for
     # each microbatch (its last hidden state broadcast over pp, the softmax statistics and

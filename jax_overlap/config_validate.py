@@ -88,17 +88,17 @@ def _stage_split_problems(cfg: Config) -> list[str]:
     chunks = m.pp * pl.virtual_stages
     # ResNet groups its residual blocks into pp x v balanced units itself (models/resnet.py).
     split = pl.stage_layers
-    if mo.kind == "resnet" and split != "even":
+    if mo.kind == "resnet" and split not in ("even", "auto"):
         p.append("pipeline.stage_layers: resnet balances its residual blocks over the stages "
-                 "itself (models/resnet.py); leave it at even")
+                 "itself (models/resnet.py); leave it at auto or even")
     elif isinstance(split, list):
         from jax_overlap.pipeline.stage_split import (
             list_problems,  # pure Python, no jax
         )
 
         p.extend(list_problems(split, mo.layers, chunks))
-    elif split == "auto" and mo.layers < chunks:
-        p.append(f"pipeline.stage_layers: auto needs model.layers >= mesh.pp x "
+    elif split in ("auto", "balanced") and mo.kind != "resnet" and mo.layers < chunks:
+        p.append(f"pipeline.stage_layers: {split} needs model.layers >= mesh.pp x "
                  f"pipeline.virtual_stages = {chunks}, got {mo.layers}; use fewer stages")
     elif split == "even" and mo.kind != "resnet" and mo.layers % chunks:
         p.append(f"model.layers: {mo.layers} is not divisible by mesh.pp x pipeline.virtual_stages "

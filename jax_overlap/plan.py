@@ -459,7 +459,8 @@ class ParallelPlan:
                 f"collectives.vocab_columns and use vocab_cross_entropy, "
                 f"docs/guides/custom_models.md); "
                 f"set it to false"])
-        split = _resolve_stage_layers(cfg, num_layers, schedule, choices, vocab_parallel)
+        split = _resolve_stage_layers(cfg, num_layers, schedule, choices, vocab_parallel,
+                                      target)
         if m.pp > 1:
             perm = _layer_permutation(num_layers, schedule, split)
         plan = cls(dp=m.dp, pp=m.pp, tp=m.tp, microbatches=microbatches,
@@ -511,10 +512,10 @@ def _layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None
 
 
 def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
-                          choices: dict[str, Choice], vocab_parallel: bool = False
-                          ) -> tuple[int, ...]:
-    """`pipeline.stage_layers` as layers per virtual stage (`auto` resolved from the model's
-    FLOPs: `pipeline.stage_split`)."""
+                          choices: dict[str, Choice], vocab_parallel: bool = False,
+                          target: Target | None = None) -> tuple[int, ...]:
+    """`pipeline.stage_layers` as layers per virtual stage (`balanced` from the model's FLOPs,
+    `pipeline.stage_split`; `auto` balanced on a GPU, even on a CPU where the layers divide)."""
     from jax_overlap.pipeline import stage_split
 
     value, parts = cfg.pipeline.stage_layers, len(schedule.placement)
@@ -523,11 +524,17 @@ def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
         if problems:
             raise ConfigError(problems)
         return tuple(int(n) for n in value)
-    if value == "even" or parts == 1:
+    # ResNet groups its residual blocks into balanced units itself (models/resnet.py).
+    cpu_even = (value == "auto" and not (target and target.accelerator)
+                and num_layers % parts == 0)
+    if value == "even" or parts == 1 or cfg.model.kind == "resnet" or cpu_even:
         try:
-            return stage_split.even_split(num_layers, parts)
+            split = stage_split.even_split(num_layers, parts)
         except ValueError as e:
             raise ConfigError([str(e)]) from None
+        if cpu_even and cfg.model.kind != "resnet" and parts > 1:
+            choices["pipeline.stage_layers"] = Choice(list(split), CPU_STAGE_LAYERS_WHY)
+        return split
     mo = cfg.model
     block, embed, head = stage_split.transformer_costs(mo.d_model, mo.d_ff, mo.vocab, mo.seq_len)
     if vocab_parallel:  # every stage runs 1/pp of the head: no stage is heavier
@@ -540,6 +547,12 @@ def _resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
     choices["pipeline.stage_layers"] = Choice(list(split), stage_split.why_auto(
         split, schedule.placement, schedule.stages, embed / block, head / block))
     return split
+
+
+# Why `pipeline.stage_layers: auto` splits evenly on a CPU.
+CPU_STAGE_LAYERS_WHY = ("CPU: the devices share the host's cores, so wall time follows the "
+                        "total work, which a balanced split does not change; an even split "
+                        "pads no stage's chunks")
 
 
 def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tuple[str, str]:

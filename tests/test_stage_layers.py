@@ -16,6 +16,7 @@ from jax_overlap import config
 from jax_overlap.config import ConfigError
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules, stage_split
+from jax_overlap.plan import Target
 from jax_overlap.training.assemble import assemble, plan_for
 from models.gpt import GPT
 
@@ -230,40 +231,49 @@ def test_checkpoint_target_is_the_logical_unpadded_state():
 
 
 def test_auto_gives_the_stage_with_the_head_fewer_layers():
-    # GPT-1.3B: the LM head + loss is ~1.75 blocks of FLOPs, on the last virtual stage.
-    cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
-                                 "pipeline.stage_layers=auto"])
-    plan = plan_for(cfg)
+    # GPT-1.3B: the LM head + loss is ~1.75 blocks of FLOPs, on the last virtual stage (with
+    # the head on one stage: a vocabulary-parallel head spreads it over every stage). On a
+    # GPU target `auto` balances by FLOPs.
+    gpu = Target("h100", True, 80e9)
+    head_last = ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
+                 "pipeline.vocab_parallel=false"]
+    cfg = config.load(GPT_1P3B, head_last)
+    plan = plan_for(cfg, target=gpu)
     assert plan.stage_layers == (7, 6, 6, 5) and sum(plan.stage_layers) == 24
     assert plan.describe()["stage_layers"] == [7, 6, 6, 5]
     # The run's resolved config holds the list, which validates and gives the same plan.
     resolved = plan.resolved_config(cfg)
     assert resolved.pipeline.stage_layers == [7, 6, 6, 5]
     config.validate(resolved)
-    assert plan_for(resolved).stage_layers == plan.stage_layers
-    assert "pipeline.stage_layers" in plan.choices
+    assert plan_for(resolved, target=gpu).stage_layers == plan.stage_layers
+    assert "balanced by FLOPs" in plan.choices["pipeline.stage_layers"].why
     # V placement: stage 0 runs virtual stages 0 and 7 (the head): it gets the fewest layers.
-    zbv = plan_for(config.load(GPT_1P3B, [
-        "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
-        "pipeline.microbatches=8", "pipeline.stage_layers=auto"]))
+    zbv = plan_for(config.load(GPT_1P3B, [*head_last, "pipeline.schedule=zb-v",
+                                          "pipeline.virtual_stages=2"]), target=gpu)
     split = zbv.stage_layers
     assert split[-1] < 3 and sum(split) == 24
     per_stage = stage_split.device_loads(split, zbv.schedule.placement, 4)
     assert per_stage[0] == min(per_stage)
-    # A negligible head: auto keeps the even split; the default is even.
-    small = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8",
-                                   "model.vocab=64", "pipeline.stage_layers=auto"])
-    assert plan_for(small).stage_layers == (6, 6, 6, 6)
-    even = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "pipeline.microbatches=8"])
-    assert plan_for(even).stage_layers == (6, 6, 6, 6)
-    assert plan_for(even).layer_perm is None  # even and contiguous: no reordering
+    # A negligible head, or the vocabulary-parallel head a GPU plan picks: even.
+    small = config.load(GPT_1P3B, [*head_last, "model.vocab=64"])
+    assert plan_for(small, target=gpu).stage_layers == (6, 6, 6, 6)
+    spread = plan_for(config.load(GPT_1P3B, head_last[:3]), target=gpu)
+    assert spread.vocab_parallel and spread.stage_layers == (6, 6, 6, 6)
+    # On a CPU `auto` (the default) splits evenly where the layers divide, and says why.
+    cpu = plan_for(config.load(GPT_1P3B, head_last[:3]))
+    assert cpu.stage_layers == (6, 6, 6, 6) and cpu.layer_perm is None
+    assert cpu.choices["pipeline.stage_layers"].why.startswith("CPU:")
+    # ... and by FLOPs where they do not (10 layers over 4 stages).
+    uneven = plan_for(config.load(GPT_1P3B, [*head_last, "model.layers=10"]))
+    assert sum(uneven.stage_layers) == 10 and uneven.stage_layers[-1] == min(uneven.stage_layers)
+    assert "balanced by FLOPs" in uneven.choices["pipeline.stage_layers"].why
 
 
 @pytest.mark.parametrize("value,words", [
     ("[3,3]", "2 counts for mesh.pp x pipeline.virtual_stages = 4"),
     ("[4,3,3,0]", "every virtual stage needs >= 1 layer"),
     ("[3,3,3,3]", "sums to 12, not model.layers = 10"),
-    ("balanced", "expected 'even' | 'auto' or list of int"),
+    ("uneven", "expected 'even' | 'balanced' | 'auto' or list of int"),
 ])
 def test_bad_stage_layers_are_refused_with_one_line(value, words):
     with pytest.raises(ConfigError) as e:
@@ -301,14 +311,14 @@ def test_simulator_and_tuner_take_the_split():
     cfg = config.load(GPT_1P3B)
     hw = load_profile("h100_8x_nvlink")
     found = {}
-    for split in ("even", "auto"):
+    for split in ("even", "balanced"):
         cand = tune.Candidate(2, 1, 4, 1, 8, "1f1b", 64.0, False, 1, 1, split)
         found[split] = tune.predict(cand, tune.apply_candidate(cfg, cand), hw)
-    assert found["auto"].step_time_s < found["even"].step_time_s
-    assert found["auto"].bubble_rate < found["even"].bubble_rate
+    assert found["balanced"].step_time_s < found["even"].step_time_s
+    assert found["balanced"].bubble_rate < found["even"].bubble_rate
     splits = {c.stage_layers for c, _ in tune.enumerate_candidates(
         cfg, 8, bucket_sizes_mb=(64.0,), windows=(1,), max_microbatches=8) if c.pp == 4}
-    assert splits == {"even", "auto"}
+    assert splits == {"even", "balanced"}
 
 
 def test_tuner_search_improves_the_split_by_simulation():
@@ -317,7 +327,7 @@ def test_tuner_search_improves_the_split_by_simulation():
 
     cfg = config.load(GPT_1P3B)
     hw = load_profile("h100_8x_nvlink")
-    cand = tune.Candidate(2, 2, 2, 2, 8, "zb-v", 64.0, False, 1, 1, "auto")
+    cand = tune.Candidate(2, 2, 2, 2, 8, "zb-v", 64.0, False, 1, 1, "balanced")
     auto = tune.predict(cand, tune.apply_candidate(cfg, cand), hw)
     found = tune.search_split(auto, hw)
     assert found.step_time_s < auto.step_time_s

@@ -40,7 +40,7 @@ class Candidate:
       window: FSDP prefetch depth (1 when not sharded).
       transfer_latency: ticks between pipeline stages (1, or 2: every stage-to-stage transfer
         under the next tick's compute, for a longer ramp); 1 when pp = 1.
-      stage_layers: ``even`` or ``auto`` (`pipeline.stage_layers`: layers balanced by cost,
+      stage_layers: ``even`` or ``balanced`` (`pipeline.stage_layers`: layers balanced by cost,
         counting the embedding and the LM head), or an explicit split found by
         :func:`search_split` written ``"7,6,6,5"``; ``even`` when pp = 1.
       paired: paired F+B ticks (`pipeline.paired`, latency 1); False when pp = 1.
@@ -155,7 +155,7 @@ def _divisors(n: int) -> list[int]:
 
 def _split_value(text: str):
     """A candidate's `stage_layers` as the config takes it ("7,6,6,5" -> [7, 6, 6, 5])."""
-    if text in ("even", "auto"):
+    if text in ("even", "balanced", "auto"):
         return text
     return [int(n) for n in text.split(",")]
 
@@ -193,7 +193,7 @@ def _bucket_sizes(cfg: Config, dp: int, tp: int, pp: int, sizes: Sequence[float]
                                 pipeline=dataclasses.replace(cfg.pipeline, schedule="gpipe",
                                                              virtual_stages=1,
                                                              transfer_latency=1,
-                                                             stage_layers="auto"))
+                                                             stage_layers="balanced"))
     grad_mb = plan_shape.stage_param_elements(probe, plan_of(probe)) * 4 / 2**20
     out, whole = [], False
     for s in sorted(set(float(x) for x in sizes)):
@@ -227,12 +227,12 @@ def _pipeline_options(cfg: Config, pp: int, v: int, schedule: str, m: int,
     splits = ["even"]
     try:
         even = apply_candidate(cfg, Candidate(1, 1, pp, v, m, schedule, 0.0, False, 1, 1))
-        auto = dataclasses.replace(even, pipeline=dataclasses.replace(even.pipeline,
-                                                                       stage_layers="auto"))
-        if plan_of(auto).stage_layers != plan_of(even).stage_layers:
-            splits.append("auto")
+        balanced = dataclasses.replace(even, pipeline=dataclasses.replace(
+            even.pipeline, stage_layers="balanced"))
+        if plan_of(balanced).stage_layers != plan_of(even).stage_layers:
+            splits.append("balanced")
     except (ConfigError, ValueError):
-        splits = ["auto"]  # even is impossible (layers not a multiple): auto may still fit
+        splits = ["balanced"]  # even is impossible (layers not a multiple): balanced may fit
     lanes = ((1, False), (2, False), (1, True))
     out = [(latency, split, paired, False) for latency, paired in lanes for split in splits]
     if vocab_parallel:  # unpaired: a paired tick's lanes both wait around the head phase
