@@ -212,8 +212,19 @@ def param_counts(cfg, tp: int = 1) -> ParamCounts:
     return _COUNTS[key]
 
 
-def param_elements(cfg) -> tuple[float, float]:
+def param_elements(cfg, model: StagedModel | None = None) -> tuple[float, float]:
     """``(embedding + head elements, elements of one block)`` of ``cfg``'s model, unsplit
-    (`param_counts` at tp = 1): what the memory model and the plan's estimates take."""
-    c = param_counts(cfg, 1)
-    return float(c.embed + c.head), float(c.per_layer)
+    (`param_counts` at tp = 1): what the memory model and the plan's estimates take. Given
+    the built ``model`` (a model the config alone does not describe, e.g. a test's small
+    ResNet), its own arrays are counted."""
+    if model is None:
+        c = param_counts(cfg, 1)
+        return float(c.embed + c.head), float(c.per_layer)
+    shapes = local_param_shapes(model, 1)
+
+    def elements(tree) -> int:
+        return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(tree))
+
+    layers = max(int(getattr(model, "num_layers", 1)), 1)
+    return (float(elements(shapes["embed"]) + elements(shapes.get("head", {}))),
+            float(elements(shapes["blocks"]) / layers))

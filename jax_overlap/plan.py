@@ -470,7 +470,7 @@ class ParallelPlan:
                    choices=choices, stage_layers=split, dcn=m.dcn, ep=m.ep,
                    diloco=_diloco_plan(cfg),
                    dcn_bytes_per_s=m.dcn_gbps * 1e9 / 8, vocab_parallel=vocab_parallel,
-                   attention=attention, param_elements=param_elements(cfg))
+                   attention=attention, param_elements=param_elements(cfg, model))
         plan = dataclasses.replace(plan, split_backward=_resolve_split(cfg, target, schedule,
                                                                        remat, choices))
         if target.accelerator:

@@ -459,11 +459,17 @@ class Calibrator:
     _warm: set = field(default_factory=set, repr=False)
     _measured: dict = field(default_factory=dict, repr=False)
     _params: dict = field(default_factory=dict, repr=False)
+    _models: dict = field(default_factory=dict, repr=False)
 
-    def _model(self):
+    def _model(self, tp: int):
+        """The model built for a ``tp``-way layout: a Llama-family block stores its kv heads
+        replicated when there are fewer than tp, and says so in its parameter axes."""
         from jax_overlap.model_api import build_model
 
-        return build_model(self.cfg)
+        if tp not in self._models:
+            mesh = dataclasses.replace(self.cfg.mesh, tp=tp)
+            self._models[tp] = build_model(dataclasses.replace(self.cfg, mesh=mesh))
+        return self._models[tp]
 
     def _dtype(self):
         from jax_overlap.training.step import compute_dtype
@@ -487,7 +493,7 @@ class Calibrator:
 
     def _params_at(self, tp: int) -> Any:
         if tp not in self._params:
-            self._params[tp] = _random_like(local_param_shapes(self._model(), tp), seed=0)
+            self._params[tp] = _random_like(local_param_shapes(self._model(tp), tp), seed=0)
         return self._params[tp]
 
     def time_piece(self, quantity: str, micro_batch: int, tp: int) -> Sample:
@@ -497,7 +503,7 @@ class Calibrator:
         key = (quantity, micro_batch, tp)
         if key not in self._compiled:
             par = Parallel(tp_axis=None, tp=tp, compute_dtype=self._dtype())
-            fn, batch_args = _piece_functions(self._model(), par)[quantity]
+            fn, batch_args = _piece_functions(self._model(tp), par)[quantity]
             args = _piece_args(quantity, self._params_at(tp), micro_batch, self.cfg,
                                self._dtype())
             self._compiled[key] = _on_all(fn, self.devices, args, batch_args)
@@ -607,7 +613,7 @@ class Calibrator:
         key = ("alone", micro_batch, tp)
         if key not in self._compiled:
             par = Parallel(tp_axis=None, tp=tp, compute_dtype=self._dtype())
-            fn, _ = _piece_functions(self._model(), par)["block_f"]
+            fn, _ = _piece_functions(self._model(tp), par)["block_f"]
             args = _piece_args("block_f", self._params_at(tp), micro_batch, self.cfg,
                                self._dtype())
             self._compiled[key] = (jax.jit(fn), jax.device_put(args, self.devices[0]))
