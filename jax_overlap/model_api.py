@@ -87,8 +87,10 @@ def registered_models() -> dict[str, metadata.EntryPoint]:
     return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def build_model(cfg) -> StagedModel:
-    """The StagedModel that `cfg.model.kind` names, from the registered builders.
+def build_model(cfg, tp: int | None = None) -> StagedModel:
+    """The StagedModel that `cfg.model.kind` names, from the registered builders; with `tp`,
+    laid out for that tensor-parallel degree instead of the mesh's (a Llama-family block
+    stores its kv heads replicated when there are fewer than tp).
 
     Raises:
       ValueError: a kind no installed package registers (the message names the fix).
@@ -101,7 +103,8 @@ def build_model(cfg) -> StagedModel:
                          f"registered: {names}")
     builder = known[kind].load()
     declared = inspect.signature(builder).parameters
-    return builder(cfg, **{k: v for k, v in build_facts(cfg).items() if k in declared})
+    facts = build_facts(cfg) | ({} if tp is None else {"tp": tp})
+    return builder(cfg, **{k: v for k, v in facts.items() if k in declared})
 
 
 def build_facts(cfg) -> dict[str, int]:

@@ -467,8 +467,7 @@ class Calibrator:
         from jax_overlap.model_api import build_model
 
         if tp not in self._models:
-            mesh = dataclasses.replace(self.cfg.mesh, tp=tp)
-            self._models[tp] = build_model(dataclasses.replace(self.cfg, mesh=mesh))
+            self._models[tp] = build_model(self.cfg, tp=tp)
         return self._models[tp]
 
     def _dtype(self):
