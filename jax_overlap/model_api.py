@@ -13,6 +13,7 @@ and `param_axes()` names the logical axis of every dimension ('layers' first for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from importlib import metadata
@@ -191,7 +192,15 @@ def local_param_shapes(model: StagedModel, tp: int) -> Any:
     )
 
 
-_COUNTS: dict[tuple, ParamCounts] = {}
+def _counts(shapes: Any) -> ParamCounts:
+    """`ParamCounts` of a `local_param_shapes` tree."""
+    def sizes(tree, drop_layer_axis=False):
+        return tuple(int(np.prod(s.shape[1:] if drop_layer_axis else s.shape))
+                     for s in jax.tree.leaves(tree))
+
+    blocks = sizes(shapes["blocks"], drop_layer_axis=True)
+    embed, head = sizes(shapes["embed"]), sizes(shapes.get("head", {}))
+    return ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
 
 
 def param_counts(cfg, tp: int = 1) -> ParamCounts:
@@ -201,18 +210,14 @@ def param_counts(cfg, tp: int = 1) -> ParamCounts:
     count depends on the model alone) and its init traced abstractly, once per model: ~0.1 s,
     and a plan or a sweep asks for the same few counts many times.
     """
-    key = (dataclasses.astuple(cfg.model), tp)
-    if key not in _COUNTS:
-        shapes = local_param_shapes(build_model(type(cfg)(model=cfg.model)), tp)
+    return _param_counts(type(cfg), type(cfg.model), dataclasses.astuple(cfg.model), tp)
 
-        def sizes(tree, drop_layer_axis=False):
-            return tuple(int(np.prod(s.shape[1:] if drop_layer_axis else s.shape))
-                         for s in jax.tree.leaves(tree))
 
-        blocks = sizes(shapes["blocks"], drop_layer_axis=True)
-        embed, head = sizes(shapes["embed"]), sizes(shapes.get("head", {}))
-        _COUNTS[key] = ParamCounts(sum(blocks), sum(embed), sum(head), blocks, embed, head)
-    return _COUNTS[key]
+@functools.lru_cache(maxsize=64)
+def _param_counts(config_type: type, model_type: type, model_fields: tuple,
+                  tp: int) -> ParamCounts:
+    cfg = config_type(model=model_type(*model_fields))
+    return _counts(local_param_shapes(build_model(cfg), tp))
 
 
 def param_elements(cfg, model: StagedModel | None = None) -> tuple[float, float]:
@@ -220,14 +225,5 @@ def param_elements(cfg, model: StagedModel | None = None) -> tuple[float, float]
     (`param_counts` at tp = 1): what the memory model and the plan's estimates take. Given
     the built ``model`` (a model the config alone does not describe, e.g. a test's small
     ResNet), its own arrays are counted."""
-    if model is None:
-        c = param_counts(cfg, 1)
-        return float(c.embed + c.head), float(c.per_layer)
-    shapes = local_param_shapes(model, 1)
-
-    def elements(tree) -> int:
-        return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(tree))
-
-    layers = max(int(getattr(model, "num_layers", 1)), 1)
-    return (float(elements(shapes["embed"]) + elements(shapes.get("head", {}))),
-            float(elements(shapes["blocks"]) / layers))
+    c = param_counts(cfg, 1) if model is None else _counts(local_param_shapes(model, 1))
+    return float(c.embed + c.head), float(c.per_layer)
