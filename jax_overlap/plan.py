@@ -1008,8 +1008,10 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       slots=slots, split_backward=split, vocab_parallel=vocab_parallel,
                       paired=m.pp > 1 and pl.paired is True,
                       buckets_in_loop=m.pp > 1 and overlap.buckets_in_loop,
-                      buckets_in_backward=(m.pp == 1 and overlap.grad_bucket_bytes > 0
-                                           and not overlap.fsdp), ep=m.ep)
+                      unrolled_buckets=(m.pp == 1 and overlap.grad_bucket_bytes > 0
+                                        and not overlap.fsdp
+                                        and overlap.bucket_order == "largest_first"),
+                      ep=m.ep)
 
 
 @functools.lru_cache(maxsize=256)

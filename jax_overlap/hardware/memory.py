@@ -28,10 +28,11 @@ comparison, within 15% for dp8, dp2 x tp4, pp4 x dp2 1F1B and ZB-V, pp2 x dp2 x 
   ticks under a recomputing policy a share of the whole chunk's residuals
   (`PIPELINE_RECOMPUTE_SHARE`) instead of one layer's.
 
-* at pp = 1 with gradient buckets in the backward, under a recomputing policy: a share of the
-  last microbatch's residuals as if nothing were recomputed (`UNROLLED_RECOMPUTE_SHARE`): its
-  layers are unrolled for the bucket hooks, and XLA's GPU scheduler runs their recomputes
-  ahead of the backward.
+* at pp = 1 with gradient buckets that mix layers (`bucket_order: largest_first`), under a
+  recomputing policy: a share of the last microbatch's residuals as if nothing were
+  recomputed (`UNROLLED_RECOMPUTE_SHARE`): its layers are unrolled for the bucket hooks, and
+  XLA's GPU scheduler runs their recomputes ahead of the backward. (Buckets packed per layer,
+  the default, are reduced inside the layer scan's backward: nothing extra.)
 
 Not counted: DP gradient buckets and FSDP's gathered blocks in flight (`resilience.preflight`
 adds them as communication buffers), XLA's scheduler keeping buffers alive longer for overlap.
@@ -61,12 +62,10 @@ PIPELINE_INBOXES = 3
 # 6-layer chunk at pp4 x dp2; unpaired ticks hold one layer's, as the estimate had it).
 PIPELINE_RECOMPUTE_SHARE = 0.45
 # Share of the last microbatch's residuals under `remat: none` (every layer) XLA holds at pp = 1
-# with in-backward gradient buckets under a recomputing policy: the layers are unrolled for the
-# bucket hooks and the recomputes run ahead of the backward. Measured on deviceless 8 x H100
-# compiles, remat full, as the gap to the estimate without it: GPT-1.3B dp8 0.29 (4 sequences
-# a microbatch) and 0.34 (8), dp2 x tp4 0.55 (16 and 32); Llama-3-8B dp2 x tp4 0.16 (4 of 8192
-# positions). The share takes the low side: the estimate decides the microbatch, and a larger
-# one would refuse Llama's 4 sequences, which XLA fits in 57.5 GiB (estimate 60.3).
+# with gradient buckets that mix layers (`bucket_order: largest_first`) under a recomputing
+# policy: the layers are unrolled for the bucket hooks and the recomputes run ahead of the
+# backward. Measured on deviceless 8 x H100 compiles, remat full, when every bucket ran that
+# way: GPT-1.3B dp8 0.29-0.34, dp2 x tp4 0.55, Llama-3-8B dp2 x tp4 0.16; the low side.
 UNROLLED_RECOMPUTE_SHARE = 0.2
 
 
@@ -251,7 +250,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
                 attention="plain", microbatches: int = 1, sequence_parallel: bool = False,
                 slots: PipelineSlots | None = None, split_backward: bool = False,
                 vocab_parallel: bool = False, paired: bool = False,
-                buckets_in_loop: bool = False, buckets_in_backward: bool = False,
+                buckets_in_loop: bool = False, unrolled_buckets: bool = False,
                 ep: int = 1) -> StepMemory:
     """Estimated peak bytes per device of one train step, by part.
 
@@ -276,8 +275,10 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
       paired: paired F + B ticks (`pipeline.paired`; `PIPELINE_RECOMPUTE_SHARE`).
       buckets_in_loop: a pipeline's DP gradient buckets run inside the tick loop: the filing
         branch writes a new copy of the stage's f32 gradients beside the loop's.
-      buckets_in_backward: pp = 1 with DP gradient buckets issued in the last microbatch's
-        backward (`UNROLLED_RECOMPUTE_SHARE`; not under FSDP, whose blocks stay in a scan).
+      unrolled_buckets: pp = 1 with DP gradient buckets that mix layers (`overlap.bucket_order:
+        largest_first`): the last microbatch's layers run unrolled for their hooks
+        (`UNROLLED_RECOMPUTE_SHARE`). Buckets packed per layer are reduced in the layer
+        scan's backward and cost nothing here.
       ep: `mesh.ep`; above 1 the routed experts, their gradients and moments are stored
         split over dp (E/dp per rank, models/moe.py) and a layer's compute copy holds the
         ep slot's E/ep.
@@ -313,7 +314,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     work = max(redo, logits)
     if not pipelined:
         kept = layers * (tokens * per_token + (copies if remat == "none" else 0.0))
-        if buckets_in_backward and remat != "none":
+        if unrolled_buckets and remat != "none":
             kept += UNROLLED_RECOMPUTE_SHARE * layers * (redo - copies)
         return StepMemory(float(state), float(kept), float(work))
     slots = slots or PipelineSlots.rough(pp, microbatches)
@@ -362,5 +363,6 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
         split_backward=plan.split_backward, vocab_parallel=plan.vocab_parallel,
         paired=program is not None and bool(program.schedule.paired),
         buckets_in_loop=program is not None and ov.buckets_in_loop,
-        buckets_in_backward=program is None and ov.grad_bucket_bytes > 0 and not ov.fsdp,
+        unrolled_buckets=(program is None and ov.grad_bucket_bytes > 0 and not ov.fsdp
+                          and ov.bucket_order == "largest_first"),
         ep=plan.ep)

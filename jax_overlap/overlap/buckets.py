@@ -125,6 +125,21 @@ class BucketPlan:
         """Parameter leaves whose gradients this plan reduces."""
         return {u.leaf for u in self.units}
 
+    @property
+    def per_segment(self) -> bool:
+        """No bucket spans two segments (every layer's units are reduced on their own)."""
+        return all(len({self.units[i].segment for i in b.units}) == 1 for b in self.buckets)
+
+    def only(self, segments: Sequence[int]) -> BucketPlan:
+        """The buckets ready at `segments`, renumbered, over their own units only."""
+        keep = [b for b in self.buckets if b.ready_segment in set(segments)]
+        order = [i for b in keep for i in b.units]
+        new = {i: n for n, i in enumerate(order)}
+        buckets = tuple(Bucket(k, tuple(new[i] for i in b.units), b.nbytes, b.axes, b.scatter,
+                               b.ready_segment, b.detached) for k, b in enumerate(keep))
+        return BucketPlan(tuple(self.units[i] for i in order), buckets, self.cap_bytes,
+                          self.order)
+
     def describe(self) -> list[dict[str, Any]]:
         """One JSON-ready record per bucket (for reports and the bench)."""
         def name(u):
@@ -136,7 +151,8 @@ class BucketPlan:
 
 
 def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward",
-               embed_before_first_layer: bool = False) -> BucketPlan:
+               embed_before_first_layer: bool = False, per_segment: bool = False
+               ) -> BucketPlan:
     """Packs units into buckets of about `cap_bytes` (0: one bucket per unit).
 
     Args:
@@ -153,6 +169,9 @@ def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward",
         buckets are `detached` from the issue order: the first layer's buckets do not wait
         for them, so they stay in flight beside them over all of those GEMMs (in a chain,
         each GEMM could sit under only one of the collectives left at the end).
+      per_segment: no bucket spans two segments ('backward' order): every layer's units
+        are packed alike, so a layer scan's body can reduce one layer's buckets
+        (`training.grads` at pp = 1).
 
     Returns:
       The plan; buckets are listed in the order they are closed. Units with different
@@ -171,6 +190,7 @@ def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward",
     seq = sorted(range(len(units)), key=lambda i: (-segment(units[i]), -rank(units[i])))
     if order == "largest_first":
         seq = sorted(seq, key=lambda i: -units[i].nbytes)
+        per_segment = False
     elif order != "backward":
         raise ValueError(f"overlap.bucket_order: unknown order {order!r}")
     open_: dict[tuple, list[int]] = {}
@@ -185,7 +205,9 @@ def pack_units(units: Sequence[Unit], cap_bytes: int, order: str = "backward",
     alone = embed_before_first_layer and order == "backward"
     for n, i in enumerate(seq):
         u = units[i]
-        if alone and n and (u.segment == 0) != (units[seq[n - 1]].segment == 0):
+        if per_segment and n and u.segment != units[seq[n - 1]].segment:
+            flush()
+        elif alone and n and (u.segment == 0) != (units[seq[n - 1]].segment == 0):
             # The embedding's units get buckets of their own: shared with a later layer's
             # they would hold its reduction back to the end, with the first layer's they
             # would wait for its weight gradients.
@@ -266,7 +288,8 @@ def reduction_axes(spec: Sequence[Any], dp_axis: str, replicated_axes: Sequence[
 def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int], overlap,
                     dp_axis: str, num_layers: int, skip_leaves: frozenset[int] = frozenset(),
                     replicated_axes: Sequence[str] = (),
-                    use_rank: dict[int, int] | None = None) -> BucketPlan:
+                    use_rank: dict[int, int] | None = None,
+                    per_segment: bool = False) -> BucketPlan:
     """The bucket plan of a {'embed', 'blocks', 'head'} parameter tree.
 
     Args:
@@ -281,6 +304,7 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
       replicated_axes: axes (e.g. ('tp',)) that leaves stored replicated over are marked
         varying over, so their gradients are also summed over them.
       use_rank: leaf -> order of first use in its segment's forward (see `Unit.rank`).
+      per_segment: buckets never span two layers (`pack_units`).
 
     Returns:
       The plan; 'blocks' leaves contribute one unit per layer.
@@ -312,7 +336,7 @@ def plan_for_params(abstract_params: Any, specs: Any, axis_sizes: dict[str, int]
             units.append(Unit(leaf, name, None, shape, math.prod(shape) * itemsize, axes,
                               segment, dim, rank=(use_rank or {}).get(leaf)))
     return pack_units(units, overlap.grad_bucket_bytes, overlap.bucket_order,
-                      overlap.embed_before_first_layer)
+                      overlap.embed_before_first_layer, per_segment)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +417,18 @@ def _after(flat: jax.Array, token: jax.Array) -> jax.Array:
     return flat.reshape(-1).at[:1].set(tied).reshape(flat.shape)
 
 
+def reduce_bucket(bucket: Bucket, units: Sequence[Unit], parts: int, grads, accs,
+                  comm_dtype: str, token: jax.Array | None = None) -> jax.Array:
+    """One bucket's collective: its units' gradients plus the earlier microbatches'
+    (`accs`), packed into one fp32 buffer, made to depend on `token` (the bucket reduced
+    before it: `_after`) and reduced (`reduce_flat`)."""
+    total = [g.astype(jnp.float32) + acc for g, acc in zip(grads, accs)]
+    flat = pack(total, units, parts, bucket.scatter)
+    if token is not None:
+        flat = _after(flat, token)
+    return reduce_flat(flat, bucket.axes, bucket.scatter, comm_dtype)
+
+
 def _bucket_hook(bucket: Bucket, units: tuple[Unit, ...], parts: int, comm_dtype: str,
                  token_axes: tuple[str, ...]):
     """Identity on a bucket's parameters whose VJP reduces the bucket into the sink's grad.
@@ -416,9 +452,7 @@ def _bucket_hook(bucket: Bucket, units: tuple[Unit, ...], parts: int, comm_dtype
 
     def bwd(accs, cts):
         cts_params, ct_token = cts
-        grads = [ct.astype(jnp.float32) + acc for ct, acc in zip(cts_params, accs)]
-        flat = _after(pack(grads, units, parts, bucket.scatter), ct_token)
-        reduced = reduce_flat(flat, bucket.axes, bucket.scatter, comm_dtype)
+        reduced = reduce_bucket(bucket, units, parts, cts_params, accs, comm_dtype, ct_token)
         # The parameters' own cotangent is dropped: the sink carries the result, and the
         # token's cotangent carries the ordering to the bucket reduced next (a detached
         # bucket passes on the one it got, so the next bucket does not wait for it).

@@ -79,7 +79,8 @@ def dp_layout(model, overlap, axis_sizes: dict[str, int]) -> DpLayout:
         plan = buckets.plan_for_params(abstract, specs, axis_sizes, overlap, DP,
                                        model.num_layers, fsdp_leaves,
                                        replicated_axes=() if drop_tp else (TP,),
-                                       use_rank=block_use_order(model, abstract))
+                                       use_rank=block_use_order(model, abstract),
+                                       per_segment=True)
         for u in plan.units:
             if u.split_dim is not None:
                 grad_specs[u.leaf] = buckets.with_axes(

@@ -84,9 +84,12 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
 
     Microbatches are accumulated with a scan and the dp reduction follows `plan.overlap`:
       grad_bucket_bytes 0: one reduction per leaf after the whole backward (the baseline);
-      grad_bucket_bytes > 0: the last microbatch runs with its layers unrolled and a bucket
-        hook per bucket (`buckets.BucketHooks`), so each bucket's collective is issued inside
-        that backward as soon as its last gradient exists;
+      grad_bucket_bytes > 0: each bucket's collective is issued inside the last
+        microbatch's backward as soon as its last gradient exists: a layer's buckets in the
+        layer scan's backward body (`_scanned_last_microbatch`; XLA pipelines each layer's
+        reductions under the next layer's backward), the embedding's and the head's through
+        bucket hooks (`buckets.BucketHooks`); buckets that mix layers (`bucket_order:
+        largest_first`) run with the layers unrolled (`_bucketed_last_microbatch`);
       zero1: reductions are psum_scatter, gradients leave split over dp (`DpLayout`);
       fsdp: blocks run through `fsdp.windowed_blocks` and are reduce-scattered per block in
         their backward; only embedding/head gradients go through buckets.
@@ -158,9 +161,10 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # The last microbatch's forward does not depend on the earlier ones; without the
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
-        loss_last, grads = _bucketed_last_microbatch(
-            model, par, block, layout, layers, local_params, acc, last, count, axis_sizes, marked,
-            ov.grad_comm_dtype)
+        last_step = (_scanned_last_microbatch if layout.fsdp is None and layout.plan.per_segment
+                     else _bucketed_last_microbatch)
+        loss_last, grads = last_step(model, par, block, layout, layers, local_params, acc, last,
+                                     count, axis_sizes, marked, ov.grad_comm_dtype)
         if fsdp_whole:  # FSDP block leaves stored whole: summed over dp after the backward
             leaves, treedef = jax.tree.flatten(grads)
             whole = sorted(fsdp_whole)
@@ -241,3 +245,105 @@ def _bucketed_last_microbatch(model, par, block, layout: DpLayout, layers, param
         for i, g in enumerate(jax.tree.leaves(g_direct)):
             by_leaf[offsets["blocks"] + i] = acc_leaves[offsets["blocks"] + i] + g
     return loss, jax.tree.unflatten(treedef, [by_leaf[i] for i in range(len(leaves))])
+
+
+def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params, acc, mb,
+                             count, axis_sizes: dict[str, int], marked: tuple[str, ...],
+                             comm_dtype: str):
+    """Loss and fully reduced gradients of the last microbatch, a layer's buckets reduced in
+    the layer scan's backward (the plan packs every layer alike: `BucketPlan.per_segment`).
+
+    The layer scan carries, per layer, the parameters, the earlier microbatches' gradients and
+    one sink per bucket of that layer (stacked over layers): an identity with a custom VJP on
+    the layer's parameters reduces its buckets as the backward body leaves the layer, and
+    hands them out as the sinks' gradients. The backward stays a loop: a layer's residuals
+    are rebuilt one layer at a time, as in the earlier microbatches (unrolled, XLA's GPU
+    scheduler ran the recomputes of many layers ahead of the backward), and XLA's pipelined
+    all-reduce overlaps each layer's reductions with the next layer's backward. The
+    embedding's and head's buckets go through `buckets.BucketHooks`, as in
+    `_bucketed_last_microbatch`.
+    """
+    del layers
+    plan = layout.plan
+    L = model.num_layers
+    leaves, treedef = jax.tree.flatten(params)
+    acc_leaves = jax.tree.leaves(acc)
+    first_block = _leaf_range(params, "blocks").start
+    ends = plan.only([0, L + 1])
+    stacked = plan.only(range(1, L + 1))
+    # Layer l's buckets, in issue order: the same units (leaf, shape) for every layer.
+    per_layer = [[b for b in stacked.buckets if b.ready_segment == 1 + l] for l in range(L)]
+    template = per_layer[0]
+    units = stacked.units
+    for row in per_layer:
+        assert [[units[i].leaf for i in b.units] for b in row] == \
+            [[units[i].leaf for i in b.units] for b in template], "buckets differ by layer"
+    parts = [buckets.bucket_parts(b, axis_sizes) for b in template]
+    members = [tuple(units[i] for i in b.units) for b in template]
+    flat_sinks = buckets.make_sinks(stacked, axis_sizes, marked)
+    sinks = [jnp.stack([flat_sinks[row[k].index] for row in per_layer])
+             for k in range(len(template))]
+
+    @jax.custom_vjp
+    def reduced_in_backward(sinks_l, p_l, acc_l):
+        del sinks_l, acc_l
+        return p_l
+
+    def fwd(sinks_l, p_l, acc_l):
+        del sinks_l
+        return p_l, acc_l
+
+    def bwd(acc_l, ct):
+        cts, accs = jax.tree.leaves(ct), jax.tree.leaves(acc_l)
+        out, token = [], None
+        for b, us, n in zip(template, members, parts):
+            # Each bucket after the one before it (`reduce_bucket`'s token): XLA's combiners
+            # would otherwise merge a layer's buckets into one collective.
+            out.append(buckets.reduce_bucket(b, us, n, [cts[u.leaf - first_block] for u in us],
+                                             [accs[u.leaf - first_block] for u in us],
+                                             comm_dtype, token))
+            token = out[-1].reshape(-1)[:1]
+        # The parameters' own cotangent is dropped: the sinks carry the result.
+        return out, None, None
+
+    reduced_in_backward.defvjp(fwd, bwd)
+
+    def loss_fn(block_sinks, end_sinks):
+        hooks = buckets.BucketHooks(ends, leaves, acc_leaves, end_sinks, axis_sizes, marked,
+                                    comm_dtype)
+
+        def subtree(key):
+            return jax.tree.unflatten(jax.tree.structure(params[key]),
+                                      [hooks.value(i) for i in _leaf_range(params, key)])
+
+        hooks.enter(0)
+        x = model.embed(subtree("embed"), mb["inputs"], par)
+
+        def layer(x, xs):
+            sinks_l, p_l, acc_l = xs
+            return block(reduced_in_backward(sinks_l, p_l, acc_l), x), None
+
+        x = jax.lax.scan(layer, x, (block_sinks, params["blocks"], acc["blocks"]))[0]
+        hooks.enter(L + 1)
+        return model.head_loss(subtree("embed"), subtree("head"), x, mb["targets"], par) / count
+
+    end_sinks = buckets.make_sinks(ends, axis_sizes, marked)
+    loss, (got_blocks, got_ends) = jax.value_and_grad(loss_fn, argnums=(0, 1))(sinks, end_sinks)
+    by_leaf = buckets.assemble(ends, got_ends, axis_sizes)
+    flat = [None] * len(stacked.buckets)
+    for k in range(len(template)):
+        for l, row in enumerate(per_layer):
+            flat[row[k].index] = got_blocks[k][l]
+    by_leaf.update(buckets.assemble(stacked, flat, axis_sizes))
+    return loss, jax.tree.unflatten(treedef, [by_leaf[i] for i in range(len(leaves))])
+
+
+def _leaf_range(params: dict, key: str) -> range:
+    """Indices of `params[key]`'s leaves in `jax.tree.leaves(params)` (sorted keys)."""
+    start = 0
+    for k in sorted(params):
+        n = len(jax.tree.leaves(params[k]))
+        if k == key:
+            return range(start, start + n)
+        start += n
+    raise KeyError(key)
