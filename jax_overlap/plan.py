@@ -39,11 +39,12 @@ MIB = 2**20
 # leave XLA's latency-hiding scheduler room to keep collectives in flight (it serialises them
 # when the step would not fit otherwise).
 MICROBATCH_TOKENS = 8192
-# Data parallelism alone (pp = tp = 1): twice that. Each microbatch adds a pass over the f32
-# gradient accumulators and its share of kernel launches, and the GEMMs are the device's own
-# (GPT-1.3B dp8, remat full, deviceless 8 x H100: m 8 1.11 s estimated step, m 4 1.01 s,
-# 49.9 GiB compiled; m 2 0.95 s but 75 GiB, over MEMORY_BUDGET).
-DATA_PARALLEL_MICROBATCH_TOKENS = 2 * MICROBATCH_TOKENS
+# Data parallelism alone (pp = tp = 1): four times that. Each microbatch adds a pass over the
+# f32 gradient accumulators and its share of kernel launches, and the GEMMs are the device's
+# own (GPT-1.3B dp8, remat full, deviceless 8 x H100, 2026-12-03: m 4 1017 ms estimated step,
+# 29.0 GiB compiled; m 2 960 ms, 32.4 GiB; m 1 941 ms, 44.9 GiB, where the f32 logits of the
+# whole batch start to dominate).
+DATA_PARALLEL_MICROBATCH_TOKENS = 4 * MICROBATCH_TOKENS
 # Under collective matmul each GEMM runs as tp ring steps of 1/tp of the rows; auto
 # microbatching keeps each step's GEMM at MICROBATCH_TOKENS rows (GPT-1.3B dp2 x tp4: 8
 # microbatches of 16 sequences, 1.84 s estimated step; 32 of 4 took 1.6x as long, mostly the
@@ -1056,9 +1057,10 @@ def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False
 def _unrolled(cfg: Config, overlap: OverlapPlan, microbatches: int) -> bool:
     """Whether the whole step is the last microbatch, run with its layers unrolled for the
     gradient buckets (`training/grads.py`): one microbatch at pp = 1 with in-backward buckets
-    and no FSDP."""
+    that mix layers (`bucket_order: largest_first`) and no FSDP. (Buckets packed per layer
+    are reduced in the layer scan's backward.)"""
     return (cfg.mesh.pp == 1 and microbatches == 1 and overlap.grad_bucket_bytes > 0
-            and not overlap.fsdp)
+            and not overlap.fsdp and overlap.bucket_order == "largest_first")
 
 
 def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,

@@ -209,16 +209,19 @@ def test_buckets_match_reference_and_show_in_hlo(reference, bucket_mb, embed_fir
     # collective). A detached (embedding) bucket has no data path to the first layer's, so
     # the CPU backend's combiner may merge it into one of them (on GPU the preset's 64 MiB
     # threshold keeps the 1.3B model's apart); every other bucket is one collective.
-    # A layer's buckets are reduced in the layer scan's backward body: one op per bucket of
-    # a layer, run once per layer.
+    # A layer's buckets are reduced in the layer scan's backward body, once per layer (the
+    # CPU backend's combiner may merge one layer's: nothing orders them); the embedding's and
+    # head's, chained, outside it.
     big = [op for op in ops if op.bytes > 8]
-    chained = [b for b in plan.buckets if not b.detached]
-    issued = sum(op.executions_per_step for op in big)
-    assert len(chained) <= issued <= len(plan.buckets)
-    assert embed_first or issued == len(plan.buckets)
-    assert sum(op.bytes * op.executions_per_step for op in ops) == plan.total_bytes + 4
     layers = max(u.layer for u in plan.units if u.layer is not None) + 1
-    assert any(op.executions_per_step == layers for op in big)  # inside the layer loop
+    in_loop = [op for op in big if op.executions_per_step == layers]
+    per_layer = [b for b in plan.buckets if b.ready_segment == 1]
+    assert 1 <= len(in_loop) <= len(per_layer)
+    assert sum(op.bytes for op in in_loop) == sum(b.nbytes for b in per_layer)
+    ends = [b for b in plan.buckets if b.ready_segment in (0, layers + 1)]
+    chained = [b for b in ends if not b.detached]
+    assert len(chained) <= len(big) - len(in_loop) <= len(ends)
+    assert sum(op.bytes * op.executions_per_step for op in ops) == plan.total_bytes + 4
     assert len(plan.buckets) >= (2 if bucket_mb == 1.0 else 3)
 
 
@@ -235,9 +238,9 @@ def test_first_bucket_is_issued_inside_the_backward(reference):
     # XLA:GPU pipelines that one under the next layer's (`test_gpu_schedule_hides_...`).
     in_loop = [op for op in ops if op.executions_per_step == layers]
     per_layer = [b for b in layout.plan.buckets if b.ready_segment == 1]
-    assert sorted(op.bytes for op in in_loop) == sorted(b.nbytes for b in per_layer)
+    assert sum(op.bytes for op in in_loop) == sum(b.nbytes for b in per_layer)
     free = [independent_gemms(text, op.name, op.computation) > 0 for op in in_loop]
-    assert sum(free) >= len(in_loop) - 1 >= 1
+    assert sum(free) >= len(in_loop) - 1 >= 0 and any(free)
 
     compiled, _, _, _ = _compile(reference, [])
     text = compiled.as_text()

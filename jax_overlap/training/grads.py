@@ -295,14 +295,13 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
 
     def bwd(acc_l, ct):
         cts, accs = jax.tree.leaves(ct), jax.tree.leaves(acc_l)
-        out, token = [], None
-        for b, us, n in zip(template, members, parts):
-            # Each bucket after the one before it (`reduce_bucket`'s token): XLA's combiners
-            # would otherwise merge a layer's buckets into one collective.
-            out.append(buckets.reduce_bucket(b, us, n, [cts[u.leaf - first_block] for u in us],
-                                             [accs[u.leaf - first_block] for u in us],
-                                             comm_dtype, token))
-            token = out[-1].reshape(-1)[:1]
+        # No order between a layer's buckets (no `reduce_bucket` token): a result that feeds
+        # nothing but the sink's gradient is what XLA's pipelined all-reduce moves under the
+        # next layer's backward. (XLA's combiners may merge a layer's buckets below their
+        # threshold: on a GPU the preset's 64 MiB.)
+        out = [buckets.reduce_bucket(b, us, n, [cts[u.leaf - first_block] for u in us],
+                                     [accs[u.leaf - first_block] for u in us], comm_dtype)
+               for b, us, n in zip(template, members, parts)]
         # The parameters' own cotangent is dropped: the sinks carry the result.
         return out, None, None
 
