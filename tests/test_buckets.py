@@ -35,6 +35,25 @@ def test_pack_follows_backward_order_and_cap():
     assert [b.units for b in buckets.pack_units(units, 0).buckets] == [(3,), (2,), (1,), (0,)]
 
 
+def test_per_segment_packing_and_sub_plans():
+    """Per segment (pp = 1, a layer's buckets reduced in the layer scan's body): no bucket
+    spans two segments, so every layer is packed alike; `only` keeps some segments' buckets,
+    renumbered over their own units."""
+    units = [_unit(0, 400, 0), _unit(1, 300, 1), _unit(2, 100, 1), _unit(3, 300, 2),
+             _unit(4, 100, 2), _unit(5, 400, 3)]
+    mixed = buckets.pack_units(units, cap_bytes=800)
+    assert not mixed.per_segment  # (5, 4, 3) spans the head and the last layer
+    plan = buckets.pack_units(units, cap_bytes=800, per_segment=True)
+    assert plan.per_segment
+    assert [b.units for b in plan.buckets] == [(5,), (4, 3), (2, 1), (0,)]
+    layers = plan.only([1, 2])
+    assert [b.ready_segment for b in layers.buckets] == [2, 1]
+    assert [[layers.units[i].leaf for i in b.units] for b in layers.buckets] == [[4, 3], [2, 1]]
+    assert [b.index for b in layers.buckets] == [0, 1] and layers.total_bytes == 800
+    # largest_first mixes layers on purpose: never per segment.
+    assert not buckets.pack_units(units, 800, "largest_first", per_segment=True).per_segment
+
+
 def test_embedding_units_are_packed_before_the_first_layer():
     # Segments 0 (embedding), 1 (first layer), 2 (last layer), 3 (head). Both 0 and 1 finish
     # at the end of the backward; the embedding's go first so the first layer's weight
