@@ -140,6 +140,16 @@ def reference():
     return gpt_reference()
 
 
+# Three layers: the first runs outside the layer scan (its buckets hooked like the
+# embedding's), so the scan's backward body, with a layer's buckets, runs twice.
+DEEPER = ["model.layers=3"]
+
+
+@pytest.fixture(scope="module")
+def reference3():
+    return gpt_reference(DEEPER)
+
+
 _COMPILED: dict = {}
 
 
@@ -213,10 +223,11 @@ def independent_gemms(text: str, op_name: str, computation: str | None = None) -
 
 @pytest.mark.parametrize("bucket_mb,embed_first", [(0.004, False), (0.01, False), (1.0, False),
                                                     (0.004, True), (0.01, True)])
-def test_buckets_match_reference_and_show_in_hlo(reference, bucket_mb, embed_first):
-    _, _, _, ref_loss, ref_grads = reference
-    compiled, args, layout, _ = _compile(reference, [f"overlap.grad_bucket_mb={bucket_mb}"] + (
-        ["overlap.embed_before_first_layer=true"] if embed_first else []))
+def test_buckets_match_reference_and_show_in_hlo(reference3, bucket_mb, embed_first):
+    _, _, _, ref_loss, ref_grads = reference3
+    options = [f"overlap.grad_bucket_mb={bucket_mb}"] + (
+        ["overlap.embed_before_first_layer=true"] if embed_first else [])
+    compiled, args, layout, _ = _compile(reference3, DEEPER + options)
     loss, grads = compiled(*args)
     assert rel(float(loss), ref_loss) <= 1e-5
     assert max_rel_err(grads, ref_grads) <= 1e-5
@@ -228,26 +239,26 @@ def test_buckets_match_reference_and_show_in_hlo(reference, bucket_mb, embed_fir
     # collective). A detached (embedding) bucket has no data path to the first layer's, so
     # the CPU backend's combiner may merge it into one of them (on GPU the preset's 64 MiB
     # threshold keeps the 1.3B model's apart); every other bucket is one collective.
-    # A layer's buckets are reduced in the layer scan's backward body, once per layer (the
-    # CPU backend's combiner may merge one layer's: nothing orders them); the embedding's and
-    # head's, chained, outside it.
+    # A later layer's buckets are reduced in the layer scan's backward body, once per layer
+    # (the CPU backend's combiner may merge one layer's: nothing orders them); the
+    # embedding's, the first layer's and the head's, chained, outside it.
     big = [op for op in ops if op.bytes > 8]
     layers = max(u.layer for u in plan.units if u.layer is not None) + 1
-    in_loop = [op for op in big if op.executions_per_step == layers]
-    per_layer = [b for b in plan.buckets if b.ready_segment == 1]
+    in_loop = [op for op in big if op.executions_per_step == layers - 1]
+    per_layer = [b for b in plan.buckets if b.ready_segment == 2]
     assert 1 <= len(in_loop) <= len(per_layer)
     assert sum(op.bytes for op in in_loop) == sum(b.nbytes for b in per_layer)
-    ends = [b for b in plan.buckets if b.ready_segment in (0, layers + 1)]
+    ends = [b for b in plan.buckets if b.ready_segment in (0, 1, layers + 1)]
     chained = [b for b in ends if not b.detached]
     assert len(chained) <= len(big) - len(in_loop) <= len(ends)
     assert sum(op.bytes * op.executions_per_step for op in ops) == plan.total_bytes + 4
     assert len(plan.buckets) >= (2 if bucket_mb == 1.0 else 3)
 
 
-def test_first_bucket_is_issued_inside_the_backward(reference):
+def test_first_bucket_is_issued_inside_the_backward(reference3):
     """The first bucket's all-reduce has backward GEMMs that neither feed nor wait for it;
     the baseline's reductions wait for the whole backward."""
-    compiled, _, layout, _ = _compile(reference, ["overlap.grad_bucket_mb=0.004"])
+    compiled, _, layout, _ = _compile(reference3, DEEPER + ["overlap.grad_bucket_mb=0.004"])
     text = compiled.as_text()
     ops = [op for op in dp_collectives(text) if op.bytes > 8]
     layers = max(u.layer for u in layout.plan.units if u.layer is not None) + 1
@@ -255,13 +266,13 @@ def test_first_bucket_is_issued_inside_the_backward(reference):
     # input-gradient GEMMs of that layer (which neither feed nor wait for them), but for the
     # last one, whose gradients (the layer's first-used norm) need the whole layer's backward:
     # XLA:GPU pipelines that one under the next layer's (`test_gpu_schedule_hides_...`).
-    in_loop = [op for op in ops if op.executions_per_step == layers]
-    per_layer = [b for b in layout.plan.buckets if b.ready_segment == 1]
+    in_loop = [op for op in ops if op.executions_per_step == layers - 1]
+    per_layer = [b for b in layout.plan.buckets if b.ready_segment == 2]
     assert sum(op.bytes for op in in_loop) == sum(b.nbytes for b in per_layer)
     free = [independent_gemms(text, op.name, op.computation) > 0 for op in in_loop]
     assert sum(free) >= len(in_loop) - 1 >= 0 and any(free)
 
-    compiled, _, _, _ = _compile(reference, [])
+    compiled, _, _, _ = _compile(reference3, DEEPER)
     text = compiled.as_text()
     for op in dp_collectives(text):
         if op.bytes > 8:
@@ -348,10 +359,11 @@ def test_bf16_reduction_error_is_bounded(reference):
     emitted = re.findall(r'"?stablehlo\.all_reduce"?.*?:\s*\(tensor<(\d+)x(bf16|f32)>\)',
                          compiled.lowered_text, flags=re.S)
     bf16_sizes = sorted(int(n) for n, dtype in emitted if dtype == "bf16")
-    # (one op per bucket of a layer, in the layer scan's backward body: layer 0's stand for all)
+    # (one op per bucket of a layer, in the layer scan's backward body: layer 1's stand for
+    # the scan's; layer 0 runs outside it)
     layers = max(u.layer for u in layout.plan.units if u.layer is not None) + 1
     assert bf16_sizes == sorted(b.nbytes // 4 for b in layout.plan.buckets
-                                if b.ready_segment in (0, 1, layers + 1))
+                                if b.ready_segment in (0, 1, 2, layers + 1))
 
 
 @pytest.mark.slow

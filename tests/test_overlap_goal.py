@@ -41,10 +41,11 @@ def test_dp8_buckets_hide_under_backward_gemms_shallow():
     # Same widths as the 1.3B model, 4 layers: compiles in a fraction of the time.
     data = _under_gemm(SHALLOW)
     assert data["async_fraction"] == pytest.approx(1.0)
-    # Measured 0.891 (2026-11-29, jax 0.12.0.1; 0.652 before the embedding's buckets went
-    # ahead of the first layer's): the first layer's last bucket and the position
-    # embedding's are what is left after the last GEMM, a larger share of 4 layers than 24.
-    assert data["collective_bytes_under_gemm_fraction"] >= 0.88
+    # Measured 0.878 (2026-12-04, jax 0.12.0.1; 0.489 with the first layer in the layer
+    # scan, whose end left the embedding's buckets no GEMM): the first two layers' last
+    # buckets and the position embedding's are what is left after the last GEMM, a larger
+    # share of 4 layers than of 24 (0.959).
+    assert data["collective_bytes_under_gemm_fraction"] >= 0.87
 
 
 @pytest.mark.slow  # default suite: test_collective_matmul's every-ring-step-in-a-loop check
@@ -61,10 +62,11 @@ def test_dp2_tp4_ring_steps_hide_under_gemms_shallow():
 def test_dp8_gpt_1p3b_reaches_its_overlap():
     data = _under_gemm([])
     assert data["async_fraction"] == pytest.approx(1.0)
-    # Measured 0.907 with the plan's 4 microbatches of 8 sequences under remat full
-    # (2026-12-03; 0.959 at 8 of 4, whose step is 10% slower; GSPMD: 0.60): seven of the
-    # last microbatch's buckets finish with no GEMM left, 4.7 ms exposed of a 1.01 s step.
-    assert data["collective_bytes_under_gemm_fraction"] >= 0.90
+    # Measured 0.959 with the plan's 2 microbatches of 16 sequences under remat full
+    # (2026-12-04; 0.907 with the last microbatch's layers unrolled; GSPMD: 0.60): a layer's
+    # buckets go under the next layer's backward, the embedding's under the first layer's
+    # (which runs outside the layer scan); 0.85 ms exposed of a 0.96 s step.
+    assert data["collective_bytes_under_gemm_fraction"] >= 0.95
     assert data["exposed_comm_s_estimate"] <= 0.01 * data["estimate"]["step_ms"] / 1e3
 
 

@@ -12,18 +12,20 @@ differentiation, so JAX's implicit reductions do not fire and we choose where ea
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.overlap.dp_layout import DpLayout, leaf_indices
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec, microbatched
-from jax_overlap.parallel.remat import remat_block
+from jax_overlap.parallel.remat import checkpoint_policy, remat_block
 
 
 def tree_zeros_like(tree):
@@ -161,7 +163,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # The last microbatch's forward does not depend on the earlier ones; without the
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
-        last_step = (_scanned_last_microbatch if layout.fsdp is None and layout.plan.per_segment
+        last_step = (functools.partial(_scanned_last_microbatch, remat=plan.remat)
+                     if layout.fsdp is None and layout.plan.per_segment
                      else _bucketed_last_microbatch)
         loss_last, grads = last_step(model, par, block, layout, layers, local_params, acc, last,
                                      count, axis_sizes, marked, ov.grad_comm_dtype)
@@ -249,7 +252,7 @@ def _bucketed_last_microbatch(model, par, block, layout: DpLayout, layers, param
 
 def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params, acc, mb,
                              count, axis_sizes: dict[str, int], marked: tuple[str, ...],
-                             comm_dtype: str):
+                             comm_dtype: str, remat: str):
     """Loss and fully reduced gradients of the last microbatch, a layer's buckets reduced in
     the layer scan's backward (the plan packs every layer alike: `BucketPlan.per_segment`).
 
@@ -269,11 +272,14 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
     leaves, treedef = jax.tree.flatten(params)
     acc_leaves = jax.tree.leaves(acc)
     first_block = _leaf_range(params, "blocks").start
-    ends = plan.only([0, L + 1])
-    stacked = plan.only(range(1, L + 1))
+    # The first layer runs outside the scan, its buckets hooked like the embedding's: the
+    # embedding's gradient is ready as soon as that layer's input gradient is, and with
+    # `embed_before_first_layer` its reduction runs under the layer's weight-gradient GEMMs.
+    ends = plan.only([0, 1, L + 1])
+    stacked = plan.only(range(2, L + 1))
     # Layer l's buckets, in issue order: the same units (leaf, shape) for every layer.
-    per_layer = [[b for b in stacked.buckets if b.ready_segment == 1 + l] for l in range(L)]
-    template = per_layer[0]
+    per_layer = [[b for b in stacked.buckets if b.ready_segment == 1 + l] for l in range(1, L)]
+    template = per_layer[0] if per_layer else []
     units = stacked.units
     for row in per_layer:
         assert [[units[i].leaf for i in b.units] for b in row] == \
@@ -285,16 +291,17 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
              for k in range(len(template))]
 
     @jax.custom_vjp
-    def reduced_in_backward(sinks_l, p_l, acc_l):
-        del sinks_l, acc_l
-        return p_l
+    def layer_params(sinks_l, blocks, acc_blocks, i):
+        del sinks_l, acc_blocks
+        return jax.tree.map(lambda a: a[i], blocks)
 
-    def fwd(sinks_l, p_l, acc_l):
+    def fwd(sinks_l, blocks, acc_blocks, i):
         del sinks_l
-        return p_l, acc_l
+        return jax.tree.map(lambda a: a[i], blocks), (acc_blocks, i)
 
-    def bwd(acc_l, ct):
-        cts, accs = jax.tree.leaves(ct), jax.tree.leaves(acc_l)
+    def bwd(res, ct):
+        acc_blocks, i = res
+        cts, accs = jax.tree.leaves(ct), [a[i] for a in jax.tree.leaves(acc_blocks)]
         # No order between a layer's buckets (no `reduce_bucket` token): a result that feeds
         # nothing but the sink's gradient is what XLA's pipelined all-reduce moves under the
         # next layer's backward. (XLA's combiners may merge a layer's buckets below their
@@ -303,9 +310,17 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
                                      [accs[u.leaf - first_block] for u in us], comm_dtype)
                for b, us, n in zip(template, members, parts)]
         # The parameters' own cotangent is dropped: the sinks carry the result.
-        return out, None, None
+        return out, None, None, None
 
-    reduced_in_backward.defvjp(fwd, bwd)
+    layer_params.defvjp(fwd, bwd)
+
+    # Layer i's parameters are taken from the whole stacks inside the scan body, under a
+    # checkpoint that never saves them: the stacks are the scan's loop-invariant operands,
+    # where `a[1:]` as the scan's xs would copy every parameter and accumulator.
+    @functools.partial(jax.checkpoint, policy=_never_saving_layer_params(remat))
+    def scanned_block(sinks_l, i, x):
+        p = layer_params(sinks_l, params["blocks"], acc["blocks"], i)
+        return block(jax.tree.map(lambda a: checkpoint_name(a, "layer_params"), p), x)
 
     def loss_fn(block_sinks, end_sinks):
         hooks = buckets.BucketHooks(ends, leaves, acc_leaves, end_sinks, axis_sizes, marked,
@@ -317,12 +332,13 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
 
         hooks.enter(0)
         x = model.embed(subtree("embed"), mb["inputs"], par)
-
-        def layer(x, xs):
-            sinks_l, p_l, acc_l = xs
-            return block(reduced_in_backward(sinks_l, p_l, acc_l), x), None
-
-        x = jax.lax.scan(layer, x, (block_sinks, params["blocks"], acc["blocks"]))[0]
+        hooks.enter(1)
+        first = jax.tree.unflatten(jax.tree.structure(params["blocks"]),
+                                   [hooks.value(i, 0) for i in _leaf_range(params, "blocks")])
+        x = block(first, x)
+        if L > 1:
+            x = jax.lax.scan(lambda x, xs: (scanned_block(*xs, x), None), x,
+                             (block_sinks, jnp.arange(1, L)))[0]
         hooks.enter(L + 1)
         return model.head_loss(subtree("embed"), subtree("head"), x, mb["targets"], par) / count
 
@@ -333,8 +349,19 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
     for k in range(len(template)):
         for l, row in enumerate(per_layer):
             flat[row[k].index] = got_blocks[k][l]
-    by_leaf.update(buckets.assemble(stacked, flat, axis_sizes))
+    for leaf, g in buckets.assemble(stacked, flat, axis_sizes).items():
+        by_leaf[leaf] = jnp.concatenate([by_leaf[leaf], g])  # layer 0's, then the scan's
     return loss, jax.tree.unflatten(treedef, [by_leaf[i] for i in range(len(leaves))])
+
+
+def _never_saving_layer_params(remat: str):
+    """The remat policy `remat`, except that values named `layer_params` are never saved."""
+    base = checkpoint_policy(remat) or jax.checkpoint_policies.everything_saveable
+
+    def policy(prim, *args, **kwargs):
+        return kwargs.get("name") != "layer_params" and base(prim, *args, **kwargs)
+
+    return policy
 
 
 def _leaf_range(params: dict, key: str) -> range:
