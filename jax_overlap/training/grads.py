@@ -256,15 +256,17 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
     """Loss and fully reduced gradients of the last microbatch, a layer's buckets reduced in
     the layer scan's backward (the plan packs every layer alike: `BucketPlan.per_segment`).
 
-    The layer scan carries, per layer, the parameters, the earlier microbatches' gradients and
-    one sink per bucket of that layer (stacked over layers): an identity with a custom VJP on
-    the layer's parameters reduces its buckets as the backward body leaves the layer, and
-    hands them out as the sinks' gradients. The backward stays a loop: a layer's residuals
-    are rebuilt one layer at a time, as in the earlier microbatches (unrolled, XLA's GPU
-    scheduler ran the recomputes of many layers ahead of the backward), and XLA's pipelined
-    all-reduce overlaps each layer's reductions with the next layer's backward. The
-    embedding's and head's buckets go through `buckets.BucketHooks`, as in
-    `_bucketed_last_microbatch`.
+    The layer scan (layers 1 .. L-1) carries, per layer, one sink per bucket of that layer
+    (stacked over layers) and the layer's index: a custom VJP takes the layer's parameters
+    from the whole stacks, and in the backward reduces its buckets (with the earlier
+    microbatches' gradients) as the body leaves the layer, handing them out as the sinks'
+    gradients. The backward stays a loop: a layer's residuals are rebuilt one layer at a
+    time, as in the earlier microbatches (unrolled, XLA's GPU scheduler ran the recomputes of
+    many layers ahead of the backward), and XLA's pipelined all-reduce (the `gpu_overlap`
+    presets) overlaps each layer's reductions with the next layer's backward. The embedding's,
+    the first layer's and the head's buckets go through `buckets.BucketHooks`, as in
+    `_bucketed_last_microbatch`: outside the loop, the embedding's reduction can run under the
+    first layer's weight-gradient GEMMs.
     """
     del layers
     plan = layout.plan
