@@ -255,6 +255,20 @@ def test_buckets_match_reference_and_show_in_hlo(reference3, bucket_mb, embed_fi
     assert len(plan.buckets) >= (2 if bucket_mb == 1.0 else 3)
 
 
+@pytest.mark.parametrize("remat,mesh", [("full", (2, 4)), ("save_dots", (8, 1))])
+def test_scanned_buckets_under_remat_match_reference(reference3, remat, mesh):
+    """The layer scan's body under a checkpoint that never saves the layer's parameters (taken
+    from the whole stacks), composed with each recomputing policy: still the reference."""
+    _, _, _, ref_loss, ref_grads = reference3
+    compiled, args, layout, _ = _compile(reference3, DEEPER + [
+        f"model.remat={remat}", "overlap.grad_bucket_mb=0.01", "pipeline.microbatches=2"],
+        dp=mesh[0], tp=mesh[1])
+    assert layout.plan.per_segment
+    loss, grads = compiled(*args)
+    assert rel(float(loss), ref_loss) <= 1e-5
+    assert max_rel_err(grads, ref_grads) <= 1e-5
+
+
 def test_first_bucket_is_issued_inside_the_backward(reference3):
     """The first bucket's all-reduce has backward GEMMs that neither feed nor wait for it;
     the baseline's reductions wait for the whole backward."""
