@@ -316,13 +316,14 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
 
     layer_params.defvjp(fwd, bwd)
 
-    # Layer i's parameters are taken from the whole stacks inside the scan body, under a
-    # checkpoint that never saves them: the stacks are the scan's loop-invariant operands,
-    # where `a[1:]` as the scan's xs would copy every parameter and accumulator.
+    # Layer i's parameters are taken from the whole stacks inside the scan body, under the
+    # remat policy's checkpoint that never saves them: the stacks are the scan's
+    # loop-invariant operands, where `a[1:]` as the scan's xs would copy every parameter and
+    # accumulator. (The body is the bare block: this checkpoint is its remat.)
     @functools.partial(jax.checkpoint, policy=_never_saving_layer_params(remat))
     def scanned_block(sinks_l, i, x):
         p = layer_params(sinks_l, params["blocks"], acc["blocks"], i)
-        return block(jax.tree.map(lambda a: checkpoint_name(a, "layer_params"), p), x)
+        return model.block(jax.tree.map(lambda a: checkpoint_name(a, "layer_params"), p), x, par)
 
     def loss_fn(block_sinks, end_sinks):
         hooks = buckets.BucketHooks(ends, leaves, acc_leaves, end_sinks, axis_sizes, marked,
