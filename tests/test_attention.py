@@ -185,7 +185,20 @@ def test_the_gpu_step_runs_cudnn_flash_attention_and_no_score_tensor():
     # The estimate sees the kernels' matmuls: q k^T and p v forward, five backward, causal.
     module = parse_module(text)
     b, h, e = plan.micro_batch, cfg.model.heads // plan.tp, cfg.model.d_model // cfg.model.heads
-    flops = sorted(w.flops for c in module.computations.values() for i in c.instructions
-                   if i.opcode == "custom-call" and "fmha" in i.attributes
-                   and (w := gemm_work(module, c, i)) is not None)
-    assert flops == [2 * 2 * b * h * t * t * e / 2, 5 * 2 * b * h * t * t * e / 2]
+    calls = [(c, i, w) for c in module.computations.values() for i in c.instructions
+             if i.opcode == "custom-call" and "fmha" in i.attributes
+             and (w := gemm_work(module, c, i)) is not None]
+    assert sorted(w.flops for _, _, w in calls) == [2 * 2 * b * h * t * t * e / 2,
+                                                     5 * 2 * b * h * t * t * e / 2]
+    # At measured rates, the kernels run at fused attention's share of the peak, not a GEMM's.
+    from jax_overlap.analysis.step_estimate import kernel_of
+    from jax_overlap.hardware.machine import chip_spec
+
+    h100 = chip_spec("h100")
+    measured = h100.at_measured_rates()
+    for comp, inst, work in calls:
+        assert work.attention
+        kernel = kernel_of(module, comp, inst, measured)
+        assert kernel.seconds == pytest.approx(max(
+            work.flops / (h100.peak_bf16_flops * h100.efficiency.attention),
+            kernel.bytes / (h100.hbm_bytes_per_s * h100.efficiency.memory)))

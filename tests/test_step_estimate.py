@@ -4,6 +4,8 @@ table, and agreement with a second, simpler roofline of the same HLO."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from jax_overlap.analysis.hlo_parse import (
     parse_module,
     shape_bytes,
 )
-from jax_overlap.hardware.machine import chip_spec
+from jax_overlap.hardware.machine import KernelEfficiency, chip_spec
 from jax_overlap.analysis.step_estimate import (
     LAUNCH_S,
     Ticks,
@@ -43,6 +45,29 @@ def test_a_loop_body_counts_once_per_trip():
     assert est.gemm_flops == pytest.approx(5 * 2 * 64 * 128 * 128)
     assert est.wait_ms == 0
     assert est.step_ms == pytest.approx(est.gemm_ms + est.other_ms + est.launch_ms)
+
+
+def test_expected_runs_each_kernel_at_its_measured_share_of_the_peak():
+    """`expected_ms` is the roofline again with GEMMs at the chip's measured GEMM share and
+    every other kernel at its measured share of the bandwidth; MFU over the real peak."""
+    def f(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+
+    x, w = jnp.ones((512, 1024)), jnp.ones((1024, 1024))
+    eff = KernelEfficiency(gemm=0.5, attention=0.2, memory=0.25, source="test")
+    chip = dataclasses.replace(H100, efficiency=eff)
+    est = estimate_step(_hlo(f, x, w), chip, model_flops=1e9)
+    want = est.launch_ms * 1e-3
+    for kernel, runs, _ in est.kernels:
+        memory = kernel.bytes / (H100.hbm_bytes_per_s * eff.memory)
+        want += runs * (max(kernel.flops / (H100.peak_tf32_flops * eff.gemm), memory)
+                        if kernel.kind == "gemm" else memory)
+    assert est.expected_ms == pytest.approx(want * 1e3)
+    assert est.expected_mfu == pytest.approx(1e9 / (want * H100.peak_bf16_flops))
+    assert est.to_json()["expected_step_ms"] == est.expected_ms
+    # Without measured shares there is no expected figure.
+    bare = estimate_step(_hlo(f, x, w), chip_spec("a100"), model_flops=1e9)
+    assert bare.expected_ms is None and "expected_step_ms" not in bare.to_json()
 
 
 def test_an_in_place_update_costs_its_update_not_its_buffer():

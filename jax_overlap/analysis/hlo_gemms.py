@@ -37,11 +37,14 @@ class GemmWork:
       flops: total FLOPs of the dots/convolutions in it (cuDNN fused attention: its
         matmuls, `_fmha_flops`; 0 when not derivable).
       dtype: element type of the first matmul operand (picks the chip's rate).
+      attention: a cuDNN fused attention call (its kernels reach a lower share of the peak
+        than plain GEMMs: `ChipSpec.attention_flops_per_s`).
     """
 
     name: str
     flops: float
     dtype: str
+    attention: bool = False
 
 
 def _dims_attr(attributes: str, key: str) -> tuple[int, ...]:
@@ -149,7 +152,7 @@ def gemm_work(module: HloModule, comp: Computation, inst: Instruction,
             elif "cublas" in target:
                 flops, dtype = _custom_gemm_flops(comp, inst)
             elif target.startswith("__cudnn$fmha"):
-                flops, dtype = _fmha_flops(comp, inst, target)
+                return GemmWork(inst.name, *_fmha_flops(comp, inst, target), attention=True)
             else:
                 lhs_shape = operand_shape(comp, inst, 0)
                 leaves = array_shapes(lhs_shape) if lhs_shape else []

@@ -27,13 +27,19 @@ pipeline), ``wait_ms`` the rest of the replayed step -- the bubble, lockstep wai
 stage imbalance (0 without a pipeline); ``step_ms`` their sum; ``mfu`` the model's FLOPs
 over ``step_ms`` at the chip's bf16 peak.
 
-What it leaves out: kernel efficiency below the roofline, caches, the cost of a
+The roofline runs kernels at the chip's peaks. Where the chip's kernels were measured
+(:attr:`ChipSpec.efficiency`: Hopper, on a traced H200 step), ``expected_ms`` is the same
+replay with every kernel at its measured share of the peak -- GEMMs, fused attention and
+the other kernels each their own -- and ``expected_mfu`` its MFU: what a real step takes.
+
+What the roofline leaves out: kernel efficiency below the peaks, caches, the cost of a
 conditional's predicate read beyond one launch, overlap of independent kernels on several
 streams, and link time (``HloReport.exposed_comm_s_estimate`` has that).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -232,7 +238,8 @@ def kernel_of(module: HloModule, comp: Computation, inst: Instruction, chip: Chi
     memory_s = nbytes / chip.hbm_bytes_per_s
     work = gemm_work(module, comp, inst)
     if work is not None and work.flops > 0:
-        seconds = max(work.flops / chip.matmul_flops_per_s(work.dtype), memory_s)
+        rate = (chip.attention_flops_per_s if work.attention else chip.matmul_flops_per_s)
+        seconds = max(work.flops / rate(work.dtype), memory_s)
         return Kernel(inst.name, comp.name, "gemm", work.flops, nbytes, seconds,
                       _op_name(inst))
     return Kernel(inst.name, comp.name, "other", 0.0, nbytes, memory_s, _op_name(inst))
@@ -456,6 +463,8 @@ class StepEstimate:
       gemm_flops: the program's matmul FLOPs per device per step (recompute included).
       kernels: every kernel with its executions per step and where it runs.
       chip: the chip's name.
+      expected_ms, expected_mfu: the same replay at the chip's measured kernel rates (None
+        where the chip has none: :meth:`ChipSpec.at_measured_rates`).
     """
 
     step_ms: float
@@ -468,13 +477,18 @@ class StepEstimate:
     gemm_flops: float
     kernels: tuple = ()
     chip: str = ""
+    expected_ms: float | None = None
+    expected_mfu: float | None = None
 
     def to_json(self) -> dict[str, float]:
         """The JSON object ``analyze --json`` prints under ``estimate``."""
-        return {"step_ms": self.step_ms, "mfu": self.mfu, "gemm_ms": self.gemm_ms,
-                "other_ms": self.other_ms, "launch_ms": self.launch_ms,
-                "wait_ms": self.wait_ms, "model_flops": self.model_flops,
-                "gemm_flops": self.gemm_flops}
+        out = {"step_ms": self.step_ms, "mfu": self.mfu, "gemm_ms": self.gemm_ms,
+               "other_ms": self.other_ms, "launch_ms": self.launch_ms,
+               "wait_ms": self.wait_ms, "model_flops": self.model_flops,
+               "gemm_flops": self.gemm_flops}
+        if self.expected_ms is not None:
+            out.update(expected_step_ms=self.expected_ms, expected_mfu=self.expected_mfu)
+        return out
 
     def top(self, n: int, kind: str = "other") -> list[dict[str, Any]]:
         """The ``n`` kernels of ``kind`` costing most per step (time x executions)."""
@@ -517,6 +531,19 @@ def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
       The :class:`StepEstimate`.
     """
     module = parse_module(hlo) if isinstance(hlo, str) else hlo
+    est = _replay(module, chip, model_flops, ticks)
+    measured = chip.at_measured_rates()
+    if measured is None:
+        return est
+    expected_s = _replay(module, measured, model_flops, ticks).step_ms * 1e-3
+    return dataclasses.replace(
+        est, expected_ms=expected_s * 1e3,
+        expected_mfu=model_flops / (expected_s * chip.peak_bf16_flops) if expected_s else 0.0)
+
+
+def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
+            ticks: Ticks | None) -> StepEstimate:
+    """The roofline of ``module`` at ``chip``'s rates, its pipeline replayed."""
 
     def weights(inst: Instruction) -> Sequence[float] | None:
         if ticks is None:
@@ -576,6 +603,10 @@ def format_estimate(est: StepEstimate, top: int = 0) -> list[str]:
              f"(GEMMs {est.gemm_ms:.1f} ms, other kernels {est.other_ms:.1f} ms, launches "
              f"{est.launch_ms:.1f} ms, waits {est.wait_ms:.1f} ms; GEMM FLOPs "
              f"{est.gemm_flops / max(est.model_flops, 1):.2f}x the model's)"]
+    if est.expected_ms is not None:
+        lines.append(f"expected at measured kernel rates: {est.expected_ms:.1f} ms, MFU "
+                     f"{est.expected_mfu:.3f} (GEMMs, fused attention and other kernels at the "
+                     f"shares of peak measured on a traced H200 step: docs/results.md)")
     if top:
         lines.append(f"costliest non-GEMM kernels ({'ms/step':>8s}, runs, MiB each, what):")
         for row in est.top(top):

@@ -43,6 +43,35 @@ KERNEL_LAUNCH_S = 4e-6
 
 
 @dataclass(frozen=True)
+class KernelEfficiency:
+    """Shares of a chip's peaks that its kernels were measured to reach in a training step.
+
+    The GPU-step estimate is a roofline at the peaks; its ``expected`` figure runs every
+    kernel at these shares instead (:meth:`ChipSpec.at_measured_rates`).
+
+    Attributes:
+      gemm: cuBLAS / Triton GEMMs: achieved FLOP/s over the matmul peak.
+      attention: cuDNN fused attention: its matmul FLOPs per second over the matmul peak.
+      memory: every other kernel: its roofline bytes per second over the HBM bandwidth.
+      source: where and how they were measured.
+    """
+
+    gemm: float
+    attention: float
+    memory: float
+    source: str
+
+
+# Measured on one H200 (jax 0.11.2, CUDA 13), 2026-12-04, `scripts/gpu_check.sh`: GPT-1.3B,
+# 32 x 2048 tokens a step on one GPU, traced. Fitted to the plan's program (remat full, fused
+# attention) and, out of sample, within 10% of the traced steps under remat none and plain
+# attention (docs/results.md, "The estimate against a real GPU"). The H100 is the same die.
+HOPPER_MEASURED = KernelEfficiency(
+    gemm=0.75, attention=0.39, memory=0.62,
+    source="one H200, GPT-1.3B traced, 2026-12-04 (docs/results.md)")
+
+
+@dataclass(frozen=True)
 class ChipSpec:
     """Peak rates of one GPU model, for MFU and link-time estimates.
 
@@ -59,6 +88,9 @@ class ChipSpec:
         all links of both directions.
       nvlink_links: number of NVLink links per GPU.
       sources: where the numbers come from.
+      efficiency: the shares of these peaks measured kernels reach (None: not measured).
+      attention_share: fused attention's matmul rate over the GEMM rate: 1 at the peaks;
+        below 1 on a chip at measured rates.
     """
 
     name: str
@@ -71,6 +103,8 @@ class ChipSpec:
     nvlink_bytes_per_s: float
     nvlink_links: int
     sources: tuple[str, ...] = ()
+    efficiency: KernelEfficiency | None = None
+    attention_share: float = 1.0
 
     @property
     def nvlink_unidirectional_bytes_per_s(self) -> float:
@@ -80,6 +114,25 @@ class ChipSpec:
         bandwidth is one direction's: half of the published bidirectional figure.
         """
         return self.nvlink_bytes_per_s / 2.0
+
+    def at_measured_rates(self) -> ChipSpec | None:
+        """This chip with its peaks scaled to the measured :attr:`efficiency` (None when
+        none was measured): the rates the estimate's ``expected`` figure runs kernels at."""
+        e = self.efficiency
+        if e is None:
+            return None
+        return dataclasses.replace(
+            self, peak_bf16_flops=self.peak_bf16_flops * e.gemm,
+            peak_tf32_flops=self.peak_tf32_flops * e.gemm,
+            peak_fp32_flops=self.peak_fp32_flops * e.gemm,
+            peak_fp8_flops=self.peak_fp8_flops and self.peak_fp8_flops * e.gemm,
+            hbm_bytes_per_s=self.hbm_bytes_per_s * e.memory,
+            attention_share=e.attention / e.gemm, efficiency=None)
+
+    def attention_flops_per_s(self, dtype: str) -> float:
+        """The rate of a fused attention kernel's matmuls (:attr:`attention_share` of the
+        GEMM rate)."""
+        return self.matmul_flops_per_s(dtype) * self.attention_share
 
     def matmul_flops_per_s(self, dtype: str) -> float:
         """Peak dense matmul rate for operands of ``dtype`` (an HLO type name).
@@ -145,6 +198,7 @@ H100_CHIP = ChipSpec(
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",
         "NVIDIA H100 Tensor Core GPU Architecture whitepaper",
     ),
+    efficiency=HOPPER_MEASURED,
 )
 
 # --------------------------------------------------------------------------- H200
