@@ -17,8 +17,8 @@ reports as `weighted_bubble`), three ways:
 `mem` is the chosen paired table's activation peak over the plain table's (the most
 (microbatch, chunk)s a stage holds, from F to its last backward action).
 
-It also times building the largest tables (p = 64, m = 1024, v <= 4) and the pair search at
-p = 16, m = 64.
+It also times building the largest tables (p = 64, m = 1024, v <= 4; 1F1B and ZB-V also
+paired, at the 6.2B ZB-V costs) and the pair search at p = 16, m = 64.
 
     python bench/zero_bubble.py            # the table in docs/results.md (~2 min on 1 core)
     python bench/zero_bubble.py --quick    # small sizes, for tests/test_benches.py
@@ -97,8 +97,13 @@ def timings(quick: bool, search: int) -> list[dict]:
         s = make_schedule(name, p, m, v)
         out.append({"what": f"build {name} p={p} m={m} v={v}", "ticks": s.ticks,
                     "seconds": time.perf_counter() - start})
-    p, m = (4, 8) if quick else (16, 64)
     f, b, w, c = COSTS["6.2B-v"]
+    for name, v in (("1f1b", 1), ("zb-v", 2)):  # paired, at the paper's costs
+        start = time.perf_counter()
+        s = make_schedule(name, p, m, v, 1, True, {"F": f, "B": b, "W": w}, 0, c)
+        out.append({"what": f"build {name} paired p={p} m={m} v={v}", "ticks": s.ticks,
+                    "seconds": time.perf_counter() - start})
+    p, m = (4, 8) if quick else (16, 64)
     start = time.perf_counter()
     s = make_schedule("zb-v", p, m, 2, 1, True, {"F": f, "B": b, "W": w}, search, c)
     out.append({"what": f"pair search zb-v p={p} m={m} steps={search}", "ticks": s.ticks,

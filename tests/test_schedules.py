@@ -582,6 +582,37 @@ def test_paired_schedules_are_valid_and_round_trip(name, v):
         assert any("+" in e for row in data["table"] for e in row if e)
 
 
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                     ("zb-h1", 1), ("zb-v", 2)])
+def test_large_paired_tables_take_the_proxy_variant(monkeypatch, name, v):
+    """Past `PAIRED_PROXY_CELLS`, a paired table is the variant that wins on a table of
+    2 x stages microbatches, built once at full size: valid, every action once, the caps of
+    the full-size search, and within 0.01 of its executed bubble (GPipe, whose peaks grow
+    with m, keeps the full search)."""
+    from jax_overlap.pipeline import schedules
+    from jax_overlap.pipeline.schedules import peak_activations
+    from jax_overlap.pipeline.ticks import executed_bubble
+
+    cost, transfer = {"F": 14.4, "B": 14.4, "W": 9.7}, 1.6
+    full = make_schedule(name, 4, 24, v, 1, True, cost, 0, transfer)
+    monkeypatch.setattr(schedules, "PAIRED_PROXY_CELLS", 64)
+    built = []
+    real = schedules._build_variant
+    monkeypatch.setattr(schedules, "_build_variant",
+                        lambda *a, **k: built.append(a[2]) or real(*a, **k))
+    s = make_schedule(name, 4, 24, v, 1, True, cost, 0, transfer)
+    validate(s)
+    base = make_schedule(name, 4, 24, v)
+    assert sorted(s.task(d, a) for d, _, a in s.actions()) == sorted(
+        base.task(d, a) for d, _, a in base.actions())
+    assert all(p2 <= 2 * p1 for p1, p2 in zip(peak_activations(base), peak_activations(s)))
+    assert executed_bubble(s, cost, transfer) <= executed_bubble(full, cost, transfer) + 0.01
+    # One full-size build (the rest at the proxy's 8 microbatches), except for GPipe.
+    assert built.count(24) == (len(built) if name == "gpipe" else 1)
+    if name == "gpipe":
+        assert s.grid == full.grid
+
+
 def test_paired_entry_spelling():
     from jax_overlap.pipeline.schedules import Action, Pair, format_entry, parse_entry
 

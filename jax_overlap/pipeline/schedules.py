@@ -1145,39 +1145,23 @@ def make_schedule(
         # A paired tick runs two actions, so a round trip from a stage takes as many ticks
         # but keeps twice the work in flight: twice the unpaired peak per stage keeps the
         # steady state paired (at the unpaired peak, pairs starve for forwards).
+        proxy = PAIRED_PROXY_STAGES * stages
+        chunks = 2 if name.strip().lower().replace("_", "-") == "zb-v" else virtual_stages
+        if (not search and microbatches > proxy
+                and stages * microbatches * chunks > PAIRED_PROXY_CELLS):
+            # Large tables: the variants differ in the ramps, which a table of `proxy`
+            # microbatches has too, and run the same steady state; the proxy's best variant
+            # is built once at full size. Its caps carry over where the pipeline's depth, not
+            # the microbatch count, bounds the unpaired peaks (every schedule but GPipe).
+            small = make_schedule(name, stages, proxy, virtual_stages, 1)
+            peaks = peak_activations(small)
+            if max(peaks) < proxy * small.virtual_stages:
+                variant = _best_paired(small, peaks, cost, 0, transfer)[1]
+                caps = _paired_caps(peaks, microbatches * small.virtual_stages, variant.doubled)
+                return _build_variant(small.name, stages, microbatches, small.virtual_stages,
+                                      caps, variant, cost, transfer)
         base = make_schedule(name, stages, microbatches, virtual_stages, 1)
-        caps = [min(2 * peak, microbatches * base.virtual_stages)
-                for peak in peak_activations(base)]
-        # Cost-aware: of the pairing quorums, the table whose ticks waste least at `cost`
-        # (default: F = B = W, so a non-split B costs two), then the one with most pairs (most
-        # transfers hidden under the other lane). Timed as the executor runs it (`transfer`
-        # given), the unpaired table's own caps are tried too.
-        cap_sets = [caps]
-        if transfer is not None:
-            cap_sets.append(peak_activations(base))
-        candidates = []
-        for these in cap_sets:
-            for q in PAIR_QUORUMS:
-                try:
-                    candidates.append((_build(base.name, stages, microbatches, virtual_stages,
-                                              1, True, these, q), these, q))
-                except RuntimeError:  # a tighter cap can deadlock the greedy
-                    continue
-        table, caps2, quorum = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
-        if search:
-            table = search_pairings(base.name, stages, microbatches, virtual_stages, caps2, cost,
-                                    quorum, search, transfer=transfer)
-        if base.name not in FILLED:
-            return table
-        # Lanes as positions (W's in either lane): if better at these costs as the executor
-        # runs it (ring neighbours wait for each other, one transfer per lane; none without
-        # `transfer`), it wins.
-        timed = 0.0 if transfer is None else transfer
-        filled = filled_schedule(base.name, stages, microbatches, caps, cost, timed)
-        # Ties (e.g. F = B = W without a transfer) keep the table that wastes least in global
-        # lockstep, the one chosen so far.
-        return min([table, *filled[:1]], key=lambda t: (*_pairing_key(t, cost, timed)[:1],
-                                                        *_pairing_key(t, cost)))
+        return _best_paired(base, peak_activations(base), cost, search, transfer)[0]
     key = name.strip().lower().replace("_", "-")
     lat = transfer_latency
     if key not in SCHEDULES:
@@ -1244,6 +1228,79 @@ def make_schedule(
     return _build(key, stages, microbatches, virtual_stages, lat)
 
 
+# Paired tables of more cells (stages x microbatches x chunks) than this, with more
+# microbatches than PAIRED_PROXY_STAGES x stages, choose their variant (pairing quorum, caps,
+# filled lanes and guard) on a table of PAIRED_PROXY_STAGES x stages microbatches and build
+# only it at full size: p = 64, m = 1024 ZB-V in seconds instead of a minute.
+PAIRED_PROXY_CELLS = 1 << 15
+PAIRED_PROXY_STAGES = 2
+
+
+class _PairedVariant(NamedTuple):
+    """How a paired table is generated: lanes as positions (`filled`, with a `guard` of
+    :data:`FILL_GUARDS`) or pairs above a `quorum`; caps twice the unpaired table's peak
+    per stage (`doubled`) or the peak itself."""
+
+    filled: bool
+    doubled: bool
+    quorum: float = 0.0
+    guard: tuple[float, bool] | None = None
+
+
+def _paired_caps(peaks: Sequence[int], most: int, doubled: bool) -> list[int]:
+    """Per-stage activation caps of a paired table from the unpaired table's `peaks`: twice
+    them (at most `most`, every (microbatch, chunk) of the step) or the peaks themselves."""
+    return [min(2 * peak, most) for peak in peaks] if doubled else list(peaks)
+
+
+def _build_variant(name: str, p: int, m: int, v: int, caps: Sequence[int],
+                   variant: _PairedVariant, cost: dict[str, float] | None,
+                   transfer: float | None) -> Schedule:
+    """The paired table of `variant` for schedule `name` at `p` stages, `m` microbatches
+    and `v` chunks per stage."""
+    if not variant.filled:
+        return _build(name, p, m, v, 1, True, caps, variant.quorum)
+    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    guard = variant.guard
+    return _filled(name, p, m, caps, None if guard is None else
+                   (cost, 0.0 if transfer is None else transfer, *guard))
+
+
+def _best_paired(base: Schedule, peaks: Sequence[int], cost: dict[str, float] | None,
+                 search: int, transfer: float | None) -> tuple[Schedule, _PairedVariant]:
+    """The best paired table at the unpaired `base`'s size (`peaks`: its activation peaks),
+    and its variant (see `make_schedule`)."""
+    p, m, v = base.stages, base.microbatches, base.virtual_stages
+    # Cost-aware: of the pairing quorums, the table whose ticks waste least at `cost`
+    # (default: F = B = W, so a non-split B costs two), then the one with most pairs (most
+    # transfers hidden under the other lane). Timed as the executor runs it (`transfer`
+    # given), the unpaired table's own caps are tried too.
+    candidates = []
+    for doubled in ((True, False) if transfer is not None else (True,)):
+        caps = _paired_caps(peaks, m * v, doubled)
+        for q in PAIR_QUORUMS:
+            variant = _PairedVariant(False, doubled, q)
+            try:
+                candidates.append((_build_variant(base.name, p, m, v, caps, variant, cost,
+                                                  transfer), caps, variant))
+            except RuntimeError:  # a tighter cap can deadlock the greedy
+                continue
+    table, caps, variant = min(candidates, key=lambda c: _pairing_key(c[0], cost, transfer))
+    if search:
+        table = search_pairings(base.name, p, m, v, caps, cost, variant.quorum, search,
+                                transfer=transfer)
+    if base.name not in FILLED:
+        return table, variant
+    # Lanes as positions (W's in either lane): if better at these costs as the executor
+    # runs it (ring neighbours wait for each other, one transfer per lane; none without
+    # `transfer`), it wins. Ties (e.g. F = B = W without a transfer) keep the table that
+    # wastes least in global lockstep, the one chosen so far.
+    timed = 0.0 if transfer is None else transfer
+    filled = _filled_variants(base, _paired_caps(peaks, m * v, True), cost, timed)
+    return min([(table, variant), *filled],
+               key=lambda c: (*_pairing_key(c[0], cost, timed)[:1], *_pairing_key(c[0], cost)))
+
+
 def _build(key: str, stages: int, microbatches: int, virtual_stages: int, lat: int,
            paired: bool = False, caps: Sequence[int] | None = None,
            quorum: float | Sequence[float] = 0.0) -> Schedule:
@@ -1263,12 +1320,6 @@ FILL_GUARDS: tuple[tuple[float, bool] | None, ...] = (None, (0.0, False), (0.5, 
                                                       (0.5, True))
 
 
-def _fill_guards(cost: dict[str, float] | None, transfer: float):
-    """`_list_schedule` guards for :data:`FILL_GUARDS` at these costs."""
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
-    return [None if g is None else (cost, transfer, g[0], g[1]) for g in FILL_GUARDS]
-
-
 def filled_schedule(name: str, stages: int, microbatches: int, caps: Sequence[int] | None,
                     cost: dict[str, float] | None = None,
                     transfer: float = 0.0) -> list[Schedule]:
@@ -1286,18 +1337,27 @@ def filled_schedule(name: str, stages: int, microbatches: int, caps: Sequence[in
       ``[table]``, the least executed bubble (:func:`executed_bubble`) of the
       :data:`FILL_GUARDS` tables, or ``[]`` if every one deadlocks.
     """
+    base = make_schedule(name, stages, microbatches, 2 if name == "zb-v" else 1)
     if caps is None:
-        v = 2 if name == "zb-v" else 1
-        base = make_schedule(name, stages, microbatches, v)
-        caps = [min(2 * peak, microbatches * v) for peak in peak_activations(base)]
+        caps = _paired_caps(peak_activations(base), microbatches * base.virtual_stages, True)
+    return [table for table, _ in _filled_variants(base, caps, cost, transfer)]
+
+
+def _filled_variants(base: Schedule, caps: Sequence[int], cost: dict[str, float] | None,
+                     transfer: float) -> list[tuple[Schedule, _PairedVariant]]:
+    """`[(table, variant)]`: of the :data:`FILL_GUARDS` filled tables at `base`'s size, the
+    one with the least executed bubble; `[]` if every one deadlocks."""
     tables = []
-    for guard in _fill_guards(cost, transfer):
+    for guard in FILL_GUARDS:
+        variant = _PairedVariant(True, True, guard=guard)
         try:
-            tables.append(_filled(name, stages, microbatches, caps, guard))
+            tables.append((_build_variant(base.name, base.stages, base.microbatches,
+                                          base.virtual_stages, caps, variant, cost, transfer),
+                           variant))
         except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
             continue
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
-    return sorted(tables, key=lambda t: round(executed_bubble(t, cost, transfer), 9))[:1]
+    unit = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    return sorted(tables, key=lambda c: round(executed_bubble(c[0], unit, transfer), 9))[:1]
 
 
 def _filled(key: str, stages: int, microbatches: int, caps: Sequence[int],
