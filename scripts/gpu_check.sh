@@ -24,12 +24,9 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee
 
 CFG=${GPU_CHECK_CONFIG:-configs/gpu/gpt_1p3b_dp8.yaml}
 read -r -a BASE <<<"${GPU_CHECK_SET:---set mesh.dp=1 --set train.global_batch=32}"
-# name | extra overrides
-VARIANTS=(
-  "plan|"
-  "remat_none|--set model.remat=none"
-  "attention_plain|--set model.attention=plain"
-)
+# name | extra overrides (GPU_CHECK_VARIANTS: the same, ';'-separated)
+VARIANTS=("plan|" "remat_none|--set model.remat=none" "attention_plain|--set model.attention=plain")
+[[ -n ${GPU_CHECK_VARIANTS:-} ]] && IFS=';' read -r -a VARIANTS <<<"$GPU_CHECK_VARIANTS"
 run_variant() {  # name, overrides...
   local name=$1; shift
   local t; t=$(left); if (( t < 90 )); then echo "skip $name: ${t}s left"; return; fi
@@ -48,7 +45,7 @@ for v in "${VARIANTS[@]}"; do
   IFS='|' read -r name extra <<<"$v"
   # shellcheck disable=SC2086
   run_variant "$name" $extra
-  if [[ $name == plan ]]; then  # the suite second: the plan's numbers matter most
+  if [[ $name == plan && ${GPU_CHECK_SUITE:-1} == 1 ]]; then  # second: the plan's numbers first
     t=$(left); echo "== GPU suite ($t s left)"
     timeout $(( t > 200 ? 180 : t / 2 )) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
       -x 2>&1 | tail -15 | tee "$OUT/gpu_suite.txt"
@@ -58,10 +55,10 @@ done
 f=$(find /tmp/prof_plan -name 'perfetto_trace.json.gz' 2>/dev/null | head -1)
 [[ -n $f && $(stat -c%s "$f") -lt 12000000 ]] && cp "$f" "$OUT/plan.perfetto_trace.json.gz"
 echo "== summary ($(left)s left)"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "${VARIANTS[@]%%|*}" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("plan", "remat_none", "attention_plain"):
+for name in sys.argv[2:]:
     try:
         k = json.load(open(f"{out}/{name}.kernels.json"))
         e = json.load(open(f"{out}/{name}.analyze.json")).get("estimate", {})
@@ -73,5 +70,6 @@ for name in ("plan", "remat_none", "attention_plain"):
           f"busy {s['busy_ms']:.0f}; gemm {s.get('gemm_ms', 0):.0f}, attention "
           f"{s.get('attention_ms', 0):.0f}, other {s.get('other_ms', 0):.0f}, {s['kernels']} kernels)"
           f" | estimate {e.get('step_ms', 0):.0f} ms (gemm {e.get('gemm_ms', 0):.0f}, other "
-          f"{e.get('other_ms', 0):.0f}, launch {e.get('launch_ms', 0):.0f})")
+          f"{e.get('other_ms', 0):.0f}, launch {e.get('launch_ms', 0):.0f}), at measured rates "
+          f"{e.get('expected_step_ms') or 0:.0f} ms")
 EOF
