@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 
 def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
     """Time one action takes: a non-split ``B`` also does the ``W`` work."""
@@ -141,39 +143,50 @@ def tick_clocks(schedule: Any, cost: dict[str, float] | None = None,
     Returns:
       One end time per stage.
     """
+    return _clocks_and_work(schedule, cost, transfer)[0]
+
+
+def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
+                     transfer: float) -> tuple[list[float], float]:
+    """`tick_clocks`, and the seconds of every action of the table summed (in the order of
+    ``schedule.actions()``)."""
     s = schedule
     cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
     near = permute_partners(s)
     skew = skewed(s)
     lanes = len(near)
     seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
-    # Per lane, per stage, per tick: the seconds of the action that stage runs in that lane
+    # Per lane, per tick, per stage: the seconds of the action that stage runs in that lane
     # (`cell_lanes`, unrolled: this runs over every entry of tables with millions).
-    work = [[[0.0] * s.ticks for _ in range(s.stages)] for _ in range(lanes)]
+    work = np.zeros((lanes, s.ticks, s.stages))
+    spent: list[float] = []  # every action's seconds, summed at the end as `sum` does
     for d, row in enumerate(s.grid):
-        first, second = work[0][d], work[-1][d]
+        first, second = work[0, :, d], work[-1, :, d]
         for t, cell in enumerate(row):
             if cell is None:
                 continue
             if len(cell) == 2:  # a pair: its positions are its lanes
-                first[t] += seconds[cell[0][0]]
-                second[t] += seconds[cell[1][0]]
+                a, b = seconds[cell[0][0]], seconds[cell[1][0]]
+                first[t] += a
+                second[t] += b
+                spent += (a, b)
             else:
-                (first if cell[0] == "F" else second)[t] += seconds[cell[0]]
-    by_tick = [list(zip(*lane)) for lane in work]  # [lane][tick][stage]
-    # `lane_meet`'s rule, unrolled for speed: per stage, itself and its partners.
-    groups = [[(d, *sorted(near[lane][d])) if near[lane][d] else None
-               for d in range(s.stages)] for lane in range(lanes)]
-    clock = [0.0] * s.stages
-    stages = range(s.stages)
+                a = seconds[cell[0]]
+                (first if cell[0] == "F" else second)[t] += a
+                spent.append(a)
+    # `lane_meet`'s rule over all stages at once: each stage's and its partners' clocks
+    # (a partner list padded with the stage itself); a stage without partners just runs.
+    width = max([len(near[lane][d]) for lane in range(lanes) for d in range(s.stages)] + [0])
+    group = np.array([[[d, *sorted(near[lane][d])] + [d] * (width - len(near[lane][d]))
+                       for d in range(s.stages)] for lane in range(lanes)], dtype=np.int64)
+    alone = np.array([[not near[lane][d] for d in range(s.stages)] for lane in range(lanes)])
+    clock = np.zeros(s.stages)
     for t in range(s.ticks):
         for lane in range(lanes):
-            w, group = by_tick[lane][t], groups[lane]
-            done = [clock[d] + w[d] for d in stages]
-            ref = clock if skew else done
-            clock = [done[d] if g is None else max(done[d], max([ref[e] for e in g]) + transfer)
-                     for d, g in zip(stages, group)]
-    return clock
+            done = clock + work[lane, t]
+            meet = (clock if skew else done)[group[lane]].max(axis=1) + transfer
+            clock = np.where(alone[lane], done, np.maximum(done, meet))
+    return clock.tolist(), sum(spent)
 
 
 def executed_bubble(schedule: Any, cost: dict[str, float] | None = None,
@@ -189,8 +202,6 @@ def executed_bubble(schedule: Any, cost: dict[str, float] | None = None,
     Returns:
       A fraction in ``[0, 1)``; 0 for an empty table.
     """
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
-    span = max(tick_clocks(schedule, cost, transfer), default=0.0) * schedule.stages
-    work = sum(action_cost(a.kind, schedule.split_backward, cost)
-               for _, _, a in schedule.actions())
+    clock, work = _clocks_and_work(schedule, cost, transfer)
+    span = max(clock, default=0.0) * schedule.stages
     return (span - work) / span if span else 0.0
