@@ -396,8 +396,10 @@ def test_zero_bubble_quick():
     for r in doc["rows"][1:]:  # the filled table is what --paired --costs picks here
         assert r["paired"] == pytest.approx(r["filled"])
         assert r["paired"] <= r["paper"] + 0.02
-    assert len(doc["timings"]) == 5 and all(t["seconds"] >= 0 and t["ticks"] > 0
+    assert len(doc["timings"]) == 7 and all(t["seconds"] >= 0 and t["ticks"] > 0
                                             for t in doc["timings"])
+    assert [t["what"].split(" p=")[0] for t in doc["timings"][4:6]] == [
+        "build 1f1b paired", "build zb-v paired"]
 
 
 def _headline_module():
