@@ -163,9 +163,11 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         # The last microbatch's forward does not depend on the earlier ones; without the
         # barrier XLA may run it first and keep its activations alive through them.
         acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
+        # The layer scan needs two trips or more (layers 1 .. L-1): a one-trip loop leaves
+        # its layer's reductions nothing to run under (XLA pipelines them into the next trip).
         last_step = (functools.partial(_scanned_last_microbatch, remat=plan.remat)
                      if layout.fsdp is None and layout.plan.per_segment
-                     else _bucketed_last_microbatch)
+                     and model.num_layers > 2 else _bucketed_last_microbatch)
         loss_last, grads = last_step(model, par, block, layout, layers, local_params, acc, last,
                                      count, axis_sizes, marked, ov.grad_comm_dtype)
         if fsdp_whole:  # FSDP block leaves stored whole: summed over dp after the backward
