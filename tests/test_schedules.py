@@ -611,6 +611,12 @@ def test_large_paired_tables_take_the_proxy_variant(monkeypatch, name, v):
     assert built.count(24) == (len(built) if name == "gpipe" else 1)
     if name == "gpipe":
         assert s.grid == full.grid
+    # The full size is checked before the proxy is built.
+    with pytest.raises(ValueError, match="pipeline.microbatches"):
+        make_schedule(name, 4, schedules.MAX_SCHEDULE_CELLS, v, 1, True, cost, 0, transfer)
+    if name == "interleaved":
+        with pytest.raises(ValueError, match="multiple of pipeline.stages=4"):
+            make_schedule(name, 4, 26, v, 1, True, cost, 0, transfer)
 
 
 def test_paired_entry_spelling():

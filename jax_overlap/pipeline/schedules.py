@@ -1145,8 +1145,9 @@ def make_schedule(
         # A paired tick runs two actions, so a round trip from a stage takes as many ticks
         # but keeps twice the work in flight: twice the unpaired peak per stage keeps the
         # steady state paired (at the unpaired peak, pairs starve for forwards).
+        key = _checked_key(name, stages, microbatches, virtual_stages, 1)  # at full size
         proxy = PAIRED_PROXY_STAGES * stages
-        chunks = 2 if name.strip().lower().replace("_", "-") == "zb-v" else virtual_stages
+        chunks = 2 if key == "zb-v" else virtual_stages
         if (not search and microbatches > proxy
                 and stages * microbatches * chunks > PAIRED_PROXY_CELLS):
             # Large tables: the variants differ in the ramps, which a table of `proxy`
@@ -1162,8 +1163,15 @@ def make_schedule(
                                       caps, variant, cost, transfer)
         base = make_schedule(name, stages, microbatches, virtual_stages, 1)
         return _best_paired(base, peak_activations(base), cost, search, transfer)[0]
+    key = _checked_key(name, stages, microbatches, virtual_stages, transfer_latency)
+    return _build(key, stages, microbatches, virtual_stages, transfer_latency)
+
+
+def _checked_key(name: str, stages: int, microbatches: int, virtual_stages: int,
+                 lat: int) -> str:
+    """The schedule's key (``_`` spelled ``-``), once its sizes are checked; raises
+    ValueError naming the config field and the fix (see `make_schedule`)."""
     key = name.strip().lower().replace("_", "-")
-    lat = transfer_latency
     if key not in SCHEDULES:
         close = difflib.get_close_matches(key, SCHEDULES, n=1, cutoff=0.4)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -1212,20 +1220,22 @@ def make_schedule(
             f"pipeline.microbatches: interleaved needs a multiple of {what} (at least "
             f"{group}), got {microbatches}; set pipeline.microbatches to {fix}",
         )
-        return _build(key, stages, microbatches, virtual_stages, lat)
+        return key
     if key == "zb-v":
         _require(
             virtual_stages in (1, 2),
             f"pipeline.virtual_stages: zb-v always uses 2 chunks per stage, got "
             f"{virtual_stages!r}; set pipeline.virtual_stages to 2 (or leave it at 1)",
         )
-        return _build(key, stages, microbatches, virtual_stages, lat)
+        return key
     _require(
         virtual_stages == 1,
         f"pipeline.virtual_stages: {key} uses one chunk per stage, got {virtual_stages!r}; "
         f"set pipeline.virtual_stages to 1 (or use interleaved / zb-v)",
     )
-    return _build(key, stages, microbatches, virtual_stages, lat)
+    return key
+
+
 
 
 # Paired tables of more cells (stages x microbatches x chunks) than this, with more
