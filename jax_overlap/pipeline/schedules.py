@@ -1154,14 +1154,14 @@ def make_schedule(
             # microbatches has too, and run the same steady state; the proxy's best variant
             # is built once at full size. Its caps carry over where the pipeline's depth, not
             # the microbatch count, bounds the unpaired peaks (every schedule but GPipe).
-            small = make_schedule(name, stages, proxy, virtual_stages, 1)
+            small = _build(key, stages, proxy, virtual_stages, 1)
             peaks = peak_activations(small)
             if max(peaks) < proxy * small.virtual_stages:
                 variant = _best_paired(small, peaks, cost, 0, transfer)[1]
                 caps = _paired_caps(peaks, microbatches * small.virtual_stages, variant.doubled)
                 return _build_variant(small.name, stages, microbatches, small.virtual_stages,
                                       caps, variant, cost, transfer)
-        base = make_schedule(name, stages, microbatches, virtual_stages, 1)
+        base = _build(key, stages, microbatches, virtual_stages, 1)
         return _best_paired(base, peak_activations(base), cost, search, transfer)[0]
     key = _checked_key(name, stages, microbatches, virtual_stages, transfer_latency)
     return _build(key, stages, microbatches, virtual_stages, transfer_latency)
@@ -1236,8 +1236,6 @@ def _checked_key(name: str, stages: int, microbatches: int, virtual_stages: int,
     return key
 
 
-
-
 # Paired tables of more cells (stages x microbatches x chunks) than this, with more
 # microbatches than PAIRED_PROXY_STAGES x stages, choose their variant (pairing quorum, caps,
 # filled lanes and guard) on a table of PAIRED_PROXY_STAGES x stages microbatches and build
@@ -1306,7 +1304,7 @@ def _best_paired(base: Schedule, peaks: Sequence[int], cost: dict[str, float] | 
     # `transfer`), it wins. Ties (e.g. F = B = W without a transfer) keep the table that
     # wastes least in global lockstep, the one chosen so far.
     timed = 0.0 if transfer is None else transfer
-    filled = _filled_variants(base, _paired_caps(peaks, m * v, True), cost, timed)
+    filled = _filled_variants(base.name, p, m, v, _paired_caps(peaks, m * v, True), cost, timed)
     return min([(table, variant), *filled],
                key=lambda c: (*_pairing_key(c[0], cost, timed)[:1], *_pairing_key(c[0], cost)))
 
@@ -1347,22 +1345,25 @@ def filled_schedule(name: str, stages: int, microbatches: int, caps: Sequence[in
       ``[table]``, the least executed bubble (:func:`executed_bubble`) of the
       :data:`FILL_GUARDS` tables, or ``[]`` if every one deadlocks.
     """
-    base = make_schedule(name, stages, microbatches, 2 if name == "zb-v" else 1)
+    v = 2 if name == "zb-v" else 1
     if caps is None:
-        caps = _paired_caps(peak_activations(base), microbatches * base.virtual_stages, True)
-    return [table for table, _ in _filled_variants(base, caps, cost, transfer)]
+        base = make_schedule(name, stages, microbatches, v)
+        caps = _paired_caps(peak_activations(base), microbatches * v, True)
+    return [table for table, _ in _filled_variants(name, stages, microbatches, v, caps, cost,
+                                                   transfer)]
 
 
-def _filled_variants(base: Schedule, caps: Sequence[int], cost: dict[str, float] | None,
+def _filled_variants(name: str, p: int, m: int, v: int, caps: Sequence[int],
+                     cost: dict[str, float] | None,
                      transfer: float) -> list[tuple[Schedule, _PairedVariant]]:
-    """`[(table, variant)]`: of the :data:`FILL_GUARDS` filled tables at `base`'s size, the
-    one with the least executed bubble; `[]` if every one deadlocks."""
+    """`[(table, variant)]`: of the :data:`FILL_GUARDS` filled tables of `name` at `p`
+    stages, `m` microbatches and `v` chunks per stage, the one with the least executed
+    bubble; `[]` if every one deadlocks."""
     tables = []
     for guard in FILL_GUARDS:
         variant = _PairedVariant(True, True, guard=guard)
         try:
-            tables.append((_build_variant(base.name, base.stages, base.microbatches,
-                                          base.virtual_stages, caps, variant, cost, transfer),
+            tables.append((_build_variant(name, p, m, v, caps, variant, cost, transfer),
                            variant))
         except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
             continue

@@ -268,7 +268,8 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
     presets) overlaps each layer's reductions with the next layer's backward. The embedding's,
     the first layer's and the head's buckets go through `buckets.BucketHooks`, as in
     `_bucketed_last_microbatch`: outside the loop, the embedding's reduction can run under the
-    first layer's weight-gradient GEMMs.
+    first layer's weight-gradient GEMMs. Needs 3 layers or more (a scan of two trips or more;
+    the caller takes `_bucketed_last_microbatch` otherwise).
     """
     del layers
     plan = layout.plan
@@ -283,7 +284,7 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
     stacked = plan.only(range(2, L + 1))
     # Layer l's buckets, in issue order: the same units (leaf, shape) for every layer.
     per_layer = [[b for b in stacked.buckets if b.ready_segment == 1 + l] for l in range(1, L)]
-    template = per_layer[0] if per_layer else []
+    template = per_layer[0]
     units = stacked.units
     for row in per_layer:
         assert [[units[i].leaf for i in b.units] for b in row] == \
@@ -341,9 +342,8 @@ def _scanned_last_microbatch(model, par, block, layout: DpLayout, layers, params
         first = jax.tree.unflatten(jax.tree.structure(params["blocks"]),
                                    [hooks.value(i, 0) for i in _leaf_range(params, "blocks")])
         x = block(first, x)
-        if L > 1:
-            x = jax.lax.scan(lambda x, xs: (scanned_block(*xs, x), None), x,
-                             (block_sinks, jnp.arange(1, L)))[0]
+        x = jax.lax.scan(lambda x, xs: (scanned_block(*xs, x), None), x,
+                         (block_sinks, jnp.arange(1, L)))[0]
         hooks.enter(L + 1)
         return model.head_loss(subtree("embed"), subtree("head"), x, mb["targets"], par) / count
 
