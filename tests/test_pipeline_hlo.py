@@ -184,8 +184,7 @@ def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
     """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: both lanes send on both rings,
     four permutes a tick, and each runs beside the other lane's `conditional` (its GEMMs), not
     beside the slot writes after it (the executor ties each lane's arrivals to its results).
-    With the vocabulary-parallel head (the GPU default), XLA schedules the head phase before
-    the backward lane and leaves the forward lane's two sends synchronous."""
+    With the vocabulary-parallel head: the next test."""
     from helpers import last_json_line, run_cli
 
     from jax_overlap.analysis import deviceless
@@ -204,3 +203,35 @@ def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
                 if op["kind"] == "collective-permute"]
     assert len(permutes) == 4
     assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
+
+
+@pytest.mark.slow
+def test_paired_vocab_parallel_head_runs_its_all_reduces_under_the_lanes():
+    """pp4 x dp2, ZB-V paired with the vocabulary-parallel head (the GPU default), compiled
+    for 8 H100s: the head's two all-reduces over pp of one microbatch's activations -- the
+    output's broadcast before the head and its gradient's sum after -- run under the backward
+    lane and the next tick's forward lane, and the four permutes stay under the lanes too."""
+    from helpers import last_json_line, run_cli
+
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
+    b, t, d = 1, 16, 32  # microbatch rows per replica, seq_len, d_model
+    overrides = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=8", f"model.d_model={d}",
+                 "model.heads=4", "model.d_ff=64", f"model.seq_len={t}", "data.source=synthetic",
+                 "pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.paired=true",
+                 "pipeline.microbatches=8",
+                 f"train.global_batch={b * 8 * 2}", "overlap.xla_preset=gpu_overlap", "pipeline.vocab_parallel=true"]
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
+                   *[a for o in overrides for a in ("--set", o)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = last_json_line(proc.stdout)
+    in_loop = [op for op in out["ops"] if op["executions_per_step"] > 1]
+    heads = [op for op in in_loop if op["kind"] == "all-reduce" and op["mesh_axes"] == ["pp"]
+             and op["bytes"] in (b * t * d * 2, b * t * d * 4)]  # bf16 or fp32 compute
+    permutes = [op for op in in_loop if op["kind"] == "collective-permute"]
+    assert len(heads) == 2 and len(permutes) == 4, in_loop
+    # All in the tick loop's body, once a tick (the head's whether or not the tick has one).
+    assert len({op["executions_per_step"] for op in heads + permutes}) == 1
+    assert all(op["async"] and op["gemms_between"] for op in heads + permutes), heads + permutes

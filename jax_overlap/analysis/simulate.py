@@ -523,18 +523,17 @@ def simulate(
     s = plan.schedule
     p = s.stages
     # A paired tick's two actions run back to back on their stage, forward first. Under a
-    # vocabulary-parallel head every stage runs the head phase H after the forward lane of
-    # the tick where the last virtual stage's F runs, as the executor does.
+    # vocabulary-parallel head every stage runs the head phase H at the tick where the last
+    # virtual stage's F runs, as the executor does: after the tick's action, or after both
+    # lanes of a paired tick.
     heads = _head_ticks(s) if plan.vocab_parallel else {}
     rows = []
     for d, row in enumerate(s.grid):
         tasks = []
         for t, cell in enumerate(row):
             acts = [s.task(d, a) for a in cell_actions(cell)]
-            if t in heads:  # after lane 0's action: an unpaired entry, or a pair's first
-                first = ticks.cell_lanes(cell, s.paired)[:1]
-                lane0 = int(bool(acts) and (not s.paired or first[0][0] == 0))
-                acts.insert(lane0, Task("H", heads[t], -1))
+            if t in heads:
+                acts.append(Task("H", heads[t], -1))
             tasks.extend(acts)
         rows.append(tasks)
     link = {axis: hw.link(axis) for axis in ("dp", "pp", "tp")}
@@ -620,21 +619,25 @@ def _place_action(tl: _Timeline, plan: Plan, costs: Costs, link: dict[str, Link]
 
 
 def _place_head(tl: _Timeline, costs: Costs, link: dict[str, Link], mb: int, start: float,
-                starts, ends) -> float:
+                starts, ends, hidden: bool = False) -> float:
     """Places microbatch `mb`'s vocabulary-parallel head phase on every stage from `start`:
-    a blocking all-reduce over pp of the hidden state, ``costs.head_s`` of compute, a blocking
-    all-reduce of its gradient. Records its span on every stage; returns its end."""
+    an all-reduce over pp of the hidden state, ``costs.head_s`` of compute, an all-reduce of
+    its gradient. Blocking, but `hidden` (a paired tick on a GPU: the executor runs the first
+    under the backward lane before the phase and the second under the next forward lane).
+    Records its span on every stage; returns its end."""
     reduce_s = all_reduce_time(costs.act_bytes, len(starts), link["pp"])
-    parts = (("all-reduce head input", reduce_s), (None, costs.head_s),
-             ("all-reduce head gradient", reduce_s))
     for d in range(len(starts)):
         t = start
-        for what, dur in parts:
-            if what is None:
-                tl.add(d, "compute", "compute", f"H mb{mb}", t, t + dur)
-            else:  # blocking: the logits need the hidden state, the B its gradient
-                tl.add(d, "pp", "comm", f"{what} mb{mb}", t, t + dur)
-            t += dur
+        if hidden:
+            tl.add(d, "pp", "comm", f"all-reduce head input mb{mb}", t - reduce_s, t)
+        else:  # blocking: the logits need the hidden state
+            tl.add(d, "pp", "comm", f"all-reduce head input mb{mb}", t, t + reduce_s)
+            t += reduce_s
+        tl.add(d, "compute", "compute", f"H mb{mb}", t, t + costs.head_s)
+        t += costs.head_s
+        tl.add(d, "pp", "comm", f"all-reduce head gradient mb{mb}", t, t + reduce_s)
+        if not hidden:  # the B needs its gradient
+            t += reduce_s
         starts[d].append(start)
         ends[d].append(t)
     return t
@@ -772,9 +775,10 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
     * latency 2 (skewed) and each lane of a paired tick: the permute carrying the previous
       (half-)tick's output is issued before the action and finishes after it, so a stage's
       tick ends at its own action's end or, if later, its partners' start plus the transfer.
-    * a vocabulary-parallel head phase (after the forward lane of the tick where the last
-      virtual stage's F runs) is a collective over every stage: it starts when the last of
-      them gets there, then two blocking all-reduces of one activation around ``head_s``.
+    * a vocabulary-parallel head phase (at the end of the tick where the last virtual
+      stage's F runs) is a collective over every stage: it starts when the last of them gets
+      there, then two blocking all-reduces of one activation around ``head_s`` -- in a
+      paired tick on a GPU they run under the lanes beside it, leaving ``head_s``.
 
     The FSDP gather of a stage's blocks happens once per step under the pipeline (the
     executor gathers them before the loop): one blocking all-gather at the start.
@@ -815,8 +819,9 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                 # The wait for the partners is idle; the transfer is the last `xfer` of it.
                 tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet[d] - xfer, meet[d])
                 clock[d] = max(done[d], meet[d])
-            if lane == 0 and t in heads:
-                clock = [_place_head(tl, costs, link, heads[t], max(clock), starts, ends)] * p
+            if lane == lanes - 1 and t in heads:
+                clock = [_place_head(tl, costs, link, heads[t], max(clock), starts, ends,
+                                     hidden=s.paired and not tl.synchronous)] * p
     for d in range(p):
         tl.compute_free[d] = clock[d]
 

@@ -772,35 +772,49 @@ class _TickLoop:
         self.res0 = res0
 
     def head_phase(self, pool, grads, loss, out, rows, row):
-        # Vocabulary-parallel head (see the module docstring). The flag is read from stage
-        # 0's row (every stage's says the same), so it is pp-invariant and every stage takes
-        # the same side of the cond: the collectives inside meet.
+        # Vocabulary-parallel head (see the module docstring), all of it at once: the
+        # output's psum, the head's pull-back and the gradient's psum, filed into the F's
+        # stage's slot. (A paired tick splits it around its backward lane: `paired_tick`.)
         if not self.program.vocab_parallel:
             return pool, grads, loss
+        y = self.head_input(out, row)
+        dy, grads, loss = self.head_pullback(y, grads, loss, rows, row)
+        dy = _like(jax.lax.psum(dy, PP), self.zeros)  # the stages' partial sums, over pp
+        return pool.at[row[COL["head_slot"]]].set(dy), grads, loss
+
+    def head_input(self, out, row):
+        # The last virtual stage's output, broadcast over pp (a psum of it masked to the
+        # stage whose F made it: `head_slot` is `trash` on every other stage).
+        mine = row[COL["head_slot"]] != self.program.trash
+        return _like(jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP), self.zeros)
+
+    def head_pullback(self, y, grads, loss, rows, row):
+        # This stage's vocabulary shard of the head on the broadcast output `y`: its loss,
+        # its head gradients, and its partial sum of the output's gradient (zeros where the
+        # tick has no head). The flag is read from stage 0's row (every stage's says the
+        # same), so it is pp-invariant and every stage takes the same side of the cond: the
+        # loss statistics' collectives inside meet. Only the head's accumulators go through
+        # the cond (the pool and the blocks' stay outside it, so nothing large is handed to
+        # a conditional that might copy it).
         mb1 = rows[0, 0, COL["head_mb"]]
-        slot = row[COL["head_slot"]]  # `trash` but on the stage whose F made the output
-        mine = slot != self.program.trash
-        # Only the head's accumulators go through the cond (the pool and the blocks' stay
-        # outside it, so nothing large is handed to a conditional that might copy it).
+        mine = row[COL["head_slot"]] != self.program.trash
         acc = {k: grads[k] for k in ("embed", "head")}
 
         def run(acc, loss):
-            y = jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP)  # over pp
-            y = _like(y, self.zeros)
             w = self.ctx.params
             part, pull = jax.vjp(
                 lambda we, wh, y_: self.ctx.pieces.head(we, wh, y_, self.ctx.targets_mbt[mb1 - 1]),
                 w["embed"], w["head"], y)
             d_embed, d_head, dy = pull(jnp.ones_like(part))
-            dy = _like(jax.lax.psum(dy, PP), self.zeros)  # the stages' partial sums, over pp
             acc = _accumulate(acc, {"embed": d_embed, "head": d_head}, None, blocks=False)
             loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
-            return dy, _like(acc, {k: self.ctx.grads0[k] for k in acc}), _like(loss, self.ctx.loss0)
+            return (_like(dy, self.zeros), _like(acc, {k: self.ctx.grads0[k] for k in acc}),
+                    _like(loss, self.ctx.loss0))
 
         with jax.named_scope(HEAD_SCOPE):
             dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (self.zeros, acc, loss),
                                          acc, loss)
-        return pool.at[slot].set(dy), {**grads, **acc}, loss
+        return dy, {**grads, **acc}, loss
 
     def slots(self, pool, row):
         # The two slots an action can read: its input and its output gradient.
@@ -933,22 +947,36 @@ class _TickLoop:
         # travels under tick t's forward and the forward's under tick t's backward; neither
         # transfer feeds the compute beside it, and both are read at the next tick, as the
         # latency-1 table expects.
-        pool, res, pending_b, grads, loss = carry
+        # A vocabulary-parallel head is split the same way: the output's broadcast over pp
+        # runs under the backward lane, the head's pull-back after it, and the gradient's
+        # psum under the next tick's forward lane, filed before the backward lane that reads
+        # it (the F's own stage runs that B a tick later at the earliest).
+        pool, res, pending_b, (head_dy, head_slot), grads, loss = carry
         rows, rows_next = rows_now_next
         now = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)
         next_ = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)
+        vocab_parallel = self.program.vocab_parallel
         arrival_b = self.send(pending_b, 1)
+        if vocab_parallel:  # last tick's head gradient, summed over pp under this forward
+            arrival_b = (arrival_b, _like(jax.lax.psum(head_dy, PP), self.zeros))
         pool, inbox = self.read_inbox(pool, now[0])
         res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
                                                       tie=arrival_b)
-        pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
-        pool = self.file_all(pool, now[1], arrival_b, 1)
         arrival_f = self.send(out_f, 0)
+        if vocab_parallel:
+            arrival_b, dy = arrival_b
+            pool = pool.at[head_slot].set(dy)
+            arrival_f = (arrival_f, self.head_input(out_f, now[0]))
+        pool = self.file_all(pool, now[1], arrival_b, 1)
         pool, inbox = self.read_inbox(pool, now[1])
         res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
                                                       tie=arrival_f, lane=1)
+        if vocab_parallel:
+            arrival_f, y = arrival_f
+            head_dy, grads, loss = self.head_pullback(y, grads, loss, rows, now[0])
+            head_slot = now[0][COL["head_slot"]]
         pool = self.file_all(pool, next_[0], arrival_f, 0)
-        return (pool, res, out_b, grads, loss), None
+        return (pool, res, out_b, (head_dy, head_slot), grads, loss), None
 
     def run(self, pool_sbtd):
         """(grads, loss) after scanning the table."""
@@ -957,7 +985,9 @@ class _TickLoop:
         if self.program.lanes == 2:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
-            carry0 = (pool_sbtd, self.res0, self.zeros, *start)
+            row0 = jax.lax.dynamic_index_in_dim(table[0], self.stage, 0, keepdims=False)[0]
+            no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
+            carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
         elif self.program.skewed:
             # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
