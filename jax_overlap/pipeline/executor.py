@@ -59,8 +59,9 @@ virtual stage ends in the head and adds loss / (global loss count); their backwa
 when split) produces the embedding / head gradients on the stage that owns them.
 
 Vocabulary-parallel head (`pipeline.vocab_parallel`, `TickProgram.vocab_parallel`): the last
-virtual stage's F ends at its chunk's output instead. At that tick, after the forward lane,
-every stage runs the head phase (`lax.cond` on a flag every stage reads alike): the output is
+virtual stage's F ends at its chunk's output instead. At that tick, after the forward lane
+(a paired tick: after the backward lane, see `paired_tick`), every stage runs the head phase
+(`lax.cond` on a flag every stage reads alike): the output is
 broadcast over 'pp' (a psum of it masked to its stage), each stage computes the logits of
 its 1/pp of the vocabulary and the loss from statistics reduced over 'pp'
 (`collectives.vocab_cross_entropy`), pulls back at once, and the output's gradient (the

@@ -80,10 +80,12 @@ class TickProgram:
         vocab_parallel`). The last virtual stage is then a middle one: its F's output goes to
         the head phase, and its B reads its output gradient from slot `g_slot`. At a tick
         where that F runs, every stage's lane-0 row holds `head_mb` = its microbatch + 1 (0
-        elsewhere): after the forward lane, all stages run the head phase together (the
-        hidden state broadcast over pp, each stage's share of the logits and loss, the hidden
-        state's gradient summed over pp), and the stage that ran the F files that gradient
-        into its slot `head_slot` (`trash` on the others).
+        elsewhere): after the forward lane (a paired tick: after the backward lane), all
+        stages run the head phase together (the hidden state broadcast over pp, each stage's
+        share of the logits and loss, the hidden state's gradient summed over pp), and the
+        stage that ran the F files that gradient into its slot `head_slot` (`trash` on the
+        others) before its B can read it (a paired tick files it at the next tick, before
+        the backward lane).
     """
 
     schedule: Schedule
@@ -214,8 +216,9 @@ def _messages(s: Schedule, tick_of: dict[Task, int], vocab_parallel: bool = Fals
                                          for lane in (0, 1)}
     for (kind, mb, vs), t in tick_of.items():
         if vocab_parallel and kind == "F" and vs == n_vs - 1:
-            # Filed by the head phase at the end of the F's tick (after the forward lane,
-            # before a paired backward lane reads its slots): the slot is taken from t on.
+            # Filed by the head phase of the F's tick (a paired tick's at the next tick,
+            # before the backward lane; the F's B runs a tick later at the earliest): the
+            # slot is taken from t on.
             dst = s.placement[vs][0]
             lifetimes[dst].append((t, tick_of[Task(last_kind, mb, vs)], ("g", mb, vs)))
             continue
