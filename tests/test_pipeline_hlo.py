@@ -221,8 +221,8 @@ def test_paired_vocab_parallel_head_runs_its_all_reduces_under_the_lanes():
     overrides = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=8", f"model.d_model={d}",
                  "model.heads=4", "model.d_ff=64", f"model.seq_len={t}", "data.source=synthetic",
                  "pipeline.schedule=zb-v", "pipeline.virtual_stages=2", "pipeline.paired=true",
-                 "pipeline.microbatches=8",
-                 f"train.global_batch={b * 8 * 2}", "overlap.xla_preset=gpu_overlap", "pipeline.vocab_parallel=true"]
+                 "pipeline.microbatches=8", f"train.global_batch={b * 8 * 2}",
+                 "overlap.xla_preset=gpu_overlap", "pipeline.vocab_parallel=true"]
     proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json",
                    *[a for o in overrides for a in ("--set", o)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

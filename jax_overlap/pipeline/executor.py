@@ -780,14 +780,17 @@ class _TickLoop:
             return pool, grads, loss
         y = self.head_input(out, row)
         dy, grads, loss = self.head_pullback(y, grads, loss, rows, row)
-        dy = _like(jax.lax.psum(dy, PP), self.zeros)  # the stages' partial sums, over pp
-        return pool.at[row[COL["head_slot"]]].set(dy), grads, loss
+        return pool.at[row[COL["head_slot"]]].set(self.head_gradient(dy)), grads, loss
 
     def head_input(self, out, row):
         # The last virtual stage's output, broadcast over pp (a psum of it masked to the
         # stage whose F made it: `head_slot` is `trash` on every other stage).
         mine = row[COL["head_slot"]] != self.program.trash
         return _like(jax.lax.psum(jnp.where(mine, out, jnp.zeros_like(out)), PP), self.zeros)
+
+    def head_gradient(self, dy):
+        # The output's gradient: the stages' partial sums (`head_pullback`), over pp.
+        return _like(jax.lax.psum(dy, PP), self.zeros)
 
     def head_pullback(self, y, grads, loss, rows, row):
         # This stage's vocabulary shard of the head on the broadcast output `y`: its loss,
@@ -952,14 +955,17 @@ class _TickLoop:
         # runs under the backward lane, the head's pull-back after it, and the gradient's
         # psum under the next tick's forward lane, filed before the backward lane that reads
         # it (the F's own stage runs that B a tick later at the earliest).
-        pool, res, pending_b, (head_dy, head_slot), grads, loss = carry
+        # `pending_head`: (the last tick's partial head gradient, the slot it goes to), or ()
+        # without a vocabulary-parallel head.
+        pool, res, pending_b, pending_head, grads, loss = carry
         rows, rows_next = rows_now_next
         now = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)
         next_ = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)
         vocab_parallel = self.program.vocab_parallel
         arrival_b = self.send(pending_b, 1)
         if vocab_parallel:  # last tick's head gradient, summed over pp under this forward
-            arrival_b = (arrival_b, _like(jax.lax.psum(head_dy, PP), self.zeros))
+            head_dy, head_slot = pending_head
+            arrival_b = (arrival_b, self.head_gradient(head_dy))
         pool, inbox = self.read_inbox(pool, now[0])
         res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
                                                       tie=arrival_b)
@@ -975,9 +981,9 @@ class _TickLoop:
         if vocab_parallel:
             arrival_f, y = arrival_f
             head_dy, grads, loss = self.head_pullback(y, grads, loss, rows, now[0])
-            head_slot = now[0][COL["head_slot"]]
+            pending_head = (head_dy, now[0][COL["head_slot"]])
         pool = self.file_all(pool, next_[0], arrival_f, 0)
-        return (pool, res, out_b, (head_dy, head_slot), grads, loss), None
+        return (pool, res, out_b, pending_head, grads, loss), None
 
     def run(self, pool_sbtd):
         """(grads, loss) after scanning the table."""
@@ -986,8 +992,10 @@ class _TickLoop:
         if self.program.lanes == 2:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
-            row0 = jax.lax.dynamic_index_in_dim(table[0], self.stage, 0, keepdims=False)[0]
-            no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
+            no_head = ()
+            if self.program.vocab_parallel:  # typed like the row's slot (varying over pp)
+                row0 = jax.lax.dynamic_index_in_dim(table[0], self.stage, 0, keepdims=False)[0]
+                no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
             carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
         elif self.program.skewed:
