@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -12,6 +13,27 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
+
+
+def corrupt_checkpoint_step(ckpt_dir, step: int, how: str = "truncate") -> list[str]:
+    """Damages every OCDBT file under `ckpt_dir/step/state` (cut in half, or one byte
+    flipped in the middle); returns them.
+
+    Every file, not one: a step's `d/` files include superseded b-tree nodes the restore
+    never reads, and which file holds what depends on how the writer threads split the
+    save, so damaging a single file can miss everything a restore reads.
+    """
+    files = [f for f in glob.glob(os.path.join(ckpt_dir, str(step), "state", "**", "d", "*"),
+                                  recursive=True) if os.path.isfile(f)]
+    assert files, f"{ckpt_dir}: step {step} has no OCDBT data files to damage"
+    for f in files:
+        if how == "truncate":
+            os.truncate(f, os.path.getsize(f) // 2)
+        else:
+            raw = bytearray(open(f, "rb").read())
+            raw[len(raw) // 2] ^= 0xFF
+            open(f, "wb").write(bytes(raw))
+    return files
 
 
 # A script prefix that restores a checkpoint directory's newest step with plain Orbax (no

@@ -1,6 +1,5 @@
 """Checkpoint layer: commit protocol, verification, fallback, retention, cross-mesh."""
 
-import glob
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import PLAIN_ORBAX_RESTORE
+from helpers import PLAIN_ORBAX_RESTORE, corrupt_checkpoint_step
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -91,10 +90,6 @@ def assert_bit_equal(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(bits(x), bits(y))
 
-
-def data_files(root, step):
-    files = glob.glob(os.path.join(root, str(step), "state", "**", "d", "*"), recursive=True)
-    return sorted((f for f in files if os.path.isfile(f)), key=os.path.getsize)
 
 
 @pytest.fixture
@@ -262,8 +257,7 @@ def restore_warned(tmp_path, mesh, template):
 
 def test_truncated_newest_falls_back_to_previous(tmp_path, mesh):
     states = save_steps(tmp_path, mesh, [1, 2])
-    victim = data_files(tmp_path / "ckpt", 2)[-1]
-    os.truncate(victim, os.path.getsize(victim) // 2)
+    corrupt_checkpoint_step(tmp_path / "ckpt", 2)
     result, messages = restore_warned(tmp_path, mesh, states[1])
     assert result.step == 1
     assert_bit_equal(result.state, states[1])
@@ -278,10 +272,7 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, mesh):
 
 def test_byte_flip_in_newest_falls_back_to_previous(tmp_path, mesh):
     states = save_steps(tmp_path, mesh, [1, 2, 3])
-    victim = data_files(tmp_path / "ckpt", 3)[-1]
-    raw = bytearray(open(victim, "rb").read())
-    raw[len(raw) // 2] ^= 0xFF
-    open(victim, "wb").write(bytes(raw))
+    corrupt_checkpoint_step(tmp_path / "ckpt", 3, how="flip")
     result, messages = restore_warned(tmp_path, mesh, states[2])
     assert result.step == 2
     assert_bit_equal(result.state, states[2])
@@ -362,8 +353,7 @@ def test_retention_keeps_last_known_good(tmp_path, mesh):
         assert c.committed_steps() == [1, 4, 5]
     # Both newest steps go bad; the known-good one is still there to fall back to.
     for s in (4, 5):
-        victim = data_files(tmp_path / "ckpt", s)[-1]
-        os.truncate(victim, 10)
+        corrupt_checkpoint_step(tmp_path / "ckpt", s)
     result, _ = restore_warned(tmp_path, mesh, states[1])
     assert result.step == 1 and [s for s, _ in result.skipped] == [5, 4]
     assert_bit_equal(result.state, states[1])

@@ -10,7 +10,6 @@ start-up and compilation each, so they are grouped):
 and the finished run is compared bit for bit with an uninterrupted run of the same command.
 """
 
-import glob
 import json
 import os
 import shutil
@@ -22,7 +21,8 @@ import time
 
 import numpy as np
 import pytest
-from helpers import PLAIN_ORBAX_RESTORE, REPO, TINY, last_json_line, rel
+from helpers import (PLAIN_ORBAX_RESTORE, REPO, TINY, corrupt_checkpoint_step, last_json_line,
+                     rel)
 
 from jax_overlap import config
 from jax_overlap.resilience import checkpoint as ckptlib
@@ -246,10 +246,6 @@ def test_killed_and_preempted_run_ends_bit_identical_to_uninterrupted(chain, str
     assert tail and all(ref_steps[s] == v for s, v in tail.items())
 
 
-def data_files(ckpt_dir, step):
-    files = glob.glob(os.path.join(ckpt_dir, str(step), "state", "**", "d", "*"), recursive=True)
-    return sorted((f for f in files if os.path.isfile(f)), key=os.path.getsize)
-
 
 def test_corrupt_newest_checkpoints_are_reported_and_skipped(chain, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -258,12 +254,8 @@ def test_corrupt_newest_checkpoints_are_reported_and_skipped(chain, tmp_path):
     committed = sorted(int(s) for s in os.listdir(ckpt_dir) if s.isdigit()
                        and os.path.exists(os.path.join(ckpt_dir, s, ckptlib.MARKER_NAME)))
     newest, second, good = committed[-1], committed[-2], committed[-3]
-    victim = data_files(ckpt_dir, newest)[-1]
-    os.truncate(victim, os.path.getsize(victim) // 2)
-    victim = data_files(ckpt_dir, second)[-1]
-    raw = bytearray(open(victim, "rb").read())
-    raw[len(raw) // 2] ^= 0xFF
-    open(victim, "wb").write(bytes(raw))
+    corrupt_checkpoint_step(ckpt_dir, newest)
+    corrupt_checkpoint_step(ckpt_dir, second, how="flip")
 
     proc = start_cli(RUN + ["--run-dir", run_dir, "--set", f"train.steps={STEPS + 2}"],
                      chain["cache"])

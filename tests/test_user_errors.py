@@ -4,7 +4,6 @@ ones that need a trained checkpoint dir share one short run."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ import pytest
 from jax_overlap import config
 from jax_overlap.resilience import checkpoint as ckptlib
 from jax_overlap.resilience.lock import RunDirLock
-from tests.helpers import REPO, TINY, last_json_line, run_cli
+from tests.helpers import REPO, TINY, corrupt_checkpoint_step, last_json_line, run_cli
 
 TRAIN = ["train", "--config", TINY, "--no-progress"]
 SYN = ["--set", "data.source=synthetic"]
@@ -258,10 +257,7 @@ def _corrupt_all(run: str) -> list[int]:
     ckpt = os.path.join(run, "checkpoints")
     steps = sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
     for step in steps:
-        files = [f for f in glob.glob(os.path.join(ckpt, str(step), "state", "**", "d", "*"),
-                                      recursive=True) if os.path.isfile(f)]
-        victim = max(files, key=os.path.getsize)
-        os.truncate(victim, os.path.getsize(victim) // 2)  # a truncated array file
+        corrupt_checkpoint_step(ckpt, step)
     return steps
 
 
