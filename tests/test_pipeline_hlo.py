@@ -235,3 +235,59 @@ def test_paired_vocab_parallel_head_runs_its_all_reduces_under_the_lanes():
     # All in the tick loop's body, once a tick (the head's whether or not the tick has one).
     assert len({op["executions_per_step"] for op in heads + permutes}) == 1
     assert all(op["async"] and op["gemms_between"] for op in heads + permutes), heads + permutes
+
+
+def _tick_body_head_psums(paired: bool, accelerator: bool) -> tuple[int, int]:
+    """(psums over pp of one microbatch's activations at the top of the tick loop's body,
+    those inside a cond in it), from the traced step (no compile): pp2 x dp2, ZB-V,
+    vocabulary-parallel head."""
+    from jax_overlap.plan import Target
+
+    cfg = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "model.layers=4",
+                             "pipeline.schedule=zb-v", "pipeline.virtual_stages=2",
+                             "pipeline.microbatches=4", "pipeline.vocab_parallel=true",
+                             f"pipeline.paired={str(paired).lower()}", "model.attention=plain"])
+    model = GPT.from_config(cfg.model)
+    target = Target("h100", True, 80e9) if accelerator else None
+    run = assemble(cfg, jax.devices()[:4], target=target, model=model)
+    assert run.plan.vocab_parallel and run.plan.schedule.paired == paired
+    params = run.place_params(model.init(jax.random.key(0)))
+    jaxpr = jax.make_jaxpr(run.loss_and_grads())(params, run.put_batch(np_batch(cfg))).jaxpr
+    act_rank = 3  # (b, T, D) per device
+
+    def head_psums(eqns):
+        return [e for e in eqns if e.primitive.name.startswith("psum")
+                and e.params.get("axes") == ("pp",) and e.invars[0].aval.ndim == act_rank]
+
+    def subs(params):  # the jaxprs an equation's params hold (cond branches, scan body...)
+        for v in params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                x = getattr(x, "jaxpr", x)
+                if hasattr(x, "eqns"):
+                    yield x
+
+    def find_scan(j):
+        for e in j.eqns:
+            if e.primitive.name == "scan" and e.params["length"] == run.plan.program.ticks:
+                return e.params["jaxpr"].jaxpr
+            for sub in subs(e.params):
+                found = find_scan(sub)
+                if found is not None:
+                    return found
+        return None
+
+    body = find_scan(jaxpr)
+    assert body is not None
+    in_conds = sum(len(head_psums(b.jaxpr.eqns)) for e in body.eqns if e.primitive.name == "cond"
+                   for b in e.params["branches"])
+    return len(head_psums(body.eqns)), in_conds
+
+
+@pytest.mark.parametrize("paired,accelerator,expected", [
+    (True, True, (2, 0)), (True, False, (0, 2)), (False, True, (0, 2))])
+def test_vocab_parallel_head_all_reduces_run_every_tick_only_when_hidden(paired, accelerator,
+                                                                        expected):
+    """A paired tick on a GPU runs the head's two all-reduces over pp in the tick body, every
+    tick, under its lanes; unpaired, or on CPU devices (synchronous collectives), they run
+    inside the head's cond: a tick without a head runs none."""
+    assert _tick_body_head_psums(paired, accelerator) == expected

@@ -819,9 +819,13 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                 # The wait for the partners is idle; the transfer is the last `xfer` of it.
                 tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet[d] - xfer, meet[d])
                 clock[d] = max(done[d], meet[d])
-            if lane == lanes - 1 and t in heads:
+            # A paired tick on a GPU runs the head after its backward lane, its all-reduces
+            # under the lanes; elsewhere the head runs after the forward lane (the executor's
+            # `paired_tick`).
+            hidden = s.paired and not tl.synchronous
+            if lane == (lanes - 1 if hidden else 0) and t in heads:
                 clock = [_place_head(tl, costs, link, heads[t], max(clock), starts, ends,
-                                     hidden=s.paired and not tl.synchronous)] * p
+                                     hidden=hidden)] * p
     for d in range(p):
         tl.compute_free[d] = clock[d]
 

@@ -739,6 +739,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     `in_place`: the filing switch updates the residual pools in place (XLA:GPU keeps them in
     place through a conditional); False: it returns what the action made, and a two-way
     conditional per pool files it (XLA:CPU copies a pool a conditional updates in place).
+    It also says the collectives run asynchronously: a paired tick then splits a
+    vocabulary-parallel head around its backward lane (`_TickLoop.paired_tick`).
 
     Returns:
       (grads, loss) accumulated over the step on this device.
@@ -771,16 +773,20 @@ class _TickLoop:
                                              any(adds[b] for b in taken), in_place))
         self.writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
         self.res0 = res0
+        # A paired tick splits the vocabulary-parallel head around its backward lane where
+        # collectives run asynchronously (`in_place`: an accelerator's program).
+        self.split_head = program.vocab_parallel and program.lanes == 2 and in_place
 
     def head_phase(self, pool, grads, loss, out, rows, row):
-        # Vocabulary-parallel head (see the module docstring), all of it at once: the
-        # output's psum, the head's pull-back and the gradient's psum, filed into the F's
-        # stage's slot. (A paired tick splits it around its backward lane: `paired_tick`.)
+        # Vocabulary-parallel head (see the module docstring), all of it at once and only on
+        # a tick that has a head: the output's psum, the head's pull-back and the gradient's
+        # psum, inside one cond, filed into the F's stage's slot. (A paired tick on an
+        # accelerator splits it around its backward lane: `paired_tick`.)
         if not self.program.vocab_parallel:
             return pool, grads, loss
-        y = self.head_input(out, row)
-        dy, grads, loss = self.head_pullback(y, grads, loss, rows, row)
-        return pool.at[row[COL["head_slot"]]].set(self.head_gradient(dy)), grads, loss
+        dy, grads, loss = self.head_pullback(lambda: self.head_input(out, row), grads, loss,
+                                             rows, row, summed=True)
+        return pool.at[row[COL["head_slot"]]].set(dy), grads, loss
 
     def head_input(self, out, row):
         # The last virtual stage's output, broadcast over pp (a psum of it masked to the
@@ -792,14 +798,15 @@ class _TickLoop:
         # The output's gradient: the stages' partial sums (`head_pullback`), over pp.
         return _like(jax.lax.psum(dy, PP), self.zeros)
 
-    def head_pullback(self, y, grads, loss, rows, row):
-        # This stage's vocabulary shard of the head on the broadcast output `y`: its loss,
-        # its head gradients, and its partial sum of the output's gradient (zeros where the
-        # tick has no head). The flag is read from stage 0's row (every stage's says the
-        # same), so it is pp-invariant and every stage takes the same side of the cond: the
-        # loss statistics' collectives inside meet. Only the head's accumulators go through
-        # the cond (the pool and the blocks' stay outside it, so nothing large is handed to
-        # a conditional that might copy it).
+    def head_pullback(self, y_of: Callable, grads, loss, rows, row, summed: bool = False):
+        # This stage's vocabulary shard of the head on the broadcast output `y_of()`: its
+        # loss, its head gradients, and its partial sum of the output's gradient (the sum
+        # over pp if `summed`; zeros where the tick has no head). `y_of` and the sum run
+        # inside the cond, so a tick without a head runs neither collective. The flag is
+        # read from stage 0's row (every stage's says the same), so it is pp-invariant and
+        # every stage takes the same side of the cond: the collectives inside meet. Only the
+        # head's accumulators go through the cond (the pool and the blocks' stay outside it,
+        # so nothing large is handed to a conditional that might copy it).
         mb1 = rows[0, 0, COL["head_mb"]]
         mine = row[COL["head_slot"]] != self.program.trash
         acc = {k: grads[k] for k in ("embed", "head")}
@@ -808,12 +815,12 @@ class _TickLoop:
             w = self.ctx.params
             part, pull = jax.vjp(
                 lambda we, wh, y_: self.ctx.pieces.head(we, wh, y_, self.ctx.targets_mbt[mb1 - 1]),
-                w["embed"], w["head"], y)
+                w["embed"], w["head"], y_of())
             d_embed, d_head, dy = pull(jnp.ones_like(part))
             acc = _accumulate(acc, {"embed": d_embed, "head": d_head}, None, blocks=False)
             loss = loss + jnp.where(mine, part, jnp.zeros_like(part))
-            return (_like(dy, self.zeros), _like(acc, {k: self.ctx.grads0[k] for k in acc}),
-                    _like(loss, self.ctx.loss0))
+            dy = self.head_gradient(dy) if summed else _like(dy, self.zeros)
+            return dy, _like(acc, {k: self.ctx.grads0[k] for k in acc}), _like(loss, self.ctx.loss0)
 
         with jax.named_scope(HEAD_SCOPE):
             dy, acc, loss = jax.lax.cond(mb1 > 0, run, lambda acc, loss: (self.zeros, acc, loss),
@@ -951,36 +958,41 @@ class _TickLoop:
         # travels under tick t's forward and the forward's under tick t's backward; neither
         # transfer feeds the compute beside it, and both are read at the next tick, as the
         # latency-1 table expects.
-        # A vocabulary-parallel head is split the same way: the output's broadcast over pp
-        # runs under the backward lane, the head's pull-back after it, and the gradient's
-        # psum under the next tick's forward lane, filed before the backward lane that reads
-        # it (the F's own stage runs that B a tick later at the earliest).
+        # On an accelerator a vocabulary-parallel head is split the same way: the output's
+        # broadcast over pp runs under the backward lane, the head's pull-back after it, and
+        # the gradient's psum under the next tick's forward lane, filed before the backward
+        # lane that reads it (the F's own stage runs that B a tick later at the earliest).
+        # Both all-reduces then run every tick, zero-filled where it has no head. On a CPU,
+        # where collectives are synchronous and nothing runs under them, the head runs whole
+        # after the forward lane (`head_phase`), only on the ticks that have one.
         # `pending_head`: (the last tick's partial head gradient, the slot it goes to), or ()
-        # without a vocabulary-parallel head.
+        # unless the head is split.
         pool, res, pending_b, pending_head, grads, loss = carry
         rows, rows_next = rows_now_next
         now = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)
         next_ = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)
-        vocab_parallel = self.program.vocab_parallel
+        split_head = self.split_head
         arrival_b = self.send(pending_b, 1)
-        if vocab_parallel:  # last tick's head gradient, summed over pp under this forward
+        if split_head:  # last tick's head gradient, summed over pp under this forward
             head_dy, head_slot = pending_head
             arrival_b = (arrival_b, self.head_gradient(head_dy))
         pool, inbox = self.read_inbox(pool, now[0])
         res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
                                                       tie=arrival_b)
         arrival_f = self.send(out_f, 0)
-        if vocab_parallel:
+        if split_head:
             arrival_b, dy = arrival_b
             pool = pool.at[head_slot].set(dy)
             arrival_f = (arrival_f, self.head_input(out_f, now[0]))
+        else:
+            pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
         pool = self.file_all(pool, now[1], arrival_b, 1)
         pool, inbox = self.read_inbox(pool, now[1])
         res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
                                                       tie=arrival_f, lane=1)
-        if vocab_parallel:
+        if split_head:
             arrival_f, y = arrival_f
-            head_dy, grads, loss = self.head_pullback(y, grads, loss, rows, now[0])
+            head_dy, grads, loss = self.head_pullback(lambda: y, grads, loss, rows, now[0])
             pending_head = (head_dy, now[0][COL["head_slot"]])
         pool = self.file_all(pool, next_[0], arrival_f, 0)
         return (pool, res, out_b, pending_head, grads, loss), None
@@ -993,7 +1005,7 @@ class _TickLoop:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
             no_head = ()
-            if self.program.vocab_parallel:  # typed like the row's slot (varying over pp)
+            if self.split_head:  # typed like the row's slot (varying over pp)
                 row0 = jax.lax.dynamic_index_in_dim(table[0], self.stage, 0, keepdims=False)[0]
                 no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
             carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
