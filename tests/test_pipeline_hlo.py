@@ -291,3 +291,32 @@ def test_vocab_parallel_head_all_reduces_run_every_tick_only_when_hidden(paired,
     tick, under its lanes; unpaired, or on CPU devices (synchronous collectives), they run
     inside the head's cond: a tick without a head runs none."""
     assert _tick_body_head_psums(paired, accelerator) == expected
+
+
+def test_paired_gpu_pipeline_copies_no_gradient_accumulators_per_tick():
+    """pp4 x dp2 as the plan sets it up on a GPU (1F1B paired, in-loop buckets), compiled for
+    8 H100s: the tick switch updates the stage's fp32 gradient accumulators in place. Without
+    copy insertion's region analysis (the plan's per-compile option for a pipeline) every
+    branch that passes them through -- idle, the sync B's -- copied them, and the loop copied
+    them back after the switch, every tick."""
+    from helpers import last_json_line, run_cli
+
+    from jax_overlap.analysis import deviceless
+
+    if not deviceless.plugin_available():
+        pytest.skip(deviceless.unavailable_reason() or "CUDA plugin missing")
+    d, ff = 256, 1024
+    overrides = ["mesh.pp=4", "mesh.dp=2", "mesh.tp=1", "model.layers=8", f"model.d_model={d}",
+                 "model.heads=4", f"model.d_ff={ff}", "model.seq_len=128",
+                 "train.global_batch=32", "pipeline.microbatches=8", "train.precision=bf16",
+                 "data.source=synthetic"]
+    proc = run_cli("analyze", "--config", TINY, "--target", "h100", "--json", "--top", "400",
+                   *[a for o in overrides for a in ("--set", o)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = last_json_line(proc.stdout)
+    assert out["plan"]["schedule"] == "1f1b" and out["plan"]["paired"] is True, out["plan"]
+    copies = [k for k in out["top_kernels"] if k["name"].startswith("copy")]
+    # One layer's fp32 MLP weight gradient is d x ff x 4 bytes: no copy moves that much.
+    layer_grad_mib = d * ff * 4 / 2**20
+    assert all(k["mib"] < layer_grad_mib for k in copies), [
+        (k["name"], k["mib"], k["where"]) for k in copies if k["mib"] >= layer_grad_mib]
