@@ -734,18 +734,11 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
     m, ov = cfg.mesh, cfg.overlap
     reduces = m.dp * m.dcn > 1 and not fsdp
     bucket_mb = ov.grad_bucket_mb
-    zero_bubble = m.pp > 1 and cfg.pipeline.schedule in ("zb-h1", "zb-v")
     if bucket_mb == "auto":
         if target.accelerator and reduces and m.pp > 1 and m.ep > 1:
             bucket_mb, why = 0.0, (
                 "mesh.ep > 1 in a pipeline: the in-loop buckets do not take the experts each "
                 "rank stores; one reduction after the loop")
-        elif target.accelerator and reduces and zero_bubble:
-            bucket_mb, why = 0.0, (
-                "zero-bubble pipeline: in-loop buckets make XLA copy the stage's f32 gradient "
-                "accumulators every tick, which costs more than the reduction after the loop "
-                "(GPT-1.3B pp4 x dp2 ZB-V, deviceless 8 x H100: 2.30 s estimated step with "
-                "buckets, 2.01 s without)")
         elif target.accelerator and reduces:
             bucket_mb = AUTO_BUCKET_MB
             why = ("GPU: each bucket's reduction is issued as soon as its layers' backward is "
@@ -783,7 +776,7 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 # Why `pipeline.schedule: auto` runs 1F1B, on each target (measured; docs/results.md).
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-           "1F1B paired 0.47 MFU, ZB-V paired 0.39; ZB-V's extra ticks and W actions cost more "
+           "1F1B paired 0.48 MFU, ZB-V paired 0.38; ZB-V's extra ticks and W actions cost more "
            "than its smaller bubble saves)"),
     False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.24x a pp = 1 "
             "step's, ZB-V 1.60x)"),
