@@ -70,9 +70,10 @@ GPU_REMAT_WHY = ("GPU: stashing only each block's input and recomputing is faste
                  "paired 1F1B 3.24 -> 1.43 s)")
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
 XLA_REMAT_PASS = "rematerialization"
-# Copy insertion's region-based interference analysis, for a pipeline's step on a GPU
-# (`ParallelPlan.compiler_options`).
-PIPELINE_COPY_ANALYSIS = {"xla_gpu_copy_insertion_use_region_analysis": True}
+# Copy insertion's region-based interference analysis, for a pipeline's step
+# (`ParallelPlan.compiler_options`; the forced host platform sets the CPU one in XLA_FLAGS).
+PIPELINE_COPY_ANALYSIS = {"xla_gpu_copy_insertion_use_region_analysis": True,
+                          "xla_cpu_copy_insertion_use_region_analysis": True}
 # Model kinds `hardware.memory` estimates (transformers; GPT-calibrated).
 ESTIMATED_KINDS = ("gpt", "bert", "llama")
 
@@ -344,19 +345,18 @@ class ParallelPlan:
         already disables (the `gpu_overlap` preset's) stay disabled: a per-compile value
         replaces the flag's list.
 
-        A pipeline on a GPU also gets copy insertion's region analysis
-        (`PIPELINE_COPY_ANALYSIS`): without it the tick switch's branches that pass the
-        stage's fp32 gradient accumulators through copied them, and the loop copied them
-        back after the switch, every tick (GPT-1.3B pp4 x dp2, in-loop buckets: 2.4 GB a
-        tick, 1289 -> 1255 ms a step estimated). Per compile, not in `XLA_FLAGS`: at pp = 1
+        A pipeline also gets copy insertion's region analysis (`PIPELINE_COPY_ANALYSIS`):
+        without it the tick switch's branches that pass the stage's fp32 gradient
+        accumulators through copied them, and the loop copied them back after the switch,
+        every tick (GPT-1.3B pp4 x dp2 on a GPU, in-loop buckets: 2.4 GB a tick, 1289 ->
+        1255 ms a step estimated); on a CPU it copied the residual pools the filing switch
+        updates (ZB-V 1.8x the step). Per compile, not in `XLA_FLAGS`: at pp = 1 on a GPU
         the same analysis left dp8's bucket all-reduces synchronous (0.96 -> 0.12 of
         collective bytes under GEMMs).
         """
         import os
 
-        options: dict[str, Any] = {}
-        if self.target.accelerator and self.pipelined:
-            options.update(PIPELINE_COPY_ANALYSIS)
+        options: dict[str, Any] = dict(PIPELINE_COPY_ANALYSIS) if self.pipelined else {}
         if not (self.target.accelerator and self.memory_estimate
                 and fits_memory(self.memory_estimate, self.target)):
             return options

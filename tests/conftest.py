@@ -4,6 +4,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # What `force_host_devices` sets too: the pipeline executor's in-place updates stay in
+    # place on XLA:CPU (jax_overlap/parallel/mesh.py).
+    + " --xla_cpu_copy_insertion_use_region_analysis=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled executables are cached outside the repository (shared by the xdist workers and by

@@ -381,12 +381,12 @@ def _traced_tick(cfg):
     return closed.jaxpr, program, tick
 
 
-def test_a_tick_runs_its_action_through_one_switch_on_a_cpu():
-    """Idle ticks are cheap: all model work of a tick sits in the branches of one switch on
-    the table's branch, which returns what the action made for the residual pools, and each
-    pool is written only by a conditional taken where the action fills it. (XLA:CPU copies
-    whatever a conditional passes through or updates in place; on a GPU a second switch runs
-    the filling actions and updates the pools in place: test_pipeline_hlo.py.)"""
+def test_a_tick_runs_its_action_through_two_switches():
+    """Idle ticks are cheap: all model work of a tick sits in the branches of two switches on
+    the table's branch. The first runs the actions that fill no residual pool and only reads
+    the pools; the second runs the actions that fill one and updates their slots in place
+    (its other branches pass the pools through). No residual pool is written anywhere
+    else."""
     _, program, tick = _traced_tick(pipeline_cfg("zb-h1", 4, 2, 1, 4))
     outside = [e.primitive.name for e in tick.eqns]
     assert outside.count("ppermute") == 2
@@ -398,21 +398,20 @@ def test_a_tick_runs_its_action_through_one_switch_on_a_cpu():
     written = {tuple(e.invars[0].aval.shape)[1:] for e in tick.eqns
                if e.primitive.name in ("scatter", "dynamic_update_slice")}
     assert written and written <= arrival, (written, arrival)
-    branches = _switch_branches(tick)
-    assert len(branches) == 1 + len(program.branches)
-    fills = [e for e in tick.eqns if e.primitive.name == "cond"][1:]
-    pools = [name for name in tick_program.RESIDUAL_POOLS if program.residual_slots(name) > 0]
-    assert 0 < len(fills) <= len(pools)
-    for fill in fills:
-        skip, write = (b.jaxpr for b in fill.params["branches"])
-        assert "dynamic_update_slice" in _primitives(write)
-        assert "dot_general" not in _primitives(write)
-        assert "dynamic_update_slice" not in _primitives(skip)
-    assert "dot_general" not in _primitives(branches[tick_program.IDLE].jaxpr)
-    # Every action computes, a split B of virtual stage 0 too (it pulls back into the
-    # embedding, so its W is only the weight GEMMs, as on the other chunks).
-    for (kind, role, _), branch in zip(program.branches, branches[1:]):
-        assert "dot_general" in _primitives(branch.jaxpr), (kind, role)
+    plain, filing = [e.params["branches"] for e in tick.eqns if e.primitive.name == "cond"]
+    assert len(plain) == len(filing) == 1 + len(program.branches)
+    fills = [any(flags[b] for flags in (program.fills(name)
+                                         for name in tick_program.RESIDUAL_POOLS))
+             for b in range(len(plain))]
+    assert any(fills) and not all(fills[1:])
+    for b, (run, file) in enumerate(zip(plain, filing)):
+        run, file = _primitives(run.jaxpr), _primitives(file.jaxpr)
+        # Each action computes in exactly one switch (the idle branch in neither); only the
+        # filling side writes a slot.
+        assert ("dot_general" in run) == (b != tick_program.IDLE and not fills[b]), b
+        assert ("dot_general" in file) == fills[b], b
+        assert ("dynamic_update_slice" in file) == fills[b], b
+        assert "dynamic_update_slice" not in run, b
 
 
 def _switch_branches(tick):

@@ -31,7 +31,7 @@ def compiled():
     # 1F1B places one chunk per stage: the staged layer order is the logical one.
     params = run.place_params(model.init(jax.random.key(0)))
     batch = run.put_batch(np_batch(cfg))
-    text = jax.jit(loss_and_grads).lower(params, batch).compile().as_text()
+    text = jax.jit(loss_and_grads, compiler_options=run.plan.compiler_options() or None).lower(params, batch).compile().as_text()
     b = cfg.train.global_batch // DP // MICROBATCHES
     return text, loss_and_grads.program, (b, cfg.model.seq_len, cfg.model.d_model)
 
@@ -81,20 +81,40 @@ def test_two_collective_permutes_per_tick_inside_the_loop(compiled):
     up = {(b, a) for a, b in down}
     assert sorted(map(_pairs, in_body), key=sorted) == sorted([down, up], key=sorted)
     assert program.down_pairs == tuple((s, s + 1) for s in range(PP - 1))
-    # The actions sit behind one conditional with one branch per action kind (+ idle) on a
-    # CPU (this compile); after it, one two-way conditional per residual pool files what the
-    # action made into its slot (taken only by the actions that fill that pool). 1F1B at
-    # pp > 1 without a split backward keeps the embedding's, the chunks' and the head's
-    # residuals. (On a GPU a second switch runs the filling actions, which update the pools
-    # in place.)
+    # The actions sit behind two conditionals with one branch per action kind (+ idle): the
+    # actions that fill no residual pool, then those that fill one (updating it in place).
+    # 1F1B at pp > 1 without a split backward: F fills the embedding's, the chunks' and the
+    # head's pools, B fills none. No other conditional runs in the tick.
     conditionals = [line for line in comps[body] if " conditional(" in line]
-    switches = [line for line in conditionals if f"/{LANE_SCOPE}0/" in line]
     branches = [re.search(r"branch_computations=\{([^}]*)\}", line).group(1).split(",")
                 for line in conditionals]
-    assert sorted(map(len, branches)) == [2, 2, 2, 1 + len(program.branches)], branches
-    assert len(switches) >= 1 and all(f"/{LANE_SCOPE}0/" in line for line in conditionals
-                                      if len(re.search(r"branch_computations=\{([^}]*)\}",
-                                                       line).group(1).split(",")) > 2)
+    assert [len(b) for b in branches] == [1 + len(program.branches)] * 2, branches
+    assert all(f"/{LANE_SCOPE}0/" in line for line in conditionals)
+
+
+def test_residual_pools_stay_in_place_through_the_tick_on_a_cpu():
+    """ZB-H1 on pp4 x dp2 (F and the split B fill residual pools W reads), compiled for the
+    CPU devices: the filing switch updates the pools in place. Without XLA:CPU's region-based
+    copy insertion (which the forced host platform turns on: jax_overlap/parallel/mesh.py,
+    and the plan's compile options) every pool was copied every tick."""
+    cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
+                             "pipeline.schedule=zb-h1", f"pipeline.microbatches={MICROBATCHES}"])
+    model = GPT.from_config(cfg.model)
+    run = assemble(cfg, model=model)
+    loss_and_grads = run.loss_and_grads()
+    params = run.place_params(model.init(jax.random.key(0)))
+    text = jax.jit(loss_and_grads, compiler_options=run.plan.compiler_options() or None).lower(
+        params, run.put_batch(np_batch(cfg))).compile().as_text()
+    program = loss_and_grads.program
+    body = _computations(text)[_tick_loop_body(text, program.ticks)]
+    leading = {program.residual_slots(name) + 1 for name, _ in program.res_slots}
+    pools = [line for line in body
+             if re.search(r"= \w+\[(\d+),.* get-tuple-element\(%[\w.]*param", line)
+             and int(re.search(r"= \w+\[(\d+),", line).group(1)) in leading]
+    assert pools  # the pools are carried through the loop body
+    copies = [line for line in body if " copy(" in line
+              and int((re.search(r"= \w+\[(\d+)", line) or [0, 0])[1]) in leading]
+    assert not copies, copies
 
 
 def test_per_step_collective_counts_from_the_hlo_reader(compiled):

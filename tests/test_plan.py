@@ -291,9 +291,10 @@ def test_a_step_that_fits_compiles_without_xla_rematerialization():
     assert ParallelPlan.build(config.load(TINY)).compiler_options(preset) == {}  # CPU
 
 
-def test_a_gpu_pipeline_compiles_with_copy_insertion_region_analysis():
-    # Without it the tick switch copied the stage's gradient accumulators every tick; at
-    # pp = 1 it left dp8's bucket all-reduces synchronous, so only pipelines get it.
+def test_a_pipeline_compiles_with_copy_insertion_region_analysis():
+    # Without it the tick switch copied the stage's gradient accumulators (GPU) and residual
+    # pools (CPU) every tick; at pp = 1 on a GPU it left dp8's bucket all-reduces
+    # synchronous, so only pipelines get it.
     from jax_overlap.plan import PIPELINE_COPY_ANALYSIS
 
     pipe = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4"]), target=H100)
@@ -301,7 +302,7 @@ def test_a_gpu_pipeline_compiles_with_copy_insertion_region_analysis():
     flat = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
     assert flat.pp == 1 and not set(flat.compiler_options({})) & set(PIPELINE_COPY_ANALYSIS)
     cpu = ParallelPlan.build(config.load(TINY, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]))
-    assert cpu.compiler_options({}) == {}
+    assert cpu.compiler_options({}) == PIPELINE_COPY_ANALYSIS
 
 
 def test_auto_microbatches_refuse_an_impossible_batch_in_one_line():

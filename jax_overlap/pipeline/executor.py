@@ -726,7 +726,7 @@ def _file(pool, row, route: str, arrival):
 
 
 def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict,
-              in_place: bool = True):
+              accelerator: bool = True):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
@@ -736,23 +736,25 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     is sent before the action and filed after it -- so every transfer runs under the other
     lane's compute at latency 1.
 
-    `in_place`: the filing switch updates the residual pools in place (XLA:GPU keeps them in
-    place through a conditional); False: it returns what the action made, and a two-way
-    conditional per pool files it (XLA:CPU copies a pool a conditional updates in place).
-    It also says the collectives run asynchronously: a paired tick then splits a
+    The residual pools and gradient accumulators are updated in place through the tick's
+    switches; XLA keeps them in place only with copy insertion's region analysis
+    (`plan.PIPELINE_COPY_ANALYSIS`, which the plan's compile options and the forced host
+    platform set), and otherwise copies them every tick.
+
+    `accelerator`: the collectives run asynchronously; a paired tick then splits a
     vocabulary-parallel head around its backward lane (`_TickLoop.paired_tick`).
 
     Returns:
       (grads, loss) accumulated over the step on this device.
     """
-    return _TickLoop(ctx, program, branches, res0, in_place).run(pool_sbtd)
+    return _TickLoop(ctx, program, branches, res0, accelerator).run(pool_sbtd)
 
 
 class _TickLoop:
     """`run_ticks`'s loop: the per-lane switches, built once, and one tick of each kind."""
 
     def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict,
-                 in_place: bool = True):
+                 accelerator: bool = True):
         self.ctx, self.program = ctx, program
         self.stage = jax.lax.axis_index(PP)
         self.zeros = ctx.zeros_btd
@@ -770,12 +772,11 @@ class _TickLoop:
         for lane in range(program.lanes):
             taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
             self.lanes.append(_lane_switches(ctx, branches, fills, taken,
-                                             any(adds[b] for b in taken), in_place))
-        self.writes = {name: jnp.asarray(flags) for name, flags in fills.items()}
+                                             any(adds[b] for b in taken)))
         self.res0 = res0
         # A paired tick splits the vocabulary-parallel head around its backward lane where
-        # collectives run asynchronously (`in_place`: an accelerator's program).
-        self.split_head = program.vocab_parallel and program.lanes == 2 and in_place
+        # collectives run asynchronously (an accelerator's program).
+        self.split_head = program.vocab_parallel and program.lanes == 2 and accelerator
 
     def head_phase(self, pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring), all of it at once and only on
@@ -838,7 +839,7 @@ class _TickLoop:
         return jax.lax.optimization_barrier((pool, self.slots(pool, row)))
 
     def act(self, pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
-        # On a GPU, two switches on the row's branch. The first runs the actions that file
+        # Two switches on the row's branch. The first runs the actions that file
         # nothing into a residual pool (idle, B without a split, W...) and gets the pools
         # read-only: a branch reads its (microbatch, chunk)'s slots itself, so only the
         # actions that use a slot read it. The second runs the actions that fill pools (F; a
@@ -848,10 +849,6 @@ class _TickLoop:
         # switch that returned what an action made, or zeros, cost a slot-sized write per
         # idle branch; one that updated every pool in place made XLA copy each pool in every
         # branch.)
-        # On a CPU, where XLA copies whatever a conditional passes through or updates in
-        # place, one switch runs every action and returns what it made for the lane's pools
-        # (zeros where it fills nothing), and a two-way conditional per pool files it only
-        # where the action fills that pool.
         # Likewise the activation pool: the switches get only the two slots an action can
         # read (its input and its output gradient). Handed the pool, they would hold it as
         # an operand while the other lane's arrivals are filed into it, and XLA would copy it.
@@ -862,26 +859,18 @@ class _TickLoop:
         carry = (grads, loss) if switches.grads else (loss,)
         # The named scope marks the switches in the compiled HLO for `analysis.step_estimate`.
         with jax.named_scope(f"{LANE_SCOPE}{lane}"):
-            if switches.in_place:
-                carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
-                kept = {name: res[name] for name in switches.pools}
-                if kept:
-                    # The pools go to the filing switch through the plain switch's results:
-                    # its reads (W reads the stash F and B filled) are then ordered before
-                    # the in-place writes. XLA drops a switch's pass-through operands, and
-                    # without this tie the two switches were unordered and each pool the
-                    # plain one reads was copied every tick.
-                    kept, carry, out = jax.lax.optimization_barrier((kept, carry, out))
-                    read_only = {name: p for name, p in res.items() if name not in kept}
-                    kept, carry, out = jax.lax.switch(branch, switches.filing, inbox,
-                                                      read_only, kept, carry, out, row)
-            else:
-                made, carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry,
-                                                  row)
-        if not switches.in_place:
-            kept = {name: jax.lax.cond(self.writes[name][branch], _filed, _unfiled, res[name],
-                                       values, row[COL[_POOL_SLOT[name]]])
-                    for name, values in made.items()}
+            carry, out = jax.lax.switch(branch, switches.plain, inbox, res, carry, row)
+            kept = {name: res[name] for name in switches.pools}
+            if kept:
+                # The pools go to the filing switch through the plain switch's results: its
+                # reads (W reads the stash F and B filled) are then ordered before the
+                # in-place writes. XLA drops a switch's pass-through operands, and without
+                # this tie the two switches were unordered and each pool the plain one reads
+                # was copied every tick.
+                kept, carry, out = jax.lax.optimization_barrier((kept, carry, out))
+                read_only = {name: p for name, p in res.items() if name not in kept}
+                kept, carry, out = jax.lax.switch(branch, switches.filing, inbox, read_only,
+                                                  kept, carry, out, row)
         res = {**res, **kept}
         grads, loss = carry if switches.grads else (grads, carry[0])
         if tie is None:
@@ -1031,27 +1020,23 @@ class _LaneSwitches(NamedTuple):
 
     Attributes:
       plain: per branch, `(inbox, pools, carry, row) -> (carry, out)`: the action, if it
-        fills no pool; a no-op otherwise. Not `in_place`: every action, returning
-        `(made, carry, out)` with `made` what it made for the lane's pools (zeros where it
-        fills nothing), and no `filing` switch.
+        fills no pool; a no-op otherwise.
       filing: per branch, `(inbox, read_only, kept, carry, out, row) -> (kept, carry, out)`:
         the action, if it fills a pool, its slots of `kept` updated in place; else the
         operands passed through.
       pools: the residual pools this lane's actions fill (`kept`).
       grads: whether its actions add to the gradients; `carry` is `(grads, loss)` if so,
         `(loss,)` if not.
-      in_place: whether the filing switch updates the pools in place (see `plain`).
     """
 
     plain: list
     filing: list
     pools: tuple[str, ...]
     grads: bool
-    in_place: bool = True
 
 
 def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, ...]],
-                   taken: set[int], grads: bool, in_place: bool = True) -> _LaneSwitches:
+                   taken: set[int], grads: bool) -> _LaneSwitches:
     """The switches of a lane whose table column takes the branches `taken`.
 
     `branches[b](inbox, slots, grads, loss, row) -> (made, grads, loss, out)` gets and returns
@@ -1068,13 +1053,6 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
     def plain(b, fn):
         def run(inbox, res, carry, row):
-            if not in_place:
-                mine = _slots_of(res, row)
-                if b not in taken:
-                    return _zeros_like(mine, pools), carry, ctx.zeros_btd
-                made, g, loss, out = fn(inbox, mine, *unpack(carry), row)
-                return ({name: made[name] if fills[name][b] else _zeros_like(mine, [name])[name]
-                         for name in pools}, pack(g, loss), out)
             if filler[b] or b not in taken:
                 return carry, ctx.zeros_btd
             _, g, loss, out = fn(inbox, _slots_of(res, row), *unpack(carry), row)
@@ -1093,25 +1071,13 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
         return run
 
     return _LaneSwitches([plain(b, fn) for b, fn in enumerate(branches)],
-                         [filing(b, fn) for b, fn in enumerate(branches)], pools, grads,
-                         in_place)
-
-
-def _zeros_like(slots: dict, names) -> dict:
-    """Zero slots of the pools `names` (what a branch that fills nothing returns as made)."""
-    return {name: [_like(jnp.zeros_like(v), v) for v in slots[name]] for name in names}
+                         [filing(b, fn) for b, fn in enumerate(branches)], pools, grads)
 
 
 def _slots_of(pools: dict, row) -> dict:
     """Each residual pool's slot named by the table row (reads no action uses are dead)."""
     return {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
                    for p in leaves] for name, leaves in pools.items()}
-
-
-def _unfiled(leaves: list, values: list, slot) -> list:
-    """`_filed`'s other side: the pool as it was."""
-    del values, slot
-    return list(leaves)
 
 
 def _filed(leaves: list, values: list, slot) -> list:
@@ -1305,7 +1271,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
 def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, overlap,
                 axis_sizes: dict[str, int], fsdp_layout=None, chunk_buckets=None,
                 remat: str = "none", stage_layers=(), split_backward: bool = True,
-                in_place: bool = True, own_rows: frozenset[str] = frozenset()):
+                accelerator: bool = True, own_rows: frozenset[str] = frozenset()):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
@@ -1350,7 +1316,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
                     action_branch(ctx, b.kind, b.role) for b in program.branches]
     branches = [idle_branch(ctx)] + branches
-    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools, in_place)
+    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools, accelerator)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced,
                                    own_rows)
@@ -1383,7 +1349,7 @@ def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
                    fsdp_layout=plan.layout.fsdp, chunk_buckets=plan.chunk_buckets,
                    remat=plan.remat, stage_layers=plan.stage_layers,
                    split_backward=plan.split_backward,
-                   in_place=bool(plan.target is not None and plan.target.accelerator),
+                   accelerator=bool(plan.target is not None and plan.target.accelerator),
                    own_rows=plan.layout.own_rows)
     batch_spec = data_spec(dict(mesh.shape))
     mapped = slow_axis.wrap_step(body, mesh, param_specs, param_specs,
