@@ -778,8 +778,8 @@ AUTO_SCHEDULE_WHY = {
     True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
            "1F1B paired 0.48 MFU, ZB-V paired 0.38; ZB-V's extra ticks and W actions cost more "
            "than its smaller bubble saves)"),
-    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.24x a pp = 1 "
-            "step's, ZB-V 1.60x)"),
+    False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.09-1.29x a pp = 1 "
+            "step's, ZB-V 1.35-1.47x)"),
 }
 
 
