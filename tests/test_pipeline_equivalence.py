@@ -553,10 +553,9 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
     assert max(rel(a, b) for a, b in zip(losses, flat_curve)) <= 1e-4, (losses, flat_curve)
 
 
-# The step a GPU plan builds, run on the CPU devices: on a GPU target the executor's filing
-# switch updates the residual pools in place (XLA:CPU copies them, which is slower but
-# computes the same), and the plan's GPU choices apply (paired ticks, vocabulary-parallel
-# head, split W). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
+# The step a GPU plan builds, run on the CPU devices: the plan's GPU choices apply (paired
+# ticks, the vocabulary-parallel head split around the backward lane, split W, in-loop
+# buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
 GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, False)]
 
 

@@ -2,9 +2,9 @@
 
 One compile of the 1F1B step on pp4 x dp2. The tick loop is the `while` whose trip count is
 the schedule's tick count; its body must hold exactly the forward send (+1 ring) and the
-backward send (-1 ring), each one microbatch of activations, and the actions behind one
-`conditional` (plus one per residual pool that files what an action made). Nothing may
-all-gather activations (the pipeline moves them point to point).
+backward send (-1 ring), each one microbatch of activations, and the actions behind two
+`conditional`s (the actions that fill no residual pool, then those that fill one, in place).
+Nothing may all-gather activations (the pipeline moves them point to point).
 """
 
 import re
