@@ -21,19 +21,27 @@ from models.gpt import GPT
 PP, DP, MICROBATCHES = 4, 2, 4
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def _compiled_cpu_step(schedule: str):
+    """(compiled HLO text, tick program, config) of a pp4 x dp2 step on the CPU devices, with
+    the plan's compile options."""
     cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
-                             "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}"])
+                             f"pipeline.schedule={schedule}",
+                             f"pipeline.microbatches={MICROBATCHES}"])
     model = GPT.from_config(cfg.model)
     run = assemble(cfg, model=model)
     loss_and_grads = run.loss_and_grads()
-    # 1F1B places one chunk per stage: the staged layer order is the logical one.
     params = run.place_params(model.init(jax.random.key(0)))
-    batch = run.put_batch(np_batch(cfg))
-    text = jax.jit(loss_and_grads, compiler_options=run.plan.compiler_options() or None).lower(params, batch).compile().as_text()
+    lowered = jax.jit(loss_and_grads, compiler_options=run.plan.compiler_options() or None
+                      ).lower(params, run.put_batch(np_batch(cfg)))
+    return lowered.compile().as_text(), loss_and_grads.program, cfg
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    # 1F1B places one chunk per stage: the staged layer order is the logical one.
+    text, program, cfg = _compiled_cpu_step("1f1b")
     b = cfg.train.global_batch // DP // MICROBATCHES
-    return text, loss_and_grads.program, (b, cfg.model.seq_len, cfg.model.d_model)
+    return text, program, (b, cfg.model.seq_len, cfg.model.d_model)
 
 
 def _computations(text: str) -> dict[str, list[str]]:
@@ -97,15 +105,7 @@ def test_residual_pools_stay_in_place_through_the_tick_on_a_cpu():
     CPU devices: the filing switch updates the pools in place. Without XLA:CPU's region-based
     copy insertion (which the forced host platform turns on: jax_overlap/parallel/mesh.py,
     and the plan's compile options) every pool was copied every tick."""
-    cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
-                             "pipeline.schedule=zb-h1", f"pipeline.microbatches={MICROBATCHES}"])
-    model = GPT.from_config(cfg.model)
-    run = assemble(cfg, model=model)
-    loss_and_grads = run.loss_and_grads()
-    params = run.place_params(model.init(jax.random.key(0)))
-    text = jax.jit(loss_and_grads, compiler_options=run.plan.compiler_options() or None).lower(
-        params, run.put_batch(np_batch(cfg))).compile().as_text()
-    program = loss_and_grads.program
+    text, program, _ = _compiled_cpu_step("zb-h1")
     body = _computations(text)[_tick_loop_body(text, program.ticks)]
     leading = {program.residual_slots(name) + 1 for name, _ in program.res_slots}
     pools = [line for line in body
