@@ -6,8 +6,8 @@ predicted by the simulator on the `cpu_here` profile from a calibration
 (`jax_overlap.analysis.calibrate`). Other processes share this machine's cores and the
 load drifts while the benchmark runs, so measurements are taken in pairs: one train step,
 then at once the calibration pieces its prediction uses (its own micro-batch shape, the
-optimizer update, the psum links of its group sizes; the cores' parallel capacity once per
-round). A plan's error is the median over its pairs of predicted / measured - 1; the
+optimizer update, the psum links of its group sizes, a pipeline's tick loop; the cores'
+parallel capacity once per round). A plan's error is the median over its pairs of predicted / measured - 1; the
 plans are visited round-robin, `--rounds` times, `--steps` pairs each time.
 
 Two predictions are reported: `predicted` from the pieces timed in the same pair;
@@ -38,9 +38,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.25
 # The --quick run's bound, predicted / measured within [1 / QUICK_BOUND, QUICK_BOUND]
-# (docs/results.md): its tiny model's pipeline ticks are mostly the tick loop's fixed cost
-# (~1.2 ms a tick on the shared 2 cores: the branch switch and each transfer's rendezvous of
-# 8 device threads), which no calibration piece times, so it predicts 20-57% low there.
+# (docs/results.md): its tiny model's pipeline step is mostly fixed costs -- the tick loop's
+# (the branch switch and each transfer's rendezvous of 8 device threads, timed by
+# `Calibrator.time_tick`) and every kernel's launch -- which vary most between machines.
 QUICK_BOUND = 3.0
 
 # (dp, tp, pp, microbatches, schedule, virtual stages): plans of the default model on 8
@@ -173,12 +173,14 @@ def main() -> int:
         calibrator.time_optimizer(cfg.mesh.tp)
         for g in groups_of[cand]:
             calibrator.time_link(g)
+        if cand.pp > 1:
+            calibrator.time_tick(cand.pp)
     big_shape = max(shape_of.values())
     calibrator.parallel_capacity(*big_shape)
 
     all_samples: list = []
     pairs: dict = {c: [] for c, _ in plans}  # (measured, predicted) per pair
-    capacities, link_samples = [], {}
+    capacities, link_samples, tick_samples = [], {}, {}
     for r in range(args.rounds):
         t_round = time.perf_counter()
         capacity = calibrator.parallel_capacity(*big_shape)
@@ -192,8 +194,11 @@ def main() -> int:
                 links = {g: calibrator.time_link(g) for g in groups_of[cand]}
                 for g, link in links.items():
                     link_samples.setdefault(g, []).append(link)
+                ticks = {cand.pp: calibrator.time_tick(cand.pp)} if cand.pp > 1 else {}
+                for g, tick in ticks.items():
+                    tick_samples.setdefault(g, []).append(tick)
                 all_samples += samples
-                cal = calibrator.calibration(samples, capacity, links)
+                cal = calibrator.calibration(samples, capacity, links, ticks)
                 pairs[cand].append((times[0], tune.predict(cand, cfg, hw, cal).step_time_s))
             steps[cand] = (step, step_args)
             meas = statistics.median(m for m, _ in pairs[cand])
@@ -210,7 +215,9 @@ def main() -> int:
         for g, ls in link_samples.items()}
     # Without its samples a calibration answers every shape from the fit alone (with them
     # it would answer measured shapes as measured): the fit is what this column shows.
-    fitted = dataclasses.replace(calibrator.calibration(all_samples, capacity, links), samples=())
+    ticks = {g: statistics.median(ts) for g, ts in tick_samples.items()}
+    fitted = dataclasses.replace(calibrator.calibration(all_samples, capacity, links, ticks),
+                                 samples=())
     rows = []
     for cand, cfg in plans:
         p = tune.predict(cand, cfg, hw, fitted)
@@ -226,6 +233,7 @@ def main() -> int:
         "target": TARGET,
         "parallel_capacity": capacity,
         "links": {str(g): dataclasses.asdict(link) for g, link in links.items()},
+        "ticks": {str(g): t for g, t in ticks.items()},
         "fits": {k: dataclasses.asdict(v) for k, v in fitted.fits.items()},
         "rows": rows,
         "within_target": sum(abs(r["error"]) <= TARGET for r in rows),
@@ -314,6 +322,9 @@ tens of percent and only the paired medians are meaningful.
 * XLA CPU runs collectives inline (`synchronous_collectives` in `cpu_here`), so no
   communication overlaps compute. Collectives are costed by the ring formula with
   links measured in the same run, per group size, with all groups reducing at once.
+* A pipelined step adds its tick loop: the schedule's ticks (two lanes each where paired)
+  times one tick's cost outside its actions -- the switch, a slot update, the two ring
+  permutes' rendezvous -- measured per ring size (`Calibrator.time_tick`).
 * Each TP collective pays its own latency: one F / B issues `2 x layers` all-reduces
   plus the embedding's and the loss's, folded into the simulator's single per-action
   all-reduce as latency-equivalent bytes.

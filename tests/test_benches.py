@@ -229,8 +229,8 @@ def test_simulator_validation_quick():
     positive(measured), positive(predicted), positive(fit)
     assert error.endswith("%") and error_fit.endswith("%")
     # The bound docs/results.md states for the quick run: predicted / measured within
-    # [1/3, 3] (its tiny model's ticks are mostly the tick loop's uncalibrated fixed cost;
-    # the full run's bound is 25%). A 500% error fails here.
+    # [1/3, 3] (its tiny model's step is mostly fixed costs -- kernel launches and the tick
+    # loop's; the full run's bound is 25%). A 500% error fails here.
     bound = _bench_module("simulator_validation").QUICK_BOUND
     assert bound == 3.0
     for e in (error, error_fit):

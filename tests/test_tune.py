@@ -31,7 +31,8 @@ def calibration(tiny):
         plan = tune.plan_of(cfg)
         quantities.update(plan_shape.quantities_for(cfg, plan, plan.split_backward))
     return cal_lib.calibrate(tiny, [(2, 1)], devices=jax.devices()[:8],
-                             quantities=sorted(quantities), groups=(2, 4, 8), repeats=2)
+                             quantities=sorted(quantities), groups=(2, 4, 8), pipelines=(2,),
+                             repeats=2)
 
 
 def test_candidates_are_valid_and_cover_the_space(tiny):
@@ -123,6 +124,29 @@ def test_calibrated_ranking_is_deterministic(tiny, calibration):
     assert a.costs == "calibrated"
     assert [p.candidate for p in a.plans] == [p.candidate for p in b.plans]
     assert all(p.optimizer_s > 0 for p in a.plans)
+
+
+def test_a_pipelined_prediction_pays_the_measured_tick_loop(tiny, calibration):
+    """Every tick of the executor's loop costs its switch and its permutes' rendezvous
+    whatever the action (on a CPU host, most of a small model's pipeline step): a pipelined
+    plan's prediction adds its ticks (lanes, where paired) times the measured tick."""
+    assert set(calibration.ticks) == {2} and calibration.tick_s(2) > 0
+    assert calibration.tick_s(4) == 0.0  # not measured
+    hw = load_profile("cpu_here")
+    for cand, lanes in [(tune.Candidate(4, 1, 2, 1, 4, "1f1b", 0.0, False, 1), 1),
+                        (tune.Candidate(4, 1, 2, 1, 4, "1f1b", 0.0, False, 1, paired=True), 2),
+                        (tune.Candidate(2, 2, 2, 1, 4, "zb-h1", 0.0, False, 1), 1)]:
+        cfg = tune.apply_candidate(tiny, cand)
+        schedule = tune.plan_of(cfg).schedule
+        assert schedule.paired == (lanes == 2)
+        p = tune.predict(cand, cfg, hw, calibration)
+        assert p.tick_loop_s == pytest.approx(schedule.ticks * lanes * calibration.tick_s(2))
+        assert p.step_time_s == pytest.approx(p.simulated_s + p.tick_loop_s + p.optimizer_s)
+        without = tune.predict(cand, cfg, hw, dataclasses.replace(calibration, ticks={}))
+        assert without.tick_loop_s == 0.0
+        assert p.step_time_s - without.step_time_s == pytest.approx(p.tick_loop_s)
+    flat = tune.Candidate(8, 1, 1, 1, 2, "1f1b", 0.0, False, 1)
+    assert tune.predict(flat, tune.apply_candidate(tiny, flat), hw, calibration).tick_loop_s == 0
 
 
 def test_pieces_fitted_to_zero_fall_back_to_flops(tiny, calibration):

@@ -110,6 +110,7 @@ SPLIT_QUANTITIES: tuple[str, ...] = ("block_fbx", "block_fbw", "block1_fbx", "bl
 BASE_QUANTITIES: tuple[str, ...] = ("block_f", "block_fb", "embed_f", "embed_fb", "head_f",
                                     "head_fb")
 LINK_LOOP = 8  # psums per timed call when measuring a link
+TICK_LOOP = 16  # ticks per timed call when measuring a pipeline tick
 
 # ------------------------------------------------------------------------------ fits
 
@@ -197,6 +198,10 @@ class Calibration:
         piece; a train step pays it once).
       links: group size -> :class:`Link` measured for collectives over groups of that
         many devices (all groups at once).
+      ticks: pipeline degree -> seconds of one tick of the executor's loop outside its
+        actions (the arrivals' filing, the switches to the tick's action, the two ring
+        permutes' rendezvous), measured on rings of that many devices (all rings at once). On a
+        CPU host a small model's pipeline step is mostly this.
       samples: every measured point.
     """
 
@@ -210,6 +215,7 @@ class Calibration:
     split_ratios: dict[str, float] = field(default_factory=dict)
     dispatch_s: float = 0.0
     links: dict[int, Link] = field(default_factory=dict)
+    ticks: dict[int, float] = field(default_factory=dict)
     samples: tuple[Sample, ...] = field(default=(), repr=False)
 
     def seconds(self, quantity: str, micro_batch: int, tp: int) -> float:
@@ -236,6 +242,11 @@ class Calibration:
         times = [s.seconds for s in self.samples
                  if (s.quantity, s.micro_batch, s.tp) == (quantity, micro_batch, tp)]
         return statistics.median(times) if times else None
+
+    def tick_s(self, pp: int) -> float:
+        """Seconds of one pipeline tick outside its actions on ``pp`` stages (0 if not
+        measured)."""
+        return self.ticks.get(pp, 0.0)
 
     def optimizer_s(self, elements: float) -> float:
         """Seconds of one optimizer update over ``elements`` parameters on one device."""
@@ -270,6 +281,7 @@ class Calibration:
             "split_ratios": dict(self.split_ratios),
             "dispatch_s": self.dispatch_s,
             "links": {str(n): dataclasses.asdict(link) for n, link in self.links.items()},
+            "ticks": {str(n): t for n, t in self.ticks.items()},
             "samples": [dataclasses.asdict(s) for s in self.samples],
         }
 
@@ -594,6 +606,82 @@ class Calibrator:
             times.append(max(self._time(key) - self.dispatch_s(), 1e-9) / LINK_LOOP)
         return ring_link(f"measured_{group}", group, times[0], times[1], big_bytes)
 
+    def time_tick(self, stages: int) -> float:
+        """Seconds of one pipeline tick outside its actions, on rings of ``stages`` devices.
+
+        What the executor's loop does every tick whatever the action: file the last tick's
+        two arrivals into the slot pool, switch on the tick's table entry to the action's
+        reads and again to its slot write (or to nothing, when idle), then permute the
+        output around the ring each way. :data:`TICK_LOOP` ticks run in one program, less one call's launch
+        overhead. On a CPU host the permutes are rendezvous of device threads on shared
+        cores, so this is what a small model's pipeline step mostly costs.
+
+        Args:
+          stages: devices per ring (divides the device count).
+
+        Returns:
+          Seconds per tick.
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from jax_overlap.parallel.compat import shard_map
+
+        n = len(self.devices)
+        key = ("tick", stages)
+        if key not in self._compiled:
+            mesh = Mesh(np.array(self.devices, dtype=object).reshape(n // stages, stages),
+                        ("rest", "pp"))
+            up_pairs = [(i, (i + 1) % stages) for i in range(stages)]
+            down_pairs = [(i, (i - 1) % stages) for i in range(stages)]
+            slots = 4
+
+            def loop(x, pool, table):
+                me = jax.lax.axis_index("pp")
+
+                def idle(x, slot, pool):
+                    return x
+
+                def read(x, slot, pool):
+                    return x + jax.lax.dynamic_index_in_dim(pool, slot, 0, False)
+
+                def keep(x, slot, pool):
+                    return pool
+
+                def file(x, slot, pool):
+                    return jax.lax.dynamic_update_index_in_dim(pool, x, slot, 0)
+
+                def tick(t, carry):
+                    x, down, up, pool = carry
+                    kind, slot = table[t, me] % 3, table[t, me] % slots
+                    # File the last tick's arrivals, run the action (reads), file its
+                    # output (writes), send it both ways.
+                    pool = jax.lax.dynamic_update_index_in_dim(pool, down, (slot + 1) % slots, 0)
+                    pool = jax.lax.dynamic_update_index_in_dim(pool, up, (slot + 2) % slots, 0)
+                    x = jax.lax.switch(kind, (idle, read, read), x, slot, pool)
+                    pool = jax.lax.switch(kind, (keep, file, keep), x, slot, pool)
+                    down = jax.lax.ppermute(x, "pp", up_pairs) * 0.5
+                    up = jax.lax.ppermute(x, "pp", down_pairs) * 0.5
+                    return down + up, down, up, pool
+
+                x, _, _, pool = jax.lax.fori_loop(0, TICK_LOOP, tick, (x, x, x, pool))
+                return x, pool
+
+            width = 64
+            spec = P(("rest", "pp"))
+            fn = jax.jit(shard_map(loop, mesh, in_specs=(spec, spec, P()),
+                                   out_specs=(spec, spec)))
+            table = np.random.default_rng(0).integers(0, 12, (TICK_LOOP, stages))
+            args = (jax.device_put(jnp.ones((n * width,), jnp.float32),
+                                   NamedSharding(mesh, spec)),
+                    jax.device_put(jnp.ones((n * slots, width), jnp.float32),
+                                   NamedSharding(mesh, spec)),
+                    jnp.asarray(table, jnp.int32))
+            self._compiled[key] = (fn, args)
+        return max(self._time(key) - self.dispatch_s(), 1e-9) / TICK_LOOP
+
     def parallel_capacity(self, micro_batch: int, tp: int) -> float:
         """Devices' worth of compute the machine runs at once.
 
@@ -623,7 +711,8 @@ class Calibrator:
         return float(min(n, max(1.0, n * alone / together)))
 
     def calibration(self, samples: Sequence[Sample], capacity: float,
-                    links: dict[int, Link]) -> Calibration:
+                    links: dict[int, Link],
+                    ticks: dict[int, float] | None = None) -> Calibration:
         """Fit measured samples into a :class:`Calibration`.
 
         Args:
@@ -631,6 +720,7 @@ class Calibrator:
             samples.
           capacity: from :meth:`parallel_capacity`.
           links: group size -> measured :class:`Link`.
+          ticks: pipeline degree -> seconds from :meth:`time_tick`.
 
         Returns:
           The :class:`Calibration`.
@@ -667,6 +757,7 @@ class Calibrator:
             split_ratios=ratios,
             dispatch_s=self.dispatch_s(),
             links=dict(links),
+            ticks=dict(ticks or {}),
             samples=tuple(samples),
         )
 
@@ -712,7 +803,7 @@ def extend(calibrator: Calibrator, calibration: Calibration,
     calibrator.expect(len(todo))
     new = [calibrator.time_piece(q, b, k) for q, b, k in todo]
     return calibrator.calibration(list(calibration.samples) + new, calibration.parallel_capacity,
-                                  calibration.links)
+                                  calibration.links, calibration.ticks)
 
 
 def calibrate(
@@ -722,6 +813,7 @@ def calibrate(
     devices: Sequence[Any] | None = None,
     quantities: Sequence[str] = BASE_QUANTITIES,
     groups: Sequence[int] = (),
+    pipelines: Sequence[int] = (),
     repeats: int = 5,
     calibrator: Calibrator | None = None,
 ) -> Calibration:
@@ -743,6 +835,8 @@ def calibrate(
         what a plan needs).
       groups: group sizes whose psum cost to measure as links (sizes that divide the
         device count; e.g. the plans' dp, tp and pp degrees).
+      pipelines: pipeline degrees whose tick cost to measure (:meth:`Calibrator.time_tick`;
+        sizes that divide the device count).
       repeats: timed calls per point (the median counts).
       calibrator: a :class:`Calibrator` to measure with (its compiled functions are
         kept for :func:`extend`); None makes one from ``devices`` and ``repeats``.
@@ -771,12 +865,16 @@ def calibrate(
     tps = sorted({k for _, k in shapes})
     link_groups = [g for g in sorted(set(groups))
                    if 1 < g <= len(devices) and len(devices) % g == 0]
-    # Pieces, split pieces, optimizer updates, two psums per link, two capacity timings.
-    cal.expect(len(shapes) * len(base) + len(split) + len(tps) + 2 * len(link_groups) + 2)
+    tick_groups = [g for g in sorted(set(pipelines))
+                   if 1 < g <= len(devices) and len(devices) % g == 0]
+    # Pieces, split pieces, optimizer updates, two psums per link, ticks, two capacity timings.
+    cal.expect(len(shapes) * len(base) + len(split) + len(tps) + 2 * len(link_groups)
+               + len(tick_groups) + 2)
     samples = cal.time_shapes(shapes, base)
     b_ref = max(b for b, _ in shapes)
     k_ref = min(k for b, k in shapes if b == b_ref)
     samples += cal.time_shapes([(b_ref, k_ref)], split)
     samples += [cal.time_optimizer(k) for k in tps]
     links = {g: cal.time_link(g) for g in link_groups}
-    return cal.calibration(samples, cal.parallel_capacity(b_ref, k_ref), links)
+    ticks = {g: cal.time_tick(g) for g in tick_groups}
+    return cal.calibration(samples, cal.parallel_capacity(b_ref, k_ref), links, ticks)

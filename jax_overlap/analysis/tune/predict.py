@@ -41,10 +41,13 @@ class Prediction:
     Attributes:
       candidate: the plan.
       config: its validated config.
-      step_time_s: predicted step time (simulated step + optimizer update).
+      step_time_s: predicted step time (simulated step + tick loop + optimizer update).
       simulated_s: the simulated loss-and-gradients step.
       optimizer_s: the optimizer update plus the step's one launch (0 for FLOP-based
         costs: not modelled there).
+      tick_loop_s: a pipeline's ticks (lanes, where paired) times the calibrated cost of
+        one outside its actions (`Calibration.tick_s`); every stage pays it in lockstep, so
+        it adds to the step. 0 unpipelined, or for FLOP-based costs.
       ccor: overlap / (compute + comm).
       hidden_comm: overlap / comm, the share of communication under compute.
       bubble_rate: idle / step.
@@ -68,6 +71,7 @@ class Prediction:
     memory_bytes: float
     fits: bool
     flop_fallback: tuple[str, ...] = ()
+    tick_loop_s: float = 0.0
 
     def sort_key(self) -> tuple:
         """Fitting plans first, calibrated before FLOP-priced ones, then step time, CCOR
@@ -83,6 +87,7 @@ class Prediction:
             "step_time_s": self.step_time_s,
             "simulated_s": self.simulated_s,
             "optimizer_s": self.optimizer_s,
+            "tick_loop_s": self.tick_loop_s,
             "ccor": self.ccor,
             "hidden_comm": self.hidden_comm,
             "bubble_rate": self.bubble_rate,
@@ -156,9 +161,13 @@ def predict(
         # The update and the one launch of the whole step, outside the simulated part.
         opt = (calibration.optimizer_s(plan_shape.stage_param_elements(cfg, plan))
                + calibration.dispatch_s)
+        # A paired tick runs two lanes, each its own switch and permutes.
+        lanes = 2 if plan.schedule.paired else 1
+        loop = (plan.schedule.ticks * lanes * calibration.tick_s(plan.pp)
+                if plan.pp > 1 else 0.0)
     else:
         costs = plan_costs.flop_costs(cfg, plan, hw, efficiency)
-        opt = 0.0
+        opt = loop = 0.0
     if timing is None:
         timing = "ticks" if plan.pp > 1 and not hw.synchronous_collectives else "events"
     r = simulate(sim_plan(cfg, plan), costs, hw, timing=timing)
@@ -167,9 +176,10 @@ def predict(
     return Prediction(
         candidate=cand,
         config=cfg,
-        step_time_s=r.step_time_s + opt,
+        step_time_s=r.step_time_s + loop + opt,
         simulated_s=r.step_time_s,
         optimizer_s=opt,
+        tick_loop_s=loop,
         ccor=r.ccor,
         hidden_comm=m.overlap_s / m.comm_s if m.comm_s > 0 else 0.0,
         bubble_rate=r.bubble_rate,

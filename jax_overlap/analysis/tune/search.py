@@ -89,9 +89,11 @@ def calibration_for(
     k = [c.mesh.tp for _, c in candidates]
     quantities = {q for _, c in candidates for q in _needs(c)}
     groups = {n for _, c in candidates for n in (c.mesh.dp, c.mesh.tp, c.mesh.pp)}
+    pipelines = {c.mesh.pp for _, c in candidates}
     return cal_lib.calibrate(cfg, cal_lib.corner_shapes(b, k), devices=devices,
                              quantities=sorted(quantities), groups=sorted(groups),
-                             repeats=repeats, calibrator=calibrator)
+                             pipelines=sorted(pipelines), repeats=repeats,
+                             calibrator=calibrator)
 
 
 def refine(
