@@ -134,7 +134,7 @@ def main() -> int:
     import jax
 
     from jax_overlap.analysis import calibrate as cal_lib
-    from jax_overlap.analysis import plan_shape
+    from jax_overlap.analysis import plan_costs, plan_shape
     from jax_overlap.analysis import tune
     from jax_overlap.hardware.link_profiles import load_profile
     from jax_overlap.analysis.profile import build_step
@@ -166,6 +166,7 @@ def main() -> int:
     for cand, cfg in plans:
         plan = tune.plan_of(cfg)
         quantities_of[cand] = plan_shape.quantities_for(cfg, plan, plan.split_backward)
+    act_of = {c: plan_costs.activation_bytes(cfg, tune.plan_of(cfg)) for c, cfg in plans}
     groups_of = {c: sorted({n for n in (c.dp, c.tp, c.pp) if n > 1}) for c, _ in plans}
     print("compiling calibration pieces ...", flush=True)
     for cand, cfg in plans:
@@ -174,7 +175,7 @@ def main() -> int:
         for g in groups_of[cand]:
             calibrator.time_link(g)
         if cand.pp > 1:
-            calibrator.time_tick(cand.pp)
+            calibrator.time_tick(cand.pp, act_of[cand])
     big_shape = max(shape_of.values())
     calibrator.parallel_capacity(*big_shape)
 
@@ -194,7 +195,8 @@ def main() -> int:
                 links = {g: calibrator.time_link(g) for g in groups_of[cand]}
                 for g, link in links.items():
                     link_samples.setdefault(g, []).append(link)
-                ticks = {cand.pp: calibrator.time_tick(cand.pp)} if cand.pp > 1 else {}
+                ticks = ({cand.pp: calibrator.time_tick(cand.pp, act_of[cand])}
+                         if cand.pp > 1 else {})
                 for g, tick in ticks.items():
                     tick_samples.setdefault(g, []).append(tick)
                 all_samples += samples
@@ -215,7 +217,9 @@ def main() -> int:
         for g, ls in link_samples.items()}
     # Without its samples a calibration answers every shape from the fit alone (with them
     # it would answer measured shapes as measured): the fit is what this column shows.
-    ticks = {g: statistics.median(ts) for g, ts in tick_samples.items()}
+    ticks = {g: cal_lib.Tick(statistics.median(t.fixed_s for t in ts),
+                             statistics.median(t.per_byte_s for t in ts))
+             for g, ts in tick_samples.items()}
     fitted = dataclasses.replace(calibrator.calibration(all_samples, capacity, links, ticks),
                                  samples=())
     rows = []
@@ -233,7 +237,7 @@ def main() -> int:
         "target": TARGET,
         "parallel_capacity": capacity,
         "links": {str(g): dataclasses.asdict(link) for g, link in links.items()},
-        "ticks": {str(g): t for g, t in ticks.items()},
+        "ticks": {str(g): dataclasses.asdict(t) for g, t in ticks.items()},
         "fits": {k: dataclasses.asdict(v) for k, v in fitted.fits.items()},
         "rows": rows,
         "within_target": sum(abs(r["error"]) <= TARGET for r in rows),
@@ -323,8 +327,9 @@ tens of percent and only the paired medians are meaningful.
   communication overlaps compute. Collectives are costed by the ring formula with
   links measured in the same run, per group size, with all groups reducing at once.
 * A pipelined step adds its tick loop: the schedule's ticks (two lanes each where paired)
-  times one tick's cost outside its actions -- the switch, a slot update, the two ring
-  permutes' rendezvous -- measured per ring size (`Calibrator.time_tick`).
+  times one tick's cost outside its actions -- the arrivals' filing, the switches, the two
+  ring permutes of an activation-sized buffer -- measured per ring size
+  (`Calibrator.time_tick`).
 * Each TP collective pays its own latency: one F / B issues `2 x layers` all-reduces
   plus the embedding's and the loss's, folded into the simulator's single per-action
   all-reduce as latency-equivalent bytes.

@@ -31,7 +31,7 @@ def calibration(tiny):
         plan = tune.plan_of(cfg)
         quantities.update(plan_shape.quantities_for(cfg, plan, plan.split_backward))
     return cal_lib.calibrate(tiny, [(2, 1)], devices=jax.devices()[:8],
-                             quantities=sorted(quantities), groups=(2, 4, 8), pipelines=(2,),
+                             quantities=sorted(quantities), groups=(2, 4, 8), pipelines={2: 8192},
                              repeats=2)
 
 
@@ -130,8 +130,10 @@ def test_a_pipelined_prediction_pays_the_measured_tick_loop(tiny, calibration):
     """Every tick of the executor's loop costs its switch and its permutes' rendezvous
     whatever the action (on a CPU host, most of a small model's pipeline step): a pipelined
     plan's prediction adds its ticks (lanes, where paired) times the measured tick."""
-    assert set(calibration.ticks) == {2} and calibration.tick_s(2) > 0
-    assert calibration.tick_s(4) == 0.0  # not measured
+    tick = calibration.ticks[2]
+    assert set(calibration.ticks) == {2} and tick.fixed_s > 0 and tick.per_byte_s >= 0
+    assert calibration.tick_s(2, 8192) == pytest.approx(tick.fixed_s + 8192 * tick.per_byte_s)
+    assert calibration.tick_s(4, 8192) == 0.0  # not measured
     hw = load_profile("cpu_here")
     for cand, lanes in [(tune.Candidate(4, 1, 2, 1, 4, "1f1b", 0.0, False, 1), 1),
                         (tune.Candidate(4, 1, 2, 1, 4, "1f1b", 0.0, False, 1, paired=True), 2),
@@ -140,7 +142,8 @@ def test_a_pipelined_prediction_pays_the_measured_tick_loop(tiny, calibration):
         schedule = tune.plan_of(cfg).schedule
         assert schedule.paired == (lanes == 2)
         p = tune.predict(cand, cfg, hw, calibration)
-        assert p.tick_loop_s == pytest.approx(schedule.ticks * lanes * calibration.tick_s(2))
+        act = plan_costs.activation_bytes(cfg, tune.plan_of(cfg))
+        assert p.tick_loop_s == pytest.approx(schedule.ticks * lanes * calibration.tick_s(2, act))
         assert p.step_time_s == pytest.approx(p.simulated_s + p.tick_loop_s + p.optimizer_s)
         without = tune.predict(cand, cfg, hw, dataclasses.replace(calibration, ticks={}))
         assert without.tick_loop_s == 0.0

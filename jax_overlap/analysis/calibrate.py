@@ -79,7 +79,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,7 @@ BASE_QUANTITIES: tuple[str, ...] = ("block_f", "block_fb", "embed_f", "embed_fb"
                                     "head_fb")
 LINK_LOOP = 8  # psums per timed call when measuring a link
 TICK_LOOP = 16  # ticks per timed call when measuring a pipeline tick
+TICK_MAX_FLOATS = 1 << 22  # largest tick buffer timed (16 MB); larger ones are extrapolated
 
 # ------------------------------------------------------------------------------ fits
 
@@ -134,6 +135,26 @@ class Fit:
     def at(self, micro_batch: float, tp: int) -> float:
         """Predicted seconds at micro-batch ``micro_batch`` and TP degree ``tp`` (>= 0)."""
         return max(0.0, self.c0 + self.c1 * micro_batch + self.c2 * micro_batch / tp)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One pipeline tick of the executor's loop outside its actions, on one ring size:
+    ``fixed_s + per_byte_s x`` the bytes each of its permutes carries (one microbatch's
+    activation; the executor sends and files it every tick, zeros where nothing moves).
+
+    Attributes:
+      fixed_s: seconds of a tick whose permutes carry almost nothing (the switches, the
+        rendezvous).
+      per_byte_s: seconds per byte of the tick's activation-sized buffers.
+    """
+
+    fixed_s: float
+    per_byte_s: float
+
+    def at(self, nbytes: float) -> float:
+        """Seconds of one tick whose permutes carry ``nbytes`` each."""
+        return max(0.0, self.fixed_s + self.per_byte_s * nbytes)
 
 
 def fit_points(points: Sequence[tuple[int, int, float]]) -> Fit:
@@ -198,10 +219,10 @@ class Calibration:
         piece; a train step pays it once).
       links: group size -> :class:`Link` measured for collectives over groups of that
         many devices (all groups at once).
-      ticks: pipeline degree -> seconds of one tick of the executor's loop outside its
+      ticks: pipeline degree -> :class:`Tick`, one tick of the executor's loop outside its
         actions (the arrivals' filing, the switches to the tick's action, the two ring
-        permutes' rendezvous), measured on rings of that many devices (all rings at once). On a
-        CPU host a small model's pipeline step is mostly this.
+        permutes), measured on rings of that many devices (all rings at once). On a CPU host
+        a small model's pipeline step is mostly this.
       samples: every measured point.
     """
 
@@ -215,7 +236,7 @@ class Calibration:
     split_ratios: dict[str, float] = field(default_factory=dict)
     dispatch_s: float = 0.0
     links: dict[int, Link] = field(default_factory=dict)
-    ticks: dict[int, float] = field(default_factory=dict)
+    ticks: dict[int, Tick] = field(default_factory=dict)
     samples: tuple[Sample, ...] = field(default=(), repr=False)
 
     def seconds(self, quantity: str, micro_batch: int, tp: int) -> float:
@@ -243,10 +264,11 @@ class Calibration:
                  if (s.quantity, s.micro_batch, s.tp) == (quantity, micro_batch, tp)]
         return statistics.median(times) if times else None
 
-    def tick_s(self, pp: int) -> float:
-        """Seconds of one pipeline tick outside its actions on ``pp`` stages (0 if not
-        measured)."""
-        return self.ticks.get(pp, 0.0)
+    def tick_s(self, pp: int, act_bytes: float) -> float:
+        """Seconds of one pipeline tick outside its actions on ``pp`` stages whose permutes
+        carry ``act_bytes`` (0 if not measured)."""
+        tick = self.ticks.get(pp)
+        return tick.at(act_bytes) if tick is not None else 0.0
 
     def optimizer_s(self, elements: float) -> float:
         """Seconds of one optimizer update over ``elements`` parameters on one device."""
@@ -281,7 +303,7 @@ class Calibration:
             "split_ratios": dict(self.split_ratios),
             "dispatch_s": self.dispatch_s,
             "links": {str(n): dataclasses.asdict(link) for n, link in self.links.items()},
-            "ticks": {str(n): t for n, t in self.ticks.items()},
+            "ticks": {str(n): dataclasses.asdict(t) for n, t in self.ticks.items()},
             "samples": [dataclasses.asdict(s) for s in self.samples],
         }
 
@@ -606,22 +628,35 @@ class Calibrator:
             times.append(max(self._time(key) - self.dispatch_s(), 1e-9) / LINK_LOOP)
         return ring_link(f"measured_{group}", group, times[0], times[1], big_bytes)
 
-    def time_tick(self, stages: int) -> float:
-        """Seconds of one pipeline tick outside its actions, on rings of ``stages`` devices.
+    def time_tick(self, stages: int, act_bytes: float) -> Tick:
+        """One pipeline tick outside its actions, on rings of ``stages`` devices.
 
         What the executor's loop does every tick whatever the action: file the last tick's
         two arrivals into the slot pool, switch on the tick's table entry to the action's
         reads and again to its slot write (or to nothing, when idle), then permute the
         output around the ring each way. :data:`TICK_LOOP` ticks run in one program, less one call's launch
         overhead. On a CPU host the permutes are rendezvous of device threads on shared
-        cores, so this is what a small model's pipeline step mostly costs.
+        cores, so this is what a small model's pipeline step mostly costs. Timed with
+        buffers of 64 floats and of ``act_bytes``, the two points of the :class:`Tick`.
 
         Args:
           stages: devices per ring (divides the device count).
+          act_bytes: bytes of the buffers the tick files and sends (one microbatch's
+            activation).
 
         Returns:
-          Seconds per tick.
+          The :class:`Tick`.
         """
+        small = 64
+        big = min(max(small, int(act_bytes) // 4), TICK_MAX_FLOATS)
+        seconds = [self._tick_at(stages, width) for width in sorted({small, big})]
+        if len(seconds) == 1:
+            return Tick(seconds[0], 0.0)
+        per_byte = max(seconds[1] - seconds[0], 0.0) / (4 * (big - small))
+        return Tick(seconds[0], per_byte)
+
+    def _tick_at(self, stages: int, width: int) -> float:
+        """Seconds per tick of the tick loop on buffers of ``width`` floats."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import Mesh, NamedSharding
@@ -630,7 +665,7 @@ class Calibrator:
         from jax_overlap.parallel.compat import shard_map
 
         n = len(self.devices)
-        key = ("tick", stages)
+        key = ("tick", stages, width)
         if key not in self._compiled:
             mesh = Mesh(np.array(self.devices, dtype=object).reshape(n // stages, stages),
                         ("rest", "pp"))
@@ -669,7 +704,6 @@ class Calibrator:
                 x, _, _, pool = jax.lax.fori_loop(0, TICK_LOOP, tick, (x, x, x, pool))
                 return x, pool
 
-            width = 64
             spec = P(("rest", "pp"))
             fn = jax.jit(shard_map(loop, mesh, in_specs=(spec, spec, P()),
                                    out_specs=(spec, spec)))
@@ -712,7 +746,7 @@ class Calibrator:
 
     def calibration(self, samples: Sequence[Sample], capacity: float,
                     links: dict[int, Link],
-                    ticks: dict[int, float] | None = None) -> Calibration:
+                    ticks: dict[int, Tick] | None = None) -> Calibration:
         """Fit measured samples into a :class:`Calibration`.
 
         Args:
@@ -720,7 +754,7 @@ class Calibrator:
             samples.
           capacity: from :meth:`parallel_capacity`.
           links: group size -> measured :class:`Link`.
-          ticks: pipeline degree -> seconds from :meth:`time_tick`.
+          ticks: pipeline degree -> :class:`Tick` from :meth:`time_tick`.
 
         Returns:
           The :class:`Calibration`.
@@ -813,7 +847,7 @@ def calibrate(
     devices: Sequence[Any] | None = None,
     quantities: Sequence[str] = BASE_QUANTITIES,
     groups: Sequence[int] = (),
-    pipelines: Sequence[int] = (),
+    pipelines: Mapping[int, float] | None = None,
     repeats: int = 5,
     calibrator: Calibrator | None = None,
 ) -> Calibration:
@@ -835,8 +869,8 @@ def calibrate(
         what a plan needs).
       groups: group sizes whose psum cost to measure as links (sizes that divide the
         device count; e.g. the plans' dp, tp and pp degrees).
-      pipelines: pipeline degrees whose tick cost to measure (:meth:`Calibrator.time_tick`;
-        sizes that divide the device count).
+      pipelines: pipeline degree -> activation bytes of its largest microbatch: the ticks to
+        measure (:meth:`Calibrator.time_tick`; degrees that divide the device count).
       repeats: timed calls per point (the median counts).
       calibrator: a :class:`Calibrator` to measure with (its compiled functions are
         kept for :func:`extend`); None makes one from ``devices`` and ``repeats``.
@@ -865,16 +899,16 @@ def calibrate(
     tps = sorted({k for _, k in shapes})
     link_groups = [g for g in sorted(set(groups))
                    if 1 < g <= len(devices) and len(devices) % g == 0]
-    tick_groups = [g for g in sorted(set(pipelines))
-                   if 1 < g <= len(devices) and len(devices) % g == 0]
+    tick_groups = {g: b for g, b in sorted((pipelines or {}).items())
+                   if 1 < g <= len(devices) and len(devices) % g == 0}
     # Pieces, split pieces, optimizer updates, two psums per link, ticks, two capacity timings.
     cal.expect(len(shapes) * len(base) + len(split) + len(tps) + 2 * len(link_groups)
-               + len(tick_groups) + 2)
+               + 2 * len(tick_groups) + 2)
     samples = cal.time_shapes(shapes, base)
     b_ref = max(b for b, _ in shapes)
     k_ref = min(k for b, k in shapes if b == b_ref)
     samples += cal.time_shapes([(b_ref, k_ref)], split)
     samples += [cal.time_optimizer(k) for k in tps]
     links = {g: cal.time_link(g) for g in link_groups}
-    ticks = {g: cal.time_tick(g) for g in tick_groups}
+    ticks = {g: cal.time_tick(g, b) for g, b in tick_groups.items()}
     return cal.calibration(samples, cal.parallel_capacity(b_ref, k_ref), links, ticks)

@@ -296,18 +296,23 @@ def assemble_costs(
         # per stage, on its chunk 0.
         extra = c.embed + c.head if placement[vs][1] == 0 else 0
         params.append(float((per_layer[vs] * c.per_layer + extra) * PARAM_BYTES))
-    tokens = micro_batch_size(cfg, plan) * cfg.model.seq_len
     return Costs(
         forward_s=tuple(float(x) for x in forward_s),
         backward_s=tuple(float(x) for x in backward_s),
         weight_s=tuple(float(x) for x in weight_s),
-        act_bytes=float(tokens * cfg.model.d_model * dtype_bytes(cfg.train.precision)),
+        act_bytes=activation_bytes(cfg, plan),
         tp_bytes=tuple(tp_bytes),
         param_bytes=tuple(params),
         stash_bytes=tuple(stash_bytes(cfg, plan, vs) for vs in range(n_vs)),
         optimizer_factor=2.0,
         head_s=float(head_s),
     )
+
+
+def activation_bytes(cfg: Config, plan) -> float:
+    """Bytes of one microbatch's activation at a stage boundary (what a permute carries)."""
+    tokens = micro_batch_size(cfg, plan) * cfg.model.seq_len
+    return float(tokens * cfg.model.d_model * dtype_bytes(cfg.train.precision))
 
 
 def busy_scale(cfg: Config, plan, capacity: float, devices: int, bubble: float) -> float:

@@ -163,7 +163,7 @@ def predict(
                + calibration.dispatch_s)
         # A paired tick runs two lanes, each its own switch and permutes.
         lanes = 2 if plan.schedule.paired else 1
-        loop = (plan.schedule.ticks * lanes * calibration.tick_s(plan.pp)
+        loop = (plan.schedule.ticks * lanes * calibration.tick_s(plan.pp, costs.act_bytes)
                 if plan.pp > 1 else 0.0)
     else:
         costs = plan_costs.flop_costs(cfg, plan, hw, efficiency)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jax_overlap.analysis import calibrate as cal_lib
-from jax_overlap.analysis import plan_shape
+from jax_overlap.analysis import plan_costs, plan_shape
 from jax_overlap.analysis.tune.candidates import (
     DEFAULT_BUCKETS_MB,
     DEFAULT_WINDOWS,
@@ -89,10 +89,14 @@ def calibration_for(
     k = [c.mesh.tp for _, c in candidates]
     quantities = {q for _, c in candidates for q in _needs(c)}
     groups = {n for _, c in candidates for n in (c.mesh.dp, c.mesh.tp, c.mesh.pp)}
-    pipelines = {c.mesh.pp for _, c in candidates}
+    pipelines: dict[int, float] = {}
+    for _, c in candidates:
+        if c.mesh.pp > 1:
+            act = plan_costs.activation_bytes(c, plan_of(c))
+            pipelines[c.mesh.pp] = max(pipelines.get(c.mesh.pp, 0.0), act)
     return cal_lib.calibrate(cfg, cal_lib.corner_shapes(b, k), devices=devices,
                              quantities=sorted(quantities), groups=sorted(groups),
-                             pipelines=sorted(pipelines), repeats=repeats,
+                             pipelines=pipelines, repeats=repeats,
                              calibrator=calibrator)
 
 
