@@ -7,8 +7,9 @@ predicted by the simulator on the `cpu_here` profile from a calibration
 load drifts while the benchmark runs, so measurements are taken in pairs: one train step,
 then at once the calibration pieces its prediction uses (its own micro-batch shape, the
 optimizer update, the psum links of its group sizes, a pipeline's tick loop; the cores'
-parallel capacity once per round). A plan's error is the median over its pairs of predicted / measured - 1; the
-plans are visited round-robin, `--rounds` times, `--steps` pairs each time.
+parallel capacity once per round). A plan's error is the median over its pairs of
+predicted / measured - 1; the plans are visited round-robin, `--rounds` times, `--steps`
+pairs each time.
 
 Two predictions are reported: `predicted` from the pieces timed in the same pair;
 `predicted (fit)` from the least-squares fit over every measured shape -- what

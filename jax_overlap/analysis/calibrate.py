@@ -634,8 +634,8 @@ class Calibrator:
         What the executor's loop does every tick whatever the action: file the last tick's
         two arrivals into the slot pool, switch on the tick's table entry to the action's
         reads and again to its slot write (or to nothing, when idle), then permute the
-        output around the ring each way. :data:`TICK_LOOP` ticks run in one program, less one call's launch
-        overhead. On a CPU host the permutes are rendezvous of device threads on shared
+        output around the ring each way. :data:`TICK_LOOP` ticks run in one program, less
+        one call's launch overhead. On a CPU host the permutes are rendezvous of device threads on shared
         cores, so this is what a small model's pipeline step mostly costs. Timed with
         buffers of 64 floats and of ``act_bytes``, the two points of the :class:`Tick`.
 
