@@ -25,6 +25,7 @@ from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
+    position_wise,
     row_parallel,
     sequence_shard,
     vocab_columns,
@@ -108,9 +109,11 @@ class Block(nn.Module):
 
         # MLP: column-parallel in, row-parallel out.
         y_btd = LayerNorm(name="ln_mlp")(x_btd)
-        h_btf = column_parallel(y_btd.astype(dt), w_in_df.astype(dt), par) + b_in_f.astype(dt)
-        h_btf = jax.nn.gelu(h_btf, approximate=True)
-        mlp_btd = row_parallel(h_btf, w_out_fd.astype(dt), par)
+        def hidden(h_btf):
+            return jax.nn.gelu(h_btf + b_in_f.astype(dt), approximate=True)
+
+        mlp_btd = position_wise(y_btd.astype(dt), w_in_df.astype(dt), hidden,
+                                w_out_fd.astype(dt), par)
         out_btd = x_btd + (mlp_btd + b_out_d.astype(dt)).astype(x_btd.dtype)
         return out_btd if cache is None else (out_btd, cache)
 

@@ -35,6 +35,7 @@ from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
+    position_wise,
     row_parallel,
     tp_index,
     vocab_columns,
@@ -188,11 +189,11 @@ class Block(nn.Module):
         w_gu_d2f = self.param("w_gate_up", _normal(0.02), (d, 2, f_local))
         w_down_fd = self.param("w_down", _normal(out_std), (f_local, d))
         y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
-        gu_btn = column_parallel(y_btd.astype(dt), w_gu_d2f.reshape(d, 2 * f_local).astype(dt),
-                                 par)
-        gate_btf, up_btf = gu_btn[..., :f_local], gu_btn[..., f_local:]
-        h_btf = jax.nn.silu(gate_btf) * up_btf
-        return row_parallel(h_btf, w_down_fd.astype(dt), par)
+        def hidden(gu_btn):
+            return jax.nn.silu(gu_btn[..., :f_local]) * gu_btn[..., f_local:]
+
+        return position_wise(y_btd.astype(dt), w_gu_d2f.reshape(d, 2 * f_local).astype(dt),
+                             hidden, w_down_fd.astype(dt), par)
 
 
 class Embed(nn.Module):

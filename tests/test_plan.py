@@ -415,7 +415,8 @@ def test_collective_matmul_under_a_pipeline_runs_grouped_steps():
     """Ring permutes inside the executor's per-stage branches are matched with other stages'
     permutes (wrong loss, `docs/design/xla_notes.md`), so at pp > 1 an explicit collective matmul
     runs grouped all-gather / reduce-scatter steps; `auto` picks sequence parallelism there
-    (the grouped steps are not measured to beat it). At pp = 1 the ring stays."""
+    (the grouped steps hide the TP collectives but cost more than they hide). At pp = 1 the
+    ring stays."""
     pp2 = ["mesh.pp=2", "mesh.dp=2", "mesh.tp=2", "pipeline.microbatches=2"]
     gpu = Target("h100", True, 80 * 2**30)
     plan = ParallelPlan.build(config.load(TINY, pp2), target=gpu)

@@ -45,6 +45,11 @@ divergent branches. Each rank's local chunk is cut into `pieces` (tp, or the lar
 of T/tp below it) along the sequence; step j gathers (scatters) piece j of every chunk while
 the matmul of piece j - 1 (j + 1) runs. The bytes are one all-gather's (reduce-scatter's),
 the same as the ring's; the first gather (the last scatter) has no matmul to hide under.
+At tp = 2 that would be half the bytes (and XLA merged the two gathers back into one), so
+there the steps are own-chunk-first instead: one all-gather under the GEMM of the rank's own
+chunk, one reduce-scatter under the own rows' GEMM -- the ring's single step, as a grouped
+collective. An MLP between the two (`gather_map_scatter`) carries each chunk through both
+GEMMs, so its hidden activations are never put in sequence order.
 
 Both functions are written per device (inside `shard_map`); `tp` must equal the size of
 `axis`. With tp == 1 they are a plain matmul.
@@ -351,8 +356,101 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
     return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction)
 
 
+def _own_first_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
+    """`all_gather_matmul` as one all-gather under the GEMM of the rank's own chunk.
+
+    The own chunk needs no transfer, so its GEMM runs while the other chunks are gathered;
+    the other chunks' GEMMs follow. At tp = 2 this is the ring's single step. Autodiff gives
+    the backward the same shape: the other chunks' input gradients are reduce-scattered
+    under the own chunk's."""
+    b, t_local, _ = x_btd.shape
+    rank = jax.lax.axis_index(axis)
+    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
+    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
+    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), out_dtype), x_btd, w_dn)
+    # The barrier keeps the own GEMM ahead of the gather's end: XLA would otherwise fuse it
+    # with the other chunks' GEMMs (one GEMM of the concatenated rows, after the gather).
+    own, gathered = jax.lax.optimization_barrier((_mm(x_btd, w_dn), gathered))
+    out = jax.lax.dynamic_update_index_in_dim(out, own, rank, axis=1)
+    for i in range(1, tp):
+        chunk = (rank + i) % tp
+        other = jax.lax.dynamic_index_in_dim(gathered, chunk, axis=1, keepdims=False)
+        out = jax.lax.dynamic_update_index_in_dim(out, _mm(other, w_dn), chunk, axis=1)
+    return out.reshape(b, tp * t_local, -1)
+
+
+def _own_last_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
+    """`matmul_reduce_scatter` as one reduce-scatter under the GEMM of the rank's own rows.
+
+    The other ranks' rows are multiplied first and reduce-scattered (the own rows' block
+    left zero) while the own rows' partial product runs; it is added to what arrives."""
+    b, t, n = h_btn.shape
+    t_local = t // tp
+    rank = jax.lax.axis_index(axis)
+    h4 = h_btn.reshape(b, tp, t_local, n)
+    out_dtype = jnp.result_type(h_btn.dtype, w_nd.dtype)
+    parts = vary_like(jnp.zeros((b, tp, t_local, w_nd.shape[1]), out_dtype), h_btn, w_nd)
+    for i in range(1, tp):
+        chunk = (rank + i) % tp
+        rows = jax.lax.dynamic_index_in_dim(h4, chunk, axis=1, keepdims=False)
+        parts = jax.lax.dynamic_update_index_in_dim(parts, _mm(rows, w_nd), chunk, axis=1)
+    own = jax.lax.dynamic_index_in_dim(h4, rank, axis=1, keepdims=False)
+    # The barrier puts the own GEMM after the others' (else XLA fuses them into one GEMM
+    # that the reduce-scatter waits for).
+    parts, own = jax.lax.optimization_barrier((parts, own))
+    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
+    # And the sum after a second one: fused into the GEMM's epilogue, the add would make the
+    # own GEMM wait for the reduce-scatter.
+    arrived, own = jax.lax.optimization_barrier((arrived, _mm(own, w_nd)))
+    return arrived + own
+
+
+def gather_map_scatter(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
+                       axis: str, tp: int) -> jax.Array:
+    """`psum_scatter(fn(all_gather(x) @ w_in) @ w_out)` for a position-wise `fn` (an MLP),
+    each chunk of rows carried through both matmuls on its own.
+
+    The rows never need the sequence's order, so the hidden activations are never assembled
+    or sliced (`all_gather_matmul` then `matmul_reduce_scatter` would write the whole
+    `(B, T, N)` hidden in order and read it back by rank). The all-gather runs under the
+    own chunk's first GEMM; the other chunks go through both GEMMs; their partial sums are
+    reduce-scattered under the own chunk's second GEMM.
+
+    Args:
+      x_btd: (B, T/tp, D) this rank's sequence chunk.
+      w_in_dn: (D, N) this rank's columns of the first matmul.
+      fn: position-wise `(B, t, N) -> (B, t, N')` (bias, activation, gating).
+      w_out_nd: (N', D) this rank's rows of the second matmul.
+      axis, tp: the TP mesh axis and its size.
+
+    Returns:
+      (B, T/tp, D): this rank's chunk of the sum over ranks.
+    """
+    if tp == 1:
+        return _mm(fn(_mm(x_btd, w_in_dn)), w_out_nd)
+    b, t_local, _ = x_btd.shape
+    rank = jax.lax.axis_index(axis)
+    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
+    # Barriers: see `_own_first_all_gather_matmul` and `_own_last_matmul_reduce_scatter`.
+    own_h, gathered = jax.lax.optimization_barrier((fn(_mm(x_btd, w_in_dn)), gathered))
+    out_dtype = jnp.result_type(own_h.dtype, w_out_nd.dtype)
+    parts = vary_like(jnp.zeros((b, tp, t_local, w_out_nd.shape[1]), out_dtype), x_btd,
+                      w_in_dn, w_out_nd)
+    for i in range(1, tp):
+        chunk = (rank + i) % tp
+        rows = jax.lax.dynamic_index_in_dim(gathered, chunk, axis=1, keepdims=False)
+        part = _mm(fn(_mm(rows, w_in_dn)), w_out_nd)
+        parts = jax.lax.dynamic_update_index_in_dim(parts, part, chunk, axis=1)
+    parts, own_h = jax.lax.optimization_barrier((parts, own_h))
+    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
+    arrived, own = jax.lax.optimization_barrier((arrived, _mm(own_h, w_out_nd)))
+    return arrived + own
+
+
 def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
     """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
+    if tp == 2:
+        return _own_first_all_gather_matmul(x_btd, w_dn, axis, tp)
     b, t_local, _ = x_btd.shape
     k = _pieces(t_local, tp)
     size = t_local // k
@@ -379,6 +477,8 @@ def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
 
 def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
     """`matmul_reduce_scatter` with each step a reduce-scatter of one sequence piece."""
+    if tp == 2:
+        return _own_last_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
     b, t, n = h_btn.shape
     t_local = t // tp
     k = _pieces(t_local, tp)

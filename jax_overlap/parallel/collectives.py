@@ -162,6 +162,21 @@ def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
     return psum_tp(partial_btd, par)  # (B, T, D) over tp
 
 
+def position_wise(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
+                  par: Parallel) -> jax.Array:
+    """`row_parallel(fn(column_parallel(x, w_in)), w_out)` for a position-wise `fn`: an MLP.
+
+    Inside a pipeline at tp = 2 with collective matmul, each sequence chunk goes through
+    both matmuls on its own (`collective_matmul.gather_map_scatter`): the hidden activations
+    are then never put in sequence order, and the gather and the scatter each run under a
+    GEMM of the rank's own chunk.
+    """
+    if (par.sequence_sharded and par.tp_comm == "collective_matmul" and par.cm_grouped
+            and par.tp == 2):
+        return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp)
+    return row_parallel(fn(column_parallel(x_btd, w_in_dn, par)), w_out_nd, par)
+
+
 def vocab_embed(ids_bt: jax.Array, wte_vd: jax.Array, par: Parallel) -> jax.Array:
     """Embedding lookup with the vocabulary split over TP.
 
