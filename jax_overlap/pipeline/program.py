@@ -306,7 +306,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
         raise ValueError("pipeline.transfer_latency: paired ticks run at latency 1 (each "
                          "transfer hides under the tick's other action); set it to 1")
     p, n_vs = s.stages, s.stages * s.virtual_stages
-    lanes = 2 if s.paired else 1
+    lanes = s.lanes
     tick_of = {s.task(d, a): t for d, t, a in s.actions()}
     arrivals, lifetimes, pairs = _messages(s, tick_of, vocab_parallel)
     slot_of: dict[tuple[int, tuple], int] = {}

@@ -254,6 +254,11 @@ class Schedule:
         """Whether any tick runs a forward and a backward on one stage (a :class:`Pair`)."""
         return any(isinstance(c, Pair) for row in self.grid for c in row)
 
+    @property
+    def lanes(self) -> int:
+        """Actions a stage runs per tick: two in a paired table (forward, then backward)."""
+        return 2 if self.paired else 1
+
     def actions(self):
         """Every ``(stage, tick, action)`` of the table, pairs unpacked forward first."""
         for d, row in enumerate(self.grid):

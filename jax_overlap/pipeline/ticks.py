@@ -72,7 +72,7 @@ def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
       ``partners[lane][stage]``: one lane, or two for a paired table.
     """
     s = schedule
-    lanes = 2 if s.paired else 1
+    lanes = s.lanes
     n_vs = s.stages * s.virtual_stages
     stage_of = [pos[0] for pos in s.placement]
     out = [[set() for _ in range(s.stages)] for _ in range(lanes)]

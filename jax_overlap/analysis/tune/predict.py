@@ -162,7 +162,7 @@ def predict(
         opt = (calibration.optimizer_s(plan_shape.stage_param_elements(cfg, plan))
                + calibration.dispatch_s)
         # A paired tick runs two lanes, each its own switch and permutes.
-        lanes = 2 if plan.schedule.paired else 1
+        lanes = plan.schedule.lanes
         loop = (plan.schedule.ticks * lanes * calibration.tick_s(plan.pp, costs.act_bytes)
                 if plan.pp > 1 else 0.0)
     else:
