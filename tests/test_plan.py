@@ -409,6 +409,11 @@ def test_analyze_names_the_knobs_that_would_hide_more():
                     "pipeline.microbatches=32"]
     assert overlap_hints(cfg, plan, 0.97) == []  # enough already hides
     assert overlap_hints(cfg, ParallelPlan.build(cfg), 0.05) == []  # CPU: nothing overlaps
+    # In a pipeline the hint names the grouped steps and their cost, not the ring.
+    piped = config.load(GPT_1P3B, ["mesh.pp=2", "mesh.dp=2", "mesh.tp=2"])
+    (tp_hint,) = [h for h in overlap_hints(piped, ParallelPlan.build(piped, target=H100), 0.28)
+                  if h.startswith("overlap.tp_comm")]
+    assert "grouped steps" in tp_hint and "estimated step" in tp_hint
 
 
 def test_collective_matmul_under_a_pipeline_runs_grouped_steps():

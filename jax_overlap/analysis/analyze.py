@@ -110,7 +110,11 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
         return []
     hints: list[str] = []
     ov = plan.overlap
-    if plan.tp > 1 and ov.tp_comm != "collective_matmul":
+    if plan.tp > 1 and ov.tp_comm != "collective_matmul" and plan.pp > 1:
+        hints.append("overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
+                     "grouped steps under the GEMMs of the rank's own sequence chunk (hidden, "
+                     "but more kernels and copies: compare the estimated step)")
+    elif plan.tp > 1 and ov.tp_comm != "collective_matmul":
         hints.append("overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
                      "ring steps under the block's matmuls")
     if plan.dp > 1 and ov.grad_bucket_bytes == 0 and not ov.fsdp:
