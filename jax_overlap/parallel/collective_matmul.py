@@ -356,6 +356,45 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
     return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction)
 
 
+def own_chunk_first(tp: int) -> bool:
+    """Whether grouped steps run own chunk first (see the module docstring): at tp = 2."""
+    return tp == 2
+
+
+def _gather_under(x_btd, own_fn, axis: str, tp: int):
+    """All-gathers `x` over `axis` while `own_fn(x)` runs on the rank's own chunk.
+
+    Returns:
+      (own_fn(x), [(chunk, rows)] for every other rank's chunk, rows (B, T/tp, D)).
+    """
+    rank = jax.lax.axis_index(axis)
+    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
+    # The barrier keeps the own work ahead of the gather's end: XLA would otherwise fuse the
+    # own GEMM with the other chunks' (one GEMM of the concatenated rows, after the gather).
+    own, gathered = jax.lax.optimization_barrier((own_fn(x_btd), gathered))
+    chunks = [(rank + i) % tp for i in range(1, tp)]
+    return own, [(c, jax.lax.dynamic_index_in_dim(gathered, c, axis=1, keepdims=False))
+                 for c in chunks]
+
+
+def _scatter_under(others, own_in, own_fn, axis: str, tp: int, like):
+    """This rank's rows of the sum over `axis`: the other ranks' partial products `others`
+    ([(chunk, (B, T/tp, D))]) reduce-scattered while `own_fn(own_in)`, the own rows' partial
+    product, runs; `like`: the arrays the zero blocks take their varying axes from."""
+    b, t_local, d = others[0][1].shape
+    parts = vary_like(jnp.zeros((b, tp, t_local, d), others[0][1].dtype), *like)
+    for chunk, part in others:
+        parts = jax.lax.dynamic_update_index_in_dim(parts, part, chunk, axis=1)
+    # The barrier puts the own GEMM after the others' (else XLA fuses them into one GEMM
+    # that the reduce-scatter waits for).
+    parts, own_in = jax.lax.optimization_barrier((parts, own_in))
+    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
+    # And the sum after a second one: fused into the GEMM's epilogue, the add would make the
+    # own GEMM wait for the reduce-scatter.
+    arrived, own = jax.lax.optimization_barrier((arrived, own_fn(own_in)))
+    return arrived + own
+
+
 def _own_first_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
     """`all_gather_matmul` as one all-gather under the GEMM of the rank's own chunk.
 
@@ -364,18 +403,11 @@ def _own_first_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
     the backward the same shape: the other chunks' input gradients are reduce-scattered
     under the own chunk's."""
     b, t_local, _ = x_btd.shape
-    rank = jax.lax.axis_index(axis)
-    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
-    out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
-    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), out_dtype), x_btd, w_dn)
-    # The barrier keeps the own GEMM ahead of the gather's end: XLA would otherwise fuse it
-    # with the other chunks' GEMMs (one GEMM of the concatenated rows, after the gather).
-    own, gathered = jax.lax.optimization_barrier((_mm(x_btd, w_dn), gathered))
-    out = jax.lax.dynamic_update_index_in_dim(out, own, rank, axis=1)
-    for i in range(1, tp):
-        chunk = (rank + i) % tp
-        other = jax.lax.dynamic_index_in_dim(gathered, chunk, axis=1, keepdims=False)
-        out = jax.lax.dynamic_update_index_in_dim(out, _mm(other, w_dn), chunk, axis=1)
+    own, others = _gather_under(x_btd, lambda a: _mm(a, w_dn), axis, tp)
+    out = vary_like(jnp.zeros((b, tp, t_local, w_dn.shape[1]), own.dtype), x_btd, w_dn)
+    out = jax.lax.dynamic_update_index_in_dim(out, own, jax.lax.axis_index(axis), axis=1)
+    for chunk, rows in others:
+        out = jax.lax.dynamic_update_index_in_dim(out, _mm(rows, w_dn), chunk, axis=1)
     return out.reshape(b, tp * t_local, -1)
 
 
@@ -385,24 +417,15 @@ def _own_last_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Arra
     The other ranks' rows are multiplied first and reduce-scattered (the own rows' block
     left zero) while the own rows' partial product runs; it is added to what arrives."""
     b, t, n = h_btn.shape
-    t_local = t // tp
     rank = jax.lax.axis_index(axis)
-    h4 = h_btn.reshape(b, tp, t_local, n)
-    out_dtype = jnp.result_type(h_btn.dtype, w_nd.dtype)
-    parts = vary_like(jnp.zeros((b, tp, t_local, w_nd.shape[1]), out_dtype), h_btn, w_nd)
-    for i in range(1, tp):
-        chunk = (rank + i) % tp
-        rows = jax.lax.dynamic_index_in_dim(h4, chunk, axis=1, keepdims=False)
-        parts = jax.lax.dynamic_update_index_in_dim(parts, _mm(rows, w_nd), chunk, axis=1)
-    own = jax.lax.dynamic_index_in_dim(h4, rank, axis=1, keepdims=False)
-    # The barrier puts the own GEMM after the others' (else XLA fuses them into one GEMM
-    # that the reduce-scatter waits for).
-    parts, own = jax.lax.optimization_barrier((parts, own))
-    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
-    # And the sum after a second one: fused into the GEMM's epilogue, the add would make the
-    # own GEMM wait for the reduce-scatter.
-    arrived, own = jax.lax.optimization_barrier((arrived, _mm(own, w_nd)))
-    return arrived + own
+    h4 = h_btn.reshape(b, tp, t // tp, n)
+
+    def rows(chunk):
+        return jax.lax.dynamic_index_in_dim(h4, chunk, axis=1, keepdims=False)
+
+    others = [(c, _mm(rows(c), w_nd)) for c in ((rank + i) % tp for i in range(1, tp))]
+    return _scatter_under(others, rows(rank), lambda r: _mm(r, w_nd), axis, tp,
+                          (h_btn, w_nd))
 
 
 def gather_map_scatter(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
@@ -426,30 +449,20 @@ def gather_map_scatter(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
     Returns:
       (B, T/tp, D): this rank's chunk of the sum over ranks.
     """
+    def hidden(rows):
+        return fn(_mm(rows, w_in_dn))
+
     if tp == 1:
-        return _mm(fn(_mm(x_btd, w_in_dn)), w_out_nd)
-    b, t_local, _ = x_btd.shape
-    rank = jax.lax.axis_index(axis)
-    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
-    # Barriers: see `_own_first_all_gather_matmul` and `_own_last_matmul_reduce_scatter`.
-    own_h, gathered = jax.lax.optimization_barrier((fn(_mm(x_btd, w_in_dn)), gathered))
-    out_dtype = jnp.result_type(own_h.dtype, w_out_nd.dtype)
-    parts = vary_like(jnp.zeros((b, tp, t_local, w_out_nd.shape[1]), out_dtype), x_btd,
-                      w_in_dn, w_out_nd)
-    for i in range(1, tp):
-        chunk = (rank + i) % tp
-        rows = jax.lax.dynamic_index_in_dim(gathered, chunk, axis=1, keepdims=False)
-        part = _mm(fn(_mm(rows, w_in_dn)), w_out_nd)
-        parts = jax.lax.dynamic_update_index_in_dim(parts, part, chunk, axis=1)
-    parts, own_h = jax.lax.optimization_barrier((parts, own_h))
-    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
-    arrived, own = jax.lax.optimization_barrier((arrived, _mm(own_h, w_out_nd)))
-    return arrived + own
+        return _mm(hidden(x_btd), w_out_nd)
+    own_h, others = _gather_under(x_btd, hidden, axis, tp)
+    parts = [(chunk, _mm(hidden(rows), w_out_nd)) for chunk, rows in others]
+    return _scatter_under(parts, own_h, lambda h: _mm(h, w_out_nd), axis, tp,
+                          (x_btd, w_in_dn, w_out_nd))
 
 
 def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
     """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
-    if tp == 2:
+    if own_chunk_first(tp):
         return _own_first_all_gather_matmul(x_btd, w_dn, axis, tp)
     b, t_local, _ = x_btd.shape
     k = _pieces(t_local, tp)
@@ -477,7 +490,7 @@ def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
 
 def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
     """`matmul_reduce_scatter` with each step a reduce-scatter of one sequence piece."""
-    if tp == 2:
+    if own_chunk_first(tp):
         return _own_last_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
     b, t, n = h_btn.shape
     t_local = t // tp

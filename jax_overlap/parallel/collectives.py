@@ -172,7 +172,7 @@ def position_wise(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
     GEMM of the rank's own chunk.
     """
     if (par.sequence_sharded and par.tp_comm == "collective_matmul" and par.cm_grouped
-            and par.tp == 2):
+            and cm.own_chunk_first(par.tp)):
         return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp)
     return row_parallel(fn(column_parallel(x_btd, w_in_dn, par)), w_out_nd, par)
 
