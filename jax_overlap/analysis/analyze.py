@@ -110,13 +110,12 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
         return []
     hints: list[str] = []
     ov = plan.overlap
-    if plan.tp > 1 and ov.tp_comm != "collective_matmul" and plan.pp > 1:
-        hints.append("overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
-                     "grouped steps under the GEMMs of the rank's own sequence chunk (hidden, "
-                     "but more kernels and copies: compare the estimated step)")
-    elif plan.tp > 1 and ov.tp_comm != "collective_matmul":
-        hints.append("overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
-                     "ring steps under the block's matmuls")
+    if plan.tp > 1 and ov.tp_comm != "collective_matmul":
+        how = ("grouped steps under the GEMMs of the rank's own sequence chunk (hidden, but "
+               "more kernels and copies: compare the estimated step)" if plan.pp > 1
+               else "ring steps under the block's matmuls")
+        hints.append(f"overlap.tp_comm=collective_matmul: TP all-gathers / reduce-scatters as "
+                     f"{how}")
     if plan.dp > 1 and ov.grad_bucket_bytes == 0 and not ov.fsdp:
         hints.append("overlap.grad_bucket_mb=64: DP gradients reduced in buckets during the "
                      "last microbatch's backward instead of after it")
