@@ -133,6 +133,29 @@ def _summed_slow(x) -> set[str]:
     return {DCN} if slow_axis.crosses_dcn(x) else set()
 
 
+# ------------------------------------------------------------------ slots and accumulators
+# Every index below comes from the tick table or a chunk count and is in range, so plain
+# dynamic slices do: `x.at[i].set(v)` and `x[i]` would add a negative-index wrap and a
+# bounds check (three more kernels each, every tick).
+
+
+def _at(x, i):
+    """`x[i]` along the leading axis."""
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _set_at(x, i, v):
+    """`x` with `x[i] = v` (in place where XLA can)."""
+    return jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), i, 0)
+
+
+def _add_at(x, i, v):
+    """`x` with `v` added to `x[i]`: a scatter-add in place, without the bounds check (a
+    dynamic slice, add and update costs XLA:GPU a copy of the slice first)."""
+    return x.at[i].add(v.astype(x.dtype), mode="promise_in_bounds", indices_are_sorted=True,
+                       unique_indices=True)
+
+
 def _like(tree, ref) -> Any:
     """Casts every leaf to its reference leaf's varying axes (switch branches must agree)."""
     return jax.tree.map(lambda x, r: _vary(x, sorted(_varying_axes(r))), tree, ref)
@@ -370,7 +393,7 @@ def _accumulate(grads: dict, dw: dict, chunk, blocks: bool = True) -> dict:
     False), embed/head whole."""
     grads = dict(grads)
     if blocks:
-        grads["blocks"] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads["blocks"],
+        grads["blocks"] = jax.tree.map(lambda acc, g: _add_at(acc, chunk, g), grads["blocks"],
                                        dw["chunk"])
     for part in ("embed", "head"):
         if part in dw:
@@ -475,7 +498,7 @@ def _add_leaves(grads: dict, chunk, idx, values) -> dict:
     """Adds per-leaf block gradients (`values` for the leaves `idx`) at `chunk`."""
     leaves, treedef = jax.tree.flatten(grads["blocks"])
     for i, g in zip(idx, values):
-        leaves[i] = leaves[i].at[chunk].add(g)
+        leaves[i] = _add_at(leaves[i], chunk, g)
     return {**grads, "blocks": jax.tree.unflatten(treedef, leaves)}
 
 
@@ -630,7 +653,7 @@ def _store_synced(ctx: StepContext, grads: dict, chunk, reduced_flat) -> dict:
                                ctx.axis_sizes)  # leaf -> (layers, ...)
     synced, synced_def = jax.tree.flatten(grads["synced"])
     return {**grads, "synced": jax.tree.unflatten(synced_def, [
-        acc.at[chunk].set(_vary(reduced[i], sorted(_varying_axes(acc))))
+        _set_at(acc, chunk, _vary(reduced[i], sorted(_varying_axes(acc))))
         for i, acc in enumerate(synced)])}
 
 
@@ -722,7 +745,7 @@ def _ring(out_btd, pairs, zeros_btd):
 
 def _file(pool, row, route: str, arrival):
     """Files an arrival into the slot the table names (`trash` when nothing came)."""
-    return pool.at[row[COL["file_" + route]]].set(arrival)
+    return _set_at(pool, row[COL["file_" + route]], arrival)
 
 
 def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict,
@@ -787,7 +810,7 @@ class _TickLoop:
             return pool, grads, loss
         dy, grads, loss = self.head_pullback(lambda: self.head_input(out, row), grads, loss,
                                              rows, row, summed=True)
-        return pool.at[row[COL["head_slot"]]].set(dy), grads, loss
+        return _set_at(pool, row[COL["head_slot"]], dy), grads, loss
 
     def head_input(self, out, row):
         # The last virtual stage's output, broadcast over pp (a psum of it masked to the
@@ -830,7 +853,7 @@ class _TickLoop:
 
     def slots(self, pool, row):
         # The two slots an action can read: its input and its output gradient.
-        return {"x": pool[row[COL["x_slot"]]], "g": pool[row[COL["g_slot"]]]}
+        return {"x": _at(pool, row[COL["x_slot"]]), "g": _at(pool, row[COL["g_slot"]])}
 
     def read_inbox(self, pool, row):
         # The action's slots, tied to the pool that holds them: arrivals filed into the pool
@@ -971,7 +994,7 @@ class _TickLoop:
         arrival_f = self.send(out_f, 0)
         if split_head:
             arrival_b, dy = arrival_b
-            pool = pool.at[head_slot].set(dy)
+            pool = _set_at(pool, head_slot, dy)
             arrival_f = (arrival_f, self.head_input(out_f, now[0]))
         else:
             pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
