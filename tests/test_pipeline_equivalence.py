@@ -399,12 +399,14 @@ def test_a_tick_runs_its_action_through_two_switches():
     else."""
     _, program, tick = _traced_tick(pipeline_cfg("zb-h1", 4, 2, 1, 4))
     outside = [e.primitive.name for e in tick.eqns]
-    assert outside.count("ppermute") == 2
+    # On the CPU devices one all-gather over pp carries both rings' transfers.
+    assert outside.count("all_gather") == 1 and "ppermute" not in outside
     assert "dot_general" not in outside and "scan" not in outside
     # Outside a conditional only the arrivals are filed (into the activation pool); no
     # residual pool is updated there (that would move its slot bytes every tick, whatever
     # the action).
-    arrival = {tuple(e.invars[0].aval.shape) for e in tick.eqns if e.primitive.name == "ppermute"}
+    arrival = {tuple(e.invars[0].aval.shape) for e in tick.eqns
+               if e.primitive.name == "all_gather"}
     written = {tuple(e.invars[0].aval.shape)[1:] for e in _outside_switches(tick)
                if e.primitive.name in ("scatter", "dynamic_update_slice")}
     assert written and written <= arrival, (written, arrival)
@@ -566,18 +568,22 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
 # The step a GPU plan builds, run on the CPU devices: the plan's GPU choices apply (paired
 # ticks, the vocabulary-parallel head split around the backward lane, split W, in-loop
 # buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
-GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, False)]
+GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, False),
+               ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"])]
 
 
-@pytest.mark.parametrize("name,pp,dp,tp,m,tied", GPU_PLANNED)
-def test_a_gpu_planned_pipeline_matches_single_device(references, name, pp, dp, tp, m, tied):
+@pytest.mark.parametrize("case", GPU_PLANNED)
+def test_a_gpu_planned_pipeline_matches_single_device(references, case):
+    """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead)."""
     from jax_overlap.plan import Target
 
-    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["model.attention=plain"])
+    name, pp, dp, tp, m, tied, *extra = case
+    extra = extra[0] if extra else []
+    cfg = pipeline_cfg(name, pp, dp, tp, m, tied, ["model.attention=plain", *extra])
     model, params, batch, ref_loss, ref_grads = references(tied)
     run = assemble(cfg, jax.devices()[: dp * pp * tp], target=Target("h100", True, 80e9),
                    model=model)
-    assert run.plan.vocab_parallel and run.plan.schedule.paired
+    assert run.plan.vocab_parallel and run.plan.schedule.paired == (not extra)
     loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
                                                 run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)

@@ -1,10 +1,12 @@
-"""What XLA compiles for a pp=4 pipeline step: two collective-permutes per tick, in the loop.
+"""What XLA compiles for a pp=4 pipeline step: one transfer per ring and tick, in the loop.
 
-One compile of the 1F1B step on pp4 x dp2. The tick loop is the `while` whose trip count is
-the schedule's tick count; its body must hold exactly the forward send (+1 ring) and the
-backward send (-1 ring), each one microbatch of activations, and the actions behind two
+One compile of the 1F1B step on pp4 x dp2 for the CPU devices. The tick loop is the `while`
+whose trip count is the schedule's tick count; its body must hold the tick's transfers -- on
+the CPU one all-gather over pp of one microbatch's activations, which carries both rings (each
+collective there is a rendezvous of every device thread) -- and the actions behind two
 `conditional`s (the actions that fill no residual pool, then those that fill one, in place).
-Nothing may all-gather activations (the pipeline moves them point to point).
+Compiled for GPUs (deviceless, below) the forward send (+1 ring) and the backward send (-1
+ring) are two asynchronous collective-permutes and nothing all-gathers activations.
 """
 
 import re
@@ -73,22 +75,25 @@ def _pairs(line: str) -> set[tuple[int, int]]:
     return {tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", body)}
 
 
-def test_two_collective_permutes_per_tick_inside_the_loop(compiled):
+def test_one_all_gather_per_tick_inside_the_loop_on_a_cpu(compiled):
     text, program, act_shape = compiled
     comps = _computations(text)
     body = _tick_loop_body(text, program.ticks)
-    permutes = [line for name, lines in comps.items() for line in lines
-                if " collective-permute(" in line or " collective-permute-start(" in line]
-    in_body = [line for line in comps[body] if line in permutes]
-    assert len(permutes) == 2 and len(in_body) == 2  # nothing permuted outside the loop
-    shape = "f32[" + ",".join(map(str, act_shape)) + "]"
-    assert all(shape in line for line in in_body), in_body  # one microbatch's activations
-    # Partition ids are positions in the (dp, pp, tp) device grid: id = dp * PP + stage.
-    ids = {(d, s): d * PP + s for d in range(DP) for s in range(PP)}
-    down = {(ids[d, s], ids[d, s + 1]) for d in range(DP) for s in range(PP - 1)}
-    up = {(b, a) for a, b in down}
-    assert sorted(map(_pairs, in_body), key=sorted) == sorted([down, up], key=sorted)
+    transfers = [line for name, lines in comps.items() for line in lines
+                 if re.search(r" (collective-permute|all-gather)(-start)?\(", line)]
+    in_body = [line for line in comps[body] if line in transfers]
+    assert len(transfers) == 1 and len(in_body) == 1, transfers  # nothing outside the loop
+    # One microbatch's activations from each of the PP stages, over the pp groups only:
+    # partition ids are positions in the (dp, pp, tp) device grid, id = dp * PP + stage.
+    (line,) = in_body
+    assert " all-gather" in line
+    shape = "f32[" + ",".join(map(str, (PP, *act_shape))) + "]"
+    assert shape in line, line
+    groups = re.search(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\S+)", line).group(1)
+    assert groups in ("{{0,1,2,3},{4,5,6,7}}", "[2,4]<=[8]",
+                      "mesh['dp'=2,'pp'=4,'tp'=1] {'pp'}"), groups
     assert program.down_pairs == tuple((s, s + 1) for s in range(PP - 1))
+    assert program.up_pairs == tuple((s + 1, s) for s in range(PP - 1))
     # The actions sit behind two conditionals with one branch per action kind (+ idle): the
     # actions that fill no residual pool, then those that fill one (updating it in place).
     # 1F1B at pp > 1 without a split backward: F fills the embedding's, the chunks' and the
@@ -122,18 +127,10 @@ def test_per_step_collective_counts_from_the_hlo_reader(compiled):
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
     report = analyze_hlo(text)
-    permutes = [op for op in report.ops if op.kind == "collective-permute"]
-    assert len(permutes) == 2
-    assert all(op.executions_per_step == program.ticks for op in permutes)
-    assert report.collectives["collective-permute"].count == 2 * program.ticks
-
-
-def test_no_all_gather_of_activations(compiled):
-    text, _, (_, t, d) = compiled
-    results = [m.group(1) for m in re.finditer(r"= (\S+) all-gather(?:-start)?\(", text)]
-    # A gathered (..., b, T, D) array would be activations (the only (T, D) weight is wpe).
-    activation_like = [shape for shape in results if re.search(rf"\[(\d+,)+{t},{d}\]", shape)]
-    assert not activation_like, activation_like
+    gathers = [op for op in report.ops if op.kind == "all-gather"]
+    assert len(gathers) == 1 and "collective-permute" not in report.collectives
+    assert gathers[0].executions_per_step == program.ticks
+    assert report.collectives["all-gather"].count == program.ticks
 
 
 # ------------------------------------------------------- the GPU schedule, without a GPU
@@ -186,6 +183,8 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     permutes = [op for op in ops if op["kind"] == "collective-permute"]
     assert len(permutes) == 2
     assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
+    # On a GPU the stages' activations move point to point: nothing is all-gathered.
+    assert not [op for op in ops if op["kind"] == "all-gather"]
     # Bucket reductions inside the loop's branches: weighted by how often the tick table takes
     # each branch, they add up to one stage's block gradients (fp32) per device and step.
     in_loop = [op for op in ops if op["kind"] == "all-reduce" and op["executions_per_step"] < 1]

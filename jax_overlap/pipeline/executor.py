@@ -800,6 +800,7 @@ class _TickLoop:
         # A paired tick splits the vocabulary-parallel head around its backward lane where
         # collectives run asynchronously (an accelerator's program).
         self.split_head = program.vocab_parallel and program.lanes == 2 and accelerator
+        self.accelerator = accelerator
 
     def head_phase(self, pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring), all of it at once and only on
@@ -918,10 +919,28 @@ class _TickLoop:
             pool = _file(pool, row, "self", inbox_self)
         res, grads, loss, out = self.act(pool, res, grads, loss, row)
         pool, grads, loss = self.head_phase(pool, grads, loss, out, rows, row)
-        inbox_down = _ring(out, self.program.down_pairs, self.zeros)
-        inbox_up = _ring(out, self.program.up_pairs, self.zeros)
+        inbox_down, inbox_up = self.rings(out, self.program.down_pairs, self.program.up_pairs)
         inbox_self = out if self.program.local_handoff else inbox_self
         return (pool, res, inbox_down, inbox_up, inbox_self, grads, loss), None
+
+    def rings(self, out, down_pairs, up_pairs):
+        """(what arrives from the -1 neighbour, from the +1 neighbour): `out` sent on both
+        rings. On an accelerator, one asynchronous ppermute per ring. On a CPU every
+        collective is a rendezvous of all the host's device threads, and a tick's two were
+        most of what a short action costs beyond its work (ZB-V on pp4 x dp2, 51 ticks: 332
+        -> 261 ms, docs/results.md): there one all-gather over pp carries both."""
+        if self.accelerator or not (down_pairs and up_pairs):
+            return _ring(out, down_pairs, self.zeros), _ring(out, up_pairs, self.zeros)
+        every = jax.lax.all_gather(out, PP)  # (stages, b, T, D), the same on every stage
+        got = []
+        for pairs in (down_pairs, up_pairs):
+            source = np.full(self.program.schedule.stages, -1, np.int32)
+            for src, dst in pairs:
+                source[dst] = src
+            mine = jnp.asarray(source)[self.stage]
+            got.append(_like(jnp.where(mine >= 0, _at(every, jnp.maximum(mine, 0)),
+                                       jnp.zeros_like(out)), self.zeros))
+        return tuple(got)
 
     def skewed_tick(self, carry, rows_now_next):
         # Tick t sends tick t-1's output, so the transfers and this tick's action have no
@@ -931,8 +950,8 @@ class _TickLoop:
         rows, rows_next = rows_now_next
         row = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)[0]
         row_next = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)[0]
-        arrival_down = _ring(pending, self.program.down_pairs, self.zeros)
-        arrival_up = _ring(pending, self.program.up_pairs, self.zeros)
+        arrival_down, arrival_up = self.rings(pending, self.program.down_pairs,
+                                              self.program.up_pairs)
         if self.program.local_handoff:  # same stage: readable one tick after it was made
             pool = _file(pool, row, "self", inbox_self)
         pool, inbox = self.read_inbox(pool, row)
@@ -960,7 +979,7 @@ class _TickLoop:
         # Only the rings this lane's actions send on (one each for a paired 1F1B); a
         # same-stage hand-off is the value itself.
         down_pairs, up_pairs, _ = self.program.lane_rings[lane]
-        return _ring(out, down_pairs, self.zeros), _ring(out, up_pairs, self.zeros), out
+        return (*self.rings(out, down_pairs, up_pairs), out)
 
     def paired_tick(self, carry, rows_now_next):
         # Lane 0 runs the forward (or a W), lane 1 the backward (B or W), each as a skewed
