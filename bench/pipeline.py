@@ -5,7 +5,7 @@ For p = 4 stages and m in {8, 16} microbatches, each schedule's fwd+bwd step (th
 with pp = 1 on the same devices (dp8, and dp2 x tp4). The global batch is fixed, so every row
 does the same model work. Also the cost of one tick of each action kind, from programs that
 run the same action on every stage for K ticks: a W-only tick costs a W, an idle tick only
-its two ppermutes.
+its transfers (on the CPU devices one all-gather over pp that carries both rings).
 
 Work ratio (`work` column, `work_ratio` in the JSON): each row's step time over a pp = 1 step
 that does the same work in the same GEMM shapes, timed in the same run. A pipelined
@@ -18,7 +18,7 @@ the same row count (sequences x seq_len) as the pipelined one's; one dp gradient
 after the accumulation and no TP collectives in both (the pipelined step reduces each
 stage's quarter of the parameters over dp = 2, the baseline all of them over dp = 8). What
 is left in the ratio is the pipeline's own cost -- idle ticks, the executor's recompute,
-switch and ppermutes, the embedding and head on the end stages only -- and not the
+switch and transfers, the embedding and head on the end stages only -- and not the
 smaller-GEMM cost of smaller microbatches, which the `/ pp1 dp8` column (dp8 without
 accumulation, microbatches of B / 8) mixes in. (dp2 x tp4 with m microbatches has the same
 row count but GEMMs a quarter as wide, plus TP collectives, so it is not used.) Where m / 4
@@ -121,7 +121,7 @@ def single_action_program(kind: str, microbatches: int, split: bool):
     or ('FB') an F and then a B of the same microbatch, tick after tick.
 
     Not a valid schedule -- the values are meaningless -- but each tick executes exactly one
-    action per stage through the executor's switch, with the usual two ppermutes. An F alone
+    action per stage through the executor's switch, with the usual transfers. An F alone
     is dead code (nothing reads what it stashes or sends), so its cost is measured as 'FB'
     less 'B' (`tick_costs_ms`).
     """
