@@ -783,8 +783,10 @@ class _TickLoop:
         self.zeros = ctx.zeros_btd
         # A pool is filed at a slot the stage's table row names, so what an action files varies
         # over pp even where the pool's initial zeros do not: typed so from the start, the
-        # filing switch's branches (and the scan's carry) agree.
-        res0 = jax.tree.map(lambda p: _vary(p, sorted(_varying_axes(ctx.zeros_btd))), res0)
+        # filing switch's branches (and the scan's carry) agree. Over no other axis: a
+        # residual the vjp kept invariant over dp (a batch norm's statistics, summed over dp)
+        # must come back invariant, or its pullback's types no longer match.
+        res0 = jax.tree.map(lambda p: _vary(p, [PP]), res0)
         # Per lane, the branches its table column takes, and whether any of them adds to the
         # gradients (a paired lane of only F's does not: its switches then neither take nor
         # return the accumulators, which XLA would otherwise copy in every branch). A W runs
