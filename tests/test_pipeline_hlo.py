@@ -70,11 +70,6 @@ def _tick_loop_body(text: str, ticks: int) -> str:
     return bodies[0]
 
 
-def _pairs(line: str) -> set[tuple[int, int]]:
-    body = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line).group(1)
-    return {tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", body)}
-
-
 def test_one_all_gather_per_tick_inside_the_loop_on_a_cpu(compiled):
     text, program, act_shape = compiled
     comps = _computations(text)
@@ -256,6 +251,57 @@ def test_paired_vocab_parallel_head_runs_its_all_reduces_under_the_lanes():
     assert all(op["async"] and op["gemms_between"] for op in heads + permutes), heads + permutes
 
 
+def _tick_scan_body(jaxpr, ticks: int):
+    """The body of the traced step's `scan` over its `ticks` ticks."""
+
+    def subs(params):  # the jaxprs an equation's params hold (cond branches, scan body...)
+        for v in params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                x = getattr(x, "jaxpr", x)
+                if hasattr(x, "eqns"):
+                    yield x
+
+    def find(j):
+        for e in j.eqns:
+            if e.primitive.name == "scan" and e.params["length"] == ticks:
+                return e.params["jaxpr"].jaxpr
+            for sub in subs(e.params):
+                found = find(sub)
+                if found is not None:
+                    return found
+        return None
+
+    body = find(jaxpr)
+    assert body is not None
+    return body
+
+
+def test_an_accelerator_tick_sends_on_two_permute_rings():
+    """The step a GPU plan builds (traced on the CPU devices), unpaired: one ppermute per ring
+    in the tick body, each one microbatch of activations, +1 for the forwards' outputs and -1
+    for the backwards'. (The CPU plan's tick all-gathers instead: above.)"""
+    from jax_overlap.plan import Target
+
+    cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
+                             "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}",
+                             "pipeline.paired=false", "pipeline.vocab_parallel=false",
+                             "model.attention=plain"])
+    model = GPT.from_config(cfg.model)
+    run = assemble(cfg, jax.devices()[:PP * DP], target=Target("h100", True, 80e9),
+                   model=model)
+    params = run.place_params(model.init(jax.random.key(0)))
+    jaxpr = jax.make_jaxpr(run.loss_and_grads())(params, run.put_batch(np_batch(cfg))).jaxpr
+    body = _tick_scan_body(jaxpr, run.plan.program.ticks)
+    permutes = [e for e in body.eqns if e.primitive.name == "ppermute"]
+    assert "all_gather" not in [e.primitive.name for e in body.eqns]
+    b = cfg.train.global_batch // DP // MICROBATCHES
+    assert [tuple(e.invars[0].aval.shape) for e in permutes] == [
+        (b, cfg.model.seq_len, cfg.model.d_model)] * 2
+    down = tuple((s, s + 1) for s in range(PP - 1))
+    assert sorted(tuple(e.params["perm"]) for e in permutes) == sorted(
+        [down, tuple((b_, a) for a, b_ in down)])
+
+
 def _tick_body_head_psums(paired: bool, accelerator: bool) -> tuple[int, int]:
     """(psums over pp of one microbatch's activations at the top of the tick loop's body,
     those inside a cond in it), from the traced step (no compile): pp2 x dp2, ZB-V,
@@ -278,25 +324,7 @@ def _tick_body_head_psums(paired: bool, accelerator: bool) -> tuple[int, int]:
         return [e for e in eqns if e.primitive.name.startswith("psum")
                 and e.params.get("axes") == ("pp",) and e.invars[0].aval.ndim == act_rank]
 
-    def subs(params):  # the jaxprs an equation's params hold (cond branches, scan body...)
-        for v in params.values():
-            for x in v if isinstance(v, (tuple, list)) else (v,):
-                x = getattr(x, "jaxpr", x)
-                if hasattr(x, "eqns"):
-                    yield x
-
-    def find_scan(j):
-        for e in j.eqns:
-            if e.primitive.name == "scan" and e.params["length"] == run.plan.program.ticks:
-                return e.params["jaxpr"].jaxpr
-            for sub in subs(e.params):
-                found = find_scan(sub)
-                if found is not None:
-                    return found
-        return None
-
-    body = find_scan(jaxpr)
-    assert body is not None
+    body = _tick_scan_body(jaxpr, run.plan.program.ticks)
     in_conds = sum(len(head_psums(b.jaxpr.eqns)) for e in body.eqns if e.primitive.name == "cond"
                    for b in e.params["branches"])
     return len(head_psums(body.eqns)), in_conds

@@ -134,9 +134,9 @@ def _summed_slow(x) -> set[str]:
 
 
 # ------------------------------------------------------------------ slots and accumulators
-# Every index below comes from the tick table or a chunk count and is in range, so plain
-# dynamic slices do: `x.at[i].set(v)` and `x[i]` would add a negative-index wrap and a
-# bounds check (three more kernels each, every tick).
+# Every index the executor uses comes from the tick table, a chunk count or the stage's
+# axis index and is in range, so plain dynamic slices do: `x.at[i].set(v)` and `x[i]` would
+# add a negative-index wrap and a bounds check (three more kernels each, every tick).
 
 
 def _at(x, i):
@@ -368,10 +368,9 @@ class StepContext:
         """The weights a `role` action of `chunk` reads: the chunk's layers, plus the
         embedding (first, last: tied head) and the head (last); with an uneven split also
         "valid", which of the chunk's (padded) layers are real."""
-        w = {"chunk": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, chunk, 0, False),
-                                   self.blocks_vn)}
+        w = {"chunk": jax.tree.map(lambda b: _at(b, chunk), self.blocks_vn)}
         if self.valid_vn is not None:
-            w["valid"] = jax.lax.dynamic_index_in_dim(self.valid_vn, chunk, 0, False)
+            w["valid"] = _at(self.valid_vn, chunk)
         if role in ("first", "last"):
             w["embed"] = self.params["embed"]
         if role == "last":
@@ -641,7 +640,7 @@ def _bucketed_chunk(ctx: StepContext, grads: dict, chunk, w_chunk):
     """
     marked = (*data_axes(ctx.axis_sizes), PP, TP)
     leaves, treedef = jax.tree.flatten(w_chunk)
-    acc_leaves = [jax.lax.dynamic_index_in_dim(a, chunk, 0, False) / ctx.tp_share[i]
+    acc_leaves = [_at(a, chunk) / ctx.tp_share[i]
                   for i, a in enumerate(jax.tree.leaves(grads["blocks"]))]
     return marked, [_vary(leaf, marked) for leaf in leaves], treedef, acc_leaves
 
@@ -911,7 +910,7 @@ class _TickLoop:
 
     def tick(self, carry, rows):
         pool, res, inbox_down, inbox_up, inbox_self, grads, loss = carry
-        row = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)[0]
+        row = _at(rows, self.stage)[0]
         # File last tick's arrivals.
         if self.program.down_pairs:
             pool = _file(pool, row, "down", inbox_down)
@@ -950,8 +949,8 @@ class _TickLoop:
         # they bring is readable from tick t+1 on, as `transfer_latency = 2` tables expect.
         pool, res, pending, inbox_self, grads, loss = carry
         rows, rows_next = rows_now_next
-        row = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)[0]
-        row_next = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)[0]
+        row = _at(rows, self.stage)[0]
+        row_next = _at(rows_next, self.stage)[0]
         arrival_down, arrival_up = self.rings(pending, self.program.down_pairs,
                                               self.program.up_pairs)
         if self.program.local_handoff:  # same stage: readable one tick after it was made
@@ -1002,8 +1001,8 @@ class _TickLoop:
         # unless the head is split.
         pool, res, pending_b, pending_head, grads, loss = carry
         rows, rows_next = rows_now_next
-        now = jax.lax.dynamic_index_in_dim(rows, self.stage, 0, keepdims=False)
-        next_ = jax.lax.dynamic_index_in_dim(rows_next, self.stage, 0, keepdims=False)
+        now = _at(rows, self.stage)
+        next_ = _at(rows_next, self.stage)
         split_head = self.split_head
         arrival_b = self.send(pending_b, 1)
         if split_head:  # last tick's head gradient, summed over pp under this forward
@@ -1039,7 +1038,7 @@ class _TickLoop:
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
             no_head = ()
             if self.split_head:  # typed like the row's slot (varying over pp)
-                row0 = jax.lax.dynamic_index_in_dim(table[0], self.stage, 0, keepdims=False)[0]
+                row0 = _at(table[0], self.stage)[0]
                 no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
             carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
@@ -1120,14 +1119,13 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
 def _slots_of(pools: dict, row) -> dict:
     """Each residual pool's slot named by the table row (reads no action uses are dead)."""
-    return {name: [jax.lax.dynamic_index_in_dim(p, row[COL[_POOL_SLOT[name]]], 0, False)
-                   for p in leaves] for name, leaves in pools.items()}
+    return {name: [_at(p, row[COL[_POOL_SLOT[name]]]) for p in leaves]
+            for name, leaves in pools.items()}
 
 
 def _filed(leaves: list, values: list, slot) -> list:
     """`leaves` (one residual pool) with `values` written at `slot`, in place."""
-    return [_like(jax.lax.dynamic_update_index_in_dim(p, v.astype(p.dtype), slot, 0), p)
-            for p, v in zip(leaves, values)]
+    return [_like(_set_at(p, slot, v), p) for p, v in zip(leaves, values)]
 
 
 def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
