@@ -54,6 +54,10 @@ class DecoderStagedModel:
     # The head slices its output layer with `vocab_columns` and its loss is
     # `vocab_cross_entropy`: it can run vocabulary-parallel over the pipeline stages.
     vocab_parallel_head = True
+    # The embedding maps each example on its own (no statistics over the batch, no collective
+    # over the data axes): the pipeline may pull it back for any replica's inputs at once
+    # (`jax_overlap.pipeline.executor.DeferredEmbedding`).
+    per_example_embedding = True
 
     def init(self, rng: jax.Array) -> Any:
         k_embed, k_blocks, k_head = jax.random.split(rng, 3)

@@ -568,13 +568,16 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
 # The step a GPU plan builds, run on the CPU devices: the plan's GPU choices apply (paired
 # ticks, the vocabulary-parallel head split around the backward lane, split W, in-loop
 # buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
-GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, False),
+GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
                ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"])]
 
 
 @pytest.mark.parametrize("case", GPU_PLANNED)
 def test_a_gpu_planned_pipeline_matches_single_device(references, case):
-    """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead)."""
+    """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead),
+    and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
+    after it (`executor.DeferredEmbedding`)."""
+    from jax_overlap.pipeline import executor
     from jax_overlap.plan import Target
 
     name, pp, dp, tp, m, tied, *extra = case
@@ -584,6 +587,11 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case):
     run = assemble(cfg, jax.devices()[: dp * pp * tp], target=Target("h100", True, 80e9),
                    model=model)
     assert run.plan.vocab_parallel and run.plan.schedule.paired == (not extra)
+    program = run.plan.program
+    deferred = executor.deferred_embedding(model, program, True,
+                                           any(b.sync for b in program.branches),
+                                           run.plan.overlap, dict(run.mesh.shape))
+    assert (deferred is not None) == (name == "1f1b")
     loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
                                                 run.put_batch(batch))
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)

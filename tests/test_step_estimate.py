@@ -184,3 +184,32 @@ def test_analyze_top_must_be_a_count():
     proc = run_cli("analyze", "--config", TINY, "--top", "-1")
     assert proc.returncode == 2
     assert "--top" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_last_tick_after_the_loop_is_costed_by_the_last_row(monkeypatch):
+    """The GPU plan's paired 1F1B runs its last tick after the loop, the embedding's
+    reduction under it (`pipeline.executor.DeferredEmbedding`). The loop's switches are
+    weighted by the rows before the last and the peeled tick's by the last row, so the step
+    costs the same GEMMs as when every tick runs in the loop (weighted by the whole table,
+    the peeled tick counted as an average one: one tick's GEMMs short)."""
+    from jax_overlap.pipeline import executor
+    from jax_overlap.plan import Target
+    from jax_overlap.training.assemble import assemble
+
+    cfg = config.load(TINY, [*PIPELINE, "model.attention=plain"])
+    run = assemble(cfg, jax.devices()[:8], target=Target("h100", True, 80e9))
+    params = run.place_params(run.model.init(jax.random.key(0)))
+
+    def compiled():
+        return jax.jit(run.loss_and_grads()).lower(params, run.abstract_batch()).compile(
+        ).as_text()
+
+    peeled = compiled()
+    monkeypatch.setattr(executor, "deferred_embedding", lambda *a, **k: None)
+    looped = compiled()
+    assert "/pp_last_tick/" in peeled and "/pp_last_tick/" not in looped
+    ticks = Ticks.of_program(run.plan.program)
+    one, other = (estimate_step(text, H100, 1.0, ticks) for text in (peeled, looped))
+    assert one.gemm_flops == pytest.approx(other.gemm_flops, rel=1e-6)
+    assert one.gemm_ms == pytest.approx(other.gemm_ms, rel=1e-6)
+    assert 0 < one.wait_ms == pytest.approx(other.wait_ms, rel=0.05)

@@ -58,7 +58,9 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
     plan = built.plan
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
-    frequencies = plan.program.branch_frequencies() if plan.program is not None else None
+    def frequencies(text):
+        return plan.program.switch_weights(text) if plan.program is not None else None
+
     from jax_overlap.analysis import deviceless
 
     if target == "cpu":
@@ -69,7 +71,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                                           memory=memory)
         if texts is not None:
             texts.append(text)
-        return analyze_hlo(text, target="cpu", branch_frequencies=frequencies)
+        return analyze_hlo(text, target="cpu", branch_frequencies=frequencies(text))
     reason = deviceless.unavailable_reason()
     if reason:
         from jax_overlap.config import ConfigError
@@ -84,7 +86,8 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
         texts.append(text)
     from jax_overlap.analysis.xla_targets import get_target
 
-    return analyze_hlo(text, target=get_target(target).key, branch_frequencies=frequencies)
+    return analyze_hlo(text, target=get_target(target).key,
+                       branch_frequencies=frequencies(text))
 
 
 def step_estimate(cfg, plan, model, target: str, text: str):
@@ -224,7 +227,8 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
     memory: dict = {}
     report = analyze(cfg, target, built, texts, memory)
     model, plan = built.model, built.plan
-    frequencies = plan.program.branch_frequencies() if plan.program is not None else None
+    frequencies = (plan.program.switch_weights(texts[0]) if plan.program is not None
+                   else None)
     estimate = step_estimate(cfg, plan, model, target, texts[0]) if target != "cpu" else None
     dcn = dcn_summary(plan, texts if target == "cpu" else [], frequencies, report)
     if as_json:

@@ -489,7 +489,9 @@ def execution_counts(module: HloModule, branch_frequencies: Sequence[float] | No
       branch_frequencies: for a ``conditional`` with exactly this many branches, the
         share of its executions that take each branch (a pipeline's tick table knows
         it: the share of (tick, stage) entries running each action, averaged over
-        stages); branch ``b`` then counts its caller's executions times ``[b]``.
+        stages); branch ``b`` then counts its caller's executions times ``[b]``. Or a
+        function of the conditional giving those shares (or None), where they differ
+        from one conditional to another (`TickProgram.switch_weights`).
 
     Returns:
       (computation -> executions, warnings about loops whose trip count is unknown).
@@ -518,9 +520,11 @@ def execution_counts(module: HloModule, branch_frequencies: Sequence[float] | No
                     order.append((cond, times * (trips + 1)))
                 continue
             branches = calls.get("branch_computations", [])
-            if (inst.opcode == "conditional" and branch_frequencies is not None
-                    and len(branches) == len(branch_frequencies)):
-                for callee, share in zip(branches, branch_frequencies):
+            shares = (branch_frequencies(inst) if callable(branch_frequencies)
+                      else branch_frequencies)
+            if (inst.opcode == "conditional" and shares is not None
+                    and len(branches) == len(shares)):
+                for callee, share in zip(branches, shares):
                     order.append((callee, times * share))
                 continue
             for key, names in calls.items():

@@ -61,7 +61,7 @@ from jax_overlap.analysis.hlo_parse import (
 )
 from jax_overlap.hardware.machine import KERNEL_LAUNCH_S as LAUNCH_S  # seconds a launch
 from jax_overlap.hardware.machine import ChipSpec
-from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE
+from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE
 
 
 _FREE = frozenset({
@@ -375,6 +375,10 @@ def _is_head(inst: Instruction) -> bool:
     return f"/{HEAD_SCOPE}/" in _scope_of(inst) + "/"
 
 
+def _in_last_tick(inst: Instruction) -> bool:
+    return f"/{LAST_TICK_SCOPE}/" in _scope_of(inst) + "/"
+
+
 # ----------------------------------------------------------------------------- ticks
 
 
@@ -415,11 +419,13 @@ class Ticks:
     @cached_property
     def lane_frequencies(self) -> list[list[float]]:
         """Per lane, the share of (tick, stage) entries taking each branch."""
-        out = []
-        for lane in range(self.branch.shape[2]):
-            counts = np.bincount(self.branch[:, :, lane].ravel(), minlength=len(self.names))
-            out.append((counts / counts.sum()).tolist())
-        return out
+        return [self.frequencies(lane) for lane in range(self.branch.shape[2])]
+
+    def frequencies(self, lane: int, rows: slice = slice(None)) -> list[float]:
+        """The share of lane `lane`'s (tick, stage) entries of the ticks `rows` taking each
+        branch."""
+        counts = np.bincount(self.branch[rows, :, lane].ravel(), minlength=len(self.names))
+        return (counts / max(counts.sum(), 1)).tolist()
 
 
 def replay_ticks(work: np.ndarray, ticks: Ticks) -> np.ndarray:
@@ -517,6 +523,13 @@ def _tick_loop(module: HloModule) -> tuple[Computation, Instruction, list[Instru
     return None
 
 
+def _last_tick_switches(module: HloModule) -> list[Instruction]:
+    """The tick switches of a last tick run after the tick loop, in the entry computation."""
+    entry = module.computations[module.entry]
+    return [i for i in entry.instructions if i.opcode == "conditional" and _in_last_tick(i)
+            and (_lane(i) is not None or _is_head(i))]
+
+
 def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
                   ticks: Ticks | None = None) -> StepEstimate:
     """Estimate the compiled step's time on one device of ``chip``.
@@ -545,14 +558,23 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
             ticks: Ticks | None) -> StepEstimate:
     """The roofline of ``module`` at ``chip``'s rates, its pipeline replayed."""
 
+    # A step that runs its last tick after the loop (`pipeline.executor.DeferredEmbedding`)
+    # has a second set of tick switches, outside the loop: those take the table's last
+    # row, the loop's the rows before it.
+    loop = _tick_loop(module) if ticks is not None else None
+    peeled = [] if loop is None else _last_tick_switches(module)
+    rows_of = {False: slice(0, ticks.branch.shape[0] - (1 if peeled else 0)) if ticks else None,
+               True: slice(-1, None)}
+
     def weights(inst: Instruction) -> Sequence[float] | None:
         if ticks is None:
             return None
+        rows = rows_of[bool(peeled) and _in_last_tick(inst)]
         lane = _lane(inst)
-        if lane is not None and lane < len(ticks.lane_frequencies):
-            return ticks.lane_frequencies[lane]
+        if lane is not None and lane < ticks.branch.shape[2]:
+            return ticks.frequencies(lane, rows)
         if _is_head(inst):
-            share = float(ticks.head.mean())
+            share = float(ticks.head[rows].mean())
             return [1.0 - share, share]
         return None
 
@@ -567,7 +589,6 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
     walker = _Walker(module, chip, weights, label)
     total = walker.tally(module.entry)
     wait_s = 0.0
-    loop = _tick_loop(module) if ticks is not None else None
     if loop is not None:
         comp, inst, switches = loop
         trips = while_trip_count(module, comp, inst) or ticks.branch.shape[0]
@@ -576,13 +597,15 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
         outside = walker.tally(body, skip=frozenset(s.name for s in switches)).seconds \
             + walker.tally(cond).seconds * (trips + 1) / max(trips, 1)
         work = np.full(ticks.branch.shape[:2], outside)
-        for switch in switches:
+        for switch in switches + peeled:
+            rows = rows_of[switch in peeled]
             costs = [b.seconds for b in walker.branches(switch, "")]
             lane = _lane(switch)
             if lane is not None and lane < ticks.branch.shape[2]:
-                work += np.asarray(costs)[np.clip(ticks.branch[:, :, lane], 0, len(costs) - 1)]
+                work[rows] += np.asarray(costs)[np.clip(ticks.branch[rows, :, lane], 0,
+                                                        len(costs) - 1)]
             elif len(costs) == 2:  # the head phase: on its ticks, every stage
-                work += np.where(ticks.head, costs[1], costs[0])[:, None]
+                work[rows] += np.where(ticks.head[rows], costs[1], costs[0])[:, None]
         replayed = replay_ticks(work, ticks).max()
         wait_s = max(0.0, replayed - work.sum(axis=0).mean())
     step_s = total.seconds + wait_s

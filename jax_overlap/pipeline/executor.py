@@ -71,7 +71,10 @@ vocabulary columns only; the sum over 'pp' below completes it.
 
 The embedding and head gradients are summed over 'pp' at the end (with tied embeddings the
 head's use of `wte` and the embedding's add up there), then the gradients go through the
-explicit DP reduction of `buckets`.
+explicit DP reduction of `buckets`. Where the last tick runs only stage 0's last backward (a
+paired 1F1B with in-loop buckets, on an accelerator: `DeferredEmbedding`), it runs after the
+loop with that sum of the earlier ticks' gradients in flight under it, and its own
+embedding's gradient is pulled back after it from the gathered activation gradients.
 
 DP reduction of the blocks, by `overlap`:
   no buckets           after the loop, one collective per leaf.
@@ -107,12 +110,12 @@ from jax.sharding import PartitionSpec as P
 from jax_overlap.model_api import batch_shapes
 from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.parallel.collectives import Parallel
-from jax_overlap.parallel.compat import shard_map, to_varying
+from jax_overlap.parallel.compat import all_gather_invariant, shard_map, to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
-from jax_overlap.pipeline.program import (COL, HEAD_SCOPE, LANE_SCOPE,
+from jax_overlap.pipeline.program import (COL, HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE,
                                           TickProgram)
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.parallel.mesh import microbatched
@@ -667,7 +670,8 @@ def _ct_like(y, ct, axis_sizes: dict[str, int]):
     return ct
 
 
-def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
+def sync_branch(ctx: StepContext, kind: str, role: str, defer_embed: bool = False
+                ) -> Callable:
     """The chunk's last weight-gradient action, with its dp reduction inside.
 
     The chunk's layers run unrolled with a bucket hook per bucket (`buckets.BucketHooks`, as
@@ -676,8 +680,14 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     while the chunk's earlier layers backpropagate. The same branch runs at the same tick on
     every dp replica of the stage, so each collective's replica group (the stage's dp peers)
     meets.
+
+    `defer_embed` (virtual stage 0's last one, run as the step's last tick: `_TickLoop`'s
+    deferred embedding): the embedding runs outside the pullback, and the branch's output is
+    the gradient of its activations instead of the embedding's gradients.
     """
     want_x = kind == "B" and role != "first"
+    if defer_embed and role != "first":
+        raise ValueError("sync_branch: only virtual stage 0 has an embedding to defer")
     plan, model, par, axis_sizes = ctx.chunk_buckets, ctx.model, ctx.par, ctx.axis_sizes
 
     def branch(inbox, res, grads, loss, row):
@@ -689,10 +699,10 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
                                                                       w["chunk"])
         others = {k: w[k] for k in ("embed", "head") if k in w}
 
-        def forward(sinks, others_, x_):
+        def forward(sinks, others_, x_, embedded=False):
             hooks = buckets.BucketHooks(plan, chunk_leaves, acc_leaves, sinks, axis_sizes,
                                         marked, ctx.overlap.grad_comm_dtype)
-            h = model.embed(others_["embed"], x_, par) if role == "first" else x_
+            h = model.embed(others_["embed"], x_, par) if role == "first" and not embedded else x_
             for layer in range(ctx.layers_per_chunk):
                 hooks.enter(1 + layer)
                 p_l = jax.tree.unflatten(
@@ -709,7 +719,12 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
             return h
 
         sinks = buckets.make_sinks(plan, axis_sizes, marked)
-        if want_x:
+        if defer_embed:  # the embedded microbatch's gradient, as if it were the chunk input's
+            others = {}
+            x = model.embed(w["embed"], x, par)
+            y, vjp = jax.vjp(lambda s_, o_, h_: forward(s_, o_, h_, embedded=True), sinks,
+                             others, x)
+        elif want_x:
             y, vjp = jax.vjp(forward, sinks, others, x)
         else:
             y, vjp = jax.vjp(lambda s_, o_: forward(s_, o_, x), sinks, others)
@@ -719,7 +734,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         grads = _store_synced(ctx, grads, chunk, cts[0])
         for part, g in cts[1].items():
             grads[part] = jax.tree.map(jnp.add, grads[part], g)
-        out = cts[2] if want_x else ctx.zeros_btd
+        out = cts[2] if want_x or defer_embed else ctx.zeros_btd
         return ctx.typed(res, grads, loss, out, res)
 
     return branch
@@ -747,8 +762,51 @@ def _file(pool, row, route: str, arrival):
     return _set_at(pool, row[COL["file_" + route]], arrival)
 
 
+class DeferredEmbedding(NamedTuple):
+    """How a paired step ends whose last tick runs only virtual stage 0's last backward
+    (`deferred_embedding`; `_TickLoop.last_tick`).
+
+    Attributes:
+      branches: the last tick's branches: that backward's (`sync_branch(defer_embed=True)`)
+        hands on its embedding's activation gradient instead of adding its gradients.
+      microbatch: the microbatch it runs.
+      embed: the embedding's parameters as the step got them (invariant over pp and dp).
+    """
+
+    branches: list
+    microbatch: int
+    embed: Any
+
+
+def deferred_embedding(model, program: TickProgram, accelerator: bool, synced: bool, overlap,
+                       axis_sizes: dict[str, int]) -> tuple[int, int] | None:
+    """(branch, microbatch) of the last tick's one action if the step can defer its
+    embedding's reduction under that tick (`_TickLoop.last_tick`), else None.
+
+    It can on an accelerator (where the all-reduce runs under the tick's GEMMs), for a paired
+    table whose blocks are reduced in the loop (then the embedding and head are what is left
+    for after it: one fp32 psum over (pp, dp), no slow axis) and whose last tick runs one
+    action, virtual stage 0's last (sync) B, and no head: 1F1B, paired. The model's
+    embedding must declare `per_example_embedding` (a decoder's token lookup does; a batch
+    norm's statistics would differ for the gathered replicas' inputs).
+    """
+    if not (accelerator and synced and program.lanes == 2 and overlap.grad_comm_dtype == "fp32"
+            and axis_sizes.get(DCN, 1) == 1 and getattr(model, "per_example_embedding", False)):
+        return None
+    last = program.table[-1]
+    busy = np.argwhere(last[..., COL["branch"]] > 0)
+    if len(busy) != 1 or last[..., COL["head_mb"]].any():
+        return None
+    stage, lane = busy[0]
+    b = int(last[stage, lane, COL["branch"]])
+    branch = program.branches[b - 1]
+    if (branch.kind, branch.role, branch.sync) != ("B", "first", True):
+        return None
+    return b, int(last[stage, lane, COL["microbatch"]])
+
+
 def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict,
-              accelerator: bool = True):
+              accelerator: bool = True, deferred: DeferredEmbedding | None = None):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
@@ -765,18 +823,21 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
 
     `accelerator`: the collectives run asynchronously; a paired tick then splits a
     vocabulary-parallel head around its backward lane (`_TickLoop.paired_tick`).
+    `deferred`: the last tick runs apart, its embedding's reduction deferred
+    (`_TickLoop.last_tick`).
 
     Returns:
-      (grads, loss) accumulated over the step on this device.
+      (grads, loss, ends): grads and loss accumulated over the step on this device; `ends`
+      None, or with `deferred` the embedding's and head's gradients summed over (pp, dp).
     """
-    return _TickLoop(ctx, program, branches, res0, accelerator).run(pool_sbtd)
+    return _TickLoop(ctx, program, branches, res0, accelerator, deferred).run(pool_sbtd)
 
 
 class _TickLoop:
     """`run_ticks`'s loop: the per-lane switches, built once, and one tick of each kind."""
 
     def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict,
-                 accelerator: bool = True):
+                 accelerator: bool = True, deferred: DeferredEmbedding | None = None):
         self.ctx, self.program = ctx, program
         self.stage = jax.lax.axis_index(PP)
         self.zeros = ctx.zeros_btd
@@ -797,6 +858,14 @@ class _TickLoop:
             taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
             self.lanes.append(_lane_switches(ctx, branches, fills, taken,
                                              any(adds[b] for b in taken)))
+        # The last tick's switches, when it runs apart (`last_tick`): only its own branches.
+        self.deferred, self.last_lanes = deferred, None
+        if deferred is not None:
+            self.last_lanes = []
+            for lane in range(program.lanes):
+                taken = set(np.unique(program.table[-1, :, lane, COL["branch"]]).tolist())
+                self.last_lanes.append(_lane_switches(ctx, deferred.branches, fills, taken,
+                                                      any(adds[b] for b in taken)))
         self.res0 = res0
         # A paired tick splits the vocabulary-parallel head around its backward lane where
         # collectives run asynchronously (an accelerator's program).
@@ -863,7 +932,7 @@ class _TickLoop:
         # reads before those writes, and XLA copies the whole pool every tick.
         return jax.lax.optimization_barrier((pool, self.slots(pool, row)))
 
-    def act(self, pool, res, grads, loss, row, inbox=None, tie=None, lane=0):
+    def act(self, pool, res, grads, loss, row, inbox=None, tie=None, lane=0, lanes=None):
         # Two switches on the row's branch. The first runs the actions that file
         # nothing into a residual pool (idle, B without a split, W...) and gets the pools
         # read-only: a branch reads its (microbatch, chunk)'s slots itself, so only the
@@ -877,7 +946,7 @@ class _TickLoop:
         # Likewise the activation pool: the switches get only the two slots an action can
         # read (its input and its output gradient). Handed the pool, they would hold it as
         # an operand while the other lane's arrivals are filed into it, and XLA would copy it.
-        switches = self.lanes[lane]
+        switches = (lanes or self.lanes)[lane]
         branch = row[COL["branch"]]
         if inbox is None:
             inbox = self.slots(pool, row)
@@ -982,7 +1051,7 @@ class _TickLoop:
         down_pairs, up_pairs, _ = self.program.lane_rings[lane]
         return (*self.rings(out, down_pairs, up_pairs), out)
 
-    def paired_tick(self, carry, rows_now_next):
+    def paired_tick(self, carry, rows_now_next, lanes=None):
         # Lane 0 runs the forward (or a W), lane 1 the backward (B or W), each as a skewed
         # half-tick (a W sends nothing: its lane's output is zeros, filed in `trash`): what
         # the other lane produced last is sent before this lane's action and filed after
@@ -1010,7 +1079,7 @@ class _TickLoop:
             arrival_b = (arrival_b, self.head_gradient(head_dy))
         pool, inbox = self.read_inbox(pool, now[0])
         res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
-                                                      tie=arrival_b)
+                                                      tie=arrival_b, lanes=lanes)
         arrival_f = self.send(out_f, 0)
         if split_head:
             arrival_b, dy = arrival_b
@@ -1021,7 +1090,7 @@ class _TickLoop:
         pool = self.file_all(pool, now[1], arrival_b, 1)
         pool, inbox = self.read_inbox(pool, now[1])
         res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
-                                                      tie=arrival_f, lane=1)
+                                                      tie=arrival_f, lane=1, lanes=lanes)
         if split_head:
             arrival_f, y = arrival_f
             head_dy, grads, loss = self.head_pullback(lambda: y, grads, loss, rows, now[0])
@@ -1041,6 +1110,9 @@ class _TickLoop:
                 row0 = _at(table[0], self.stage)[0]
                 no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
             carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
+            if self.deferred is not None:
+                carry, _ = jax.lax.scan(self.paired_tick, carry0, (table[:-1], table_next[:-1]))
+                return self.last_tick(carry, table[-1], table_next[-1])
             (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
         elif self.program.skewed:
             # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
@@ -1051,7 +1123,38 @@ class _TickLoop:
         else:
             carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, self.zeros, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.tick, carry0, table)
-        return grads, loss
+        return grads, loss, None
+
+    def last_tick(self, carry, rows, rows_next):
+        """The step's last paired tick, run after the loop. It runs one action, virtual
+        stage 0's last backward (`deferred_embedding`); until it ends, the tied embedding's
+        gradient was complete nowhere, and its fp32 all-reduce over (pp, dp) -- the step's
+        largest -- had nothing left to run under. Here the embedding and head gradients of
+        every earlier tick are summed over (pp, dp) while this tick runs, and its own
+        embedding is pulled back after it, sparsely: the microbatch's activation gradient
+        (on stage 0) is broadcast over pp and gathered over dp with the token ids (one
+        microbatch's activations per replica, not the table's rows), and every device pulls
+        back every replica's embedding itself.
+
+        Returns:
+          (grads, loss, ends): `ends` the embedding's and head's gradients over (pp, dp).
+        """
+        ctx, deferred = self.ctx, self.deferred
+        grads = carry[-2]
+        ends = jax.lax.psum({k: grads[k] for k in ("embed", "head")}, (PP, DP))
+        # The scope tells `analysis.step_estimate` that these switches run the last row.
+        with jax.named_scope(LAST_TICK_SCOPE):
+            (_, _, dx, _, grads, loss), _ = self.paired_tick(carry, (rows, rows_next),
+                                                             lanes=self.last_lanes)
+        dx = jax.lax.psum(dx, PP)  # virtual stage 0's, made on stage 0 only
+        dx = all_gather_invariant(dx, DP)  # (dp b, T, D), the same on every replica
+        ids = all_gather_invariant(ctx.ids_mbt[deferred.microbatch], DP)  # (dp b, T)
+        axes = sorted(_varying_axes(dx))
+        _, pull = jax.vjp(lambda we: _vary(ctx.model.embed(we, ids, ctx.par), axes),
+                          deferred.embed)
+        (d_embed,) = pull(dx)
+        ends["embed"] = jax.tree.map(jnp.add, ends["embed"], d_embed)
+        return grads, loss, ends
 
 
 # Which table column names an action's slot in each residual pool.
@@ -1129,7 +1232,8 @@ def _filed(leaves: list, values: list, slot) -> list:
 
 
 def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
-                      own_rows: frozenset[str] = frozenset()) -> dict:
+                      own_rows: frozenset[str] = frozenset(), ends: dict | None = None
+                      ) -> dict:
     """The step's gradients after the tick loop, reduced over pp and dp.
 
     Blocks stay on their stage; embedding and head gradients are summed over pp (which also
@@ -1138,13 +1242,16 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
     each over (pp, dp): nothing is left to hide them under, and one collective's latency is
     less than two in a row), fsdp reduce-scatters them, otherwise every leaf goes through
     `buckets.reduce_gradients`, but the `own_rows` leaves (`DpLayout.own_rows`: stored split
-    over dp, their gradients already summed where their rows are shared).
+    over dp, their gradients already summed where their rows are shared). `ends`: the
+    embedding's and head's gradients already reduced over (pp, dp) (`_TickLoop.last_tick`).
     """
     # Each stage holds its own layers' gradients: nothing to combine over pp.
     blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
                           grads["synced"] if synced else grads["blocks"])
     # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
     # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
+    if ends is not None:
+        return {"blocks": blocks, **ends}
     ends = {k: grads[k] for k in ("embed", "head")}
     bucket_bytes, comm_dtype = overlap.grad_bucket_bytes, overlap.grad_comm_dtype
     slow = any(DCN in _varying_axes(g) for g in jax.tree.leaves(ends))  # dcn: slow_axis
@@ -1316,6 +1423,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                 accelerator: bool = True, own_rows: frozenset[str] = frozenset()):
     """One device's loss and gradients for a whole step; see the module docstring."""
     s = program.schedule
+    embed_in = params["embed"]
     params, blocks_vn, mbs, count = _prologue(params, batch, model, program, axis_sizes,
                                               fsdp_layout)
 
@@ -1358,10 +1466,18 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
                     action_branch(ctx, b.kind, b.role) for b in program.branches]
     branches = [idle_branch(ctx)] + branches
-    grads, loss = run_ticks(ctx, program, branches, pool_sbtd, found.pools, accelerator)
+    deferred = None
+    last = deferred_embedding(model, program, accelerator, synced, overlap, axis_sizes)
+    if last is not None:
+        b, mb = last
+        deferred = DeferredEmbedding(
+            [*branches[:b], sync_branch(ctx, "B", "first", defer_embed=True), *branches[b + 1:]],
+            mb, embed_in)
+    grads, loss, ends = run_ticks(ctx, program, branches, pool_sbtd, found.pools, accelerator,
+                                  deferred)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced,
-                                   own_rows)
+                                   own_rows, ends)
 
 
 def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:

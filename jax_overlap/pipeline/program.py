@@ -32,6 +32,9 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 # replay the table on.
 LANE_SCOPE = "pp_lane"
 HEAD_SCOPE = "pp_head"
+# Around the step's last tick where it runs after the loop (`executor.DeferredEmbedding`): its
+# switches take the last row of the table, the loop's the others (`tick_rows`).
+LAST_TICK_SCOPE = "pp_last_tick"
 RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
 ROUTES = ("down", "up", "self")
 
@@ -121,11 +124,23 @@ class TickProgram:
         """One field of the table, `(ticks, stages, lanes)`."""
         return self.table[:, :, :, COL[name]]
 
-    def branch_frequencies(self) -> list[float]:
-        """Per switch branch (idle first), the share of (tick, stage) entries that take it:
-        how often one device runs it per tick, on average over the stages."""
-        counts = np.bincount(self.column("branch").ravel(), minlength=1 + len(self.branches))
+    def branch_frequencies(self, ticks: slice = slice(None)) -> list[float]:
+        """Per switch branch (idle first), the share of (tick, stage) entries of `ticks`
+        that take it: how often one device runs it per tick, on average over the stages."""
+        counts = np.bincount(self.column("branch")[ticks].ravel(),
+                             minlength=1 + len(self.branches))
         return (counts / counts.sum()).tolist()
+
+    def switch_weights(self, hlo_text: str):
+        """The branch weights of the compiled step's tick switches
+        (`analysis.hlo_parse.execution_counts`): `branch_frequencies()`, or where the step
+        runs its last tick after the loop (`LAST_TICK_SCOPE` in its HLO), per conditional:
+        the loop's ticks' shares, or the last tick's for its own switches."""
+        if f"/{LAST_TICK_SCOPE}/" not in hlo_text:
+            return self.branch_frequencies()
+        loop, last = self.branch_frequencies(slice(0, -1)), self.branch_frequencies(
+            slice(-1, None))
+        return lambda inst: last if f"/{LAST_TICK_SCOPE}/" in inst.attributes else loop
 
     def fills(self, pool: str) -> tuple[bool, ...]:
         """Per switch branch (idle first), whether it fills its slot of a residual pool: an
