@@ -15,7 +15,7 @@ Estimates are cached in `--cache` (default bench/results/plain_vs_tuned.json), k
 config file and overrides, so a rerun compiles only what is new; `--fresh` ignores it.
 Deviceless GPT-1.3B compiles take 1-6 minutes each on a small CPU.
 
-    python bench/plain_vs_tuned.py                 # dp8 and pp4 x dp2 of GPT-1.3B, h100
+    python bench/plain_vs_tuned.py                 # GPT-1.3B: dp8, pp4 x dp2, dp2 x tp4, pp2 x dp2 x tp2 (h100)
     python bench/plain_vs_tuned.py --only dp8
     python bench/plain_vs_tuned.py --quick         # a small GPT, two candidates a mesh
 
@@ -53,13 +53,31 @@ MESHES = {
     "pp4_dp2": ("gpt_1p3b_pp4_dp2.yaml", [
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=32"],
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=16"],
+        ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=8"],
         ["pipeline.schedule=1f1b", "pipeline.paired=false", "pipeline.microbatches=32"],
         ["pipeline.schedule=zb-h1", "pipeline.paired=false", "pipeline.microbatches=32"],
         ["pipeline.schedule=zb-v", "pipeline.paired=true", "pipeline.microbatches=32"],
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=32",
          "model.remat=save_dots"],
     ]),
+    "dp2_tp4": ("gpt_1p3b_dp2_tp4.yaml", [
+        ["overlap.tp_comm=sequence_parallel"],
+        ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=2"],
+        ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=4"],
+        ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=8"],
+        ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=16"],
+    ]),
+    "pp2_dp2_tp2": ("gpt_1p3b_pp2_dp2_tp2.yaml", [
+        ["overlap.tp_comm=collective_matmul"],
+        ["pipeline.microbatches=8"],
+        ["pipeline.microbatches=16"],
+        ["pipeline.microbatches=32"],
+        ["pipeline.paired=false"],
+    ]),
 }
+# Estimates of this version include the communication no compute hides (`exposed_ms`);
+# cached ones without it are not reused.
+CACHE_VERSION = "+exposed"
 # --quick: a small GPT on the same meshes, two candidates each (seconds a compile).
 QUICK_MODEL = ["model.layers=4", "model.d_model=128", "model.heads=4", "model.d_ff=512",
                "model.vocab=512", "model.seq_len=128", "train.global_batch=16"]
@@ -86,6 +104,8 @@ def estimate(recipe: str, overrides: list[str], target: str) -> dict:
     choices = {k: v["value"] for k, v in plan.get("choices", {}).items()}
     choices.update(o.split("=", 1) for o in overrides)  # explicit values are not choices
     return {"step_ms": out["estimate"]["step_ms"], "mfu": out["estimate"]["mfu"],
+            "exposed_ms": out["estimate"]["exposed_ms"],
+            "under_gemms": out["collective_bytes_under_gemm_fraction"],
             "peak_gib": out["memory"]["peak_bytes"] / 2**30, "fits": out["memory"]["peak_bytes"]
             <= MEMORY_BUDGET * out["memory"]["device_bytes"],
             "schedule": plan["schedule"], "paired": plan["paired"],
@@ -96,7 +116,7 @@ def compare(name: str, recipe: str, candidates: list[list[str]], base: list[str]
             target: str, cache: dict) -> dict:
     """The plain config's estimate, each candidate's, and the gap to the best that fits."""
     def cached(extra: list[str]) -> dict:
-        key = " ".join([recipe] + base + extra) + f" @{target}"
+        key = " ".join([recipe] + base + extra) + f" @{target}{CACHE_VERSION}"
         if key not in cache:
             print(f"  compiling {name} {' '.join(extra) or '(plain)'} ...", flush=True)
             cache[key] = estimate(recipe, base + extra, target)
@@ -113,11 +133,13 @@ def compare(name: str, recipe: str, candidates: list[list[str]], base: list[str]
 
 def table(result: dict) -> str:
     lines = [f"mesh {result['mesh']}",
-             "| knobs | schedule | paired | m | remat | step ms | MFU | XLA peak GiB |",
-             "|---|---|---|---:|---|---:|---:|---:|"]
+             "| knobs | schedule | paired | m | remat | step ms | of it exposed | MFU "
+             "| under GEMMs | XLA peak GiB |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['knobs']} | {r['schedule']} | {r['paired']} | {r['microbatches']} "
-                     f"| {r['remat']} | {r['step_ms']:.4g} | {r['mfu']:.3g} | "
+                     f"| {r['remat']} | {r['step_ms']:.4g} | {r['exposed_ms']:.3g} "
+                     f"| {r['mfu']:.3g} | {r['under_gemms']:.3f} | "
                      f"{r['peak_gib']:.1f}{'' if r['fits'] else ' (over the budget)'} |")
     lines.append(f"best: {result['best']}; plain is {result['gap'] * 100:.1f}% below it "
                  f"(tolerance {TOLERANCE * 100:.0f}%)")
@@ -140,7 +162,7 @@ def main(argv=None) -> int:
     cache: dict = {}
     if args.cache and os.path.exists(args.cache) and not args.fresh:
         with open(args.cache) as f:
-            cache = json.load(f)
+            cache = {k: v for k, v in json.load(f).items() if k.endswith(CACHE_VERSION)}
     failed = []
     for name in args.only or list(meshes):
         recipe, candidates = meshes[name]

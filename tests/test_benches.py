@@ -262,7 +262,7 @@ def test_plain_vs_tuned_quick():
         rows = [[c.strip() for c in line.strip("|").split("|")]  # past the header
                 for line in block[0].splitlines() if line.startswith("| ")][1:]
         assert rows[0][0] == "plain (the plan's choices)" and len(rows) == 2
-        mfu = {r[0]: fraction(r[6]) for r in rows}
+        mfu = {r[0]: fraction(r[7]) for r in rows}
         assert all(r[1] == schedule for r in rows)
         best = max(mfu, key=mfu.get)
         gap = float(re.match(r"(.*); plain is (\S+)% below it", block[1])[2])

@@ -569,7 +569,9 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
 # ticks, the vocabulary-parallel head split around the backward lane, split W, in-loop
 # buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
 GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
-               ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"])]
+               ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"]),
+               # sequence parallel inside the stages, the last tick's embedding deferred
+               pytest.param(("1f1b", 2, 2, 2, 4, True), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case", GPU_PLANNED)

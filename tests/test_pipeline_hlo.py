@@ -159,12 +159,16 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     # replayed on its tick table waits on the bubble; the three costliest non-GEMM kernels.
     est = out["estimate"]
     assert set(est) == {"step_ms", "mfu", "gemm_ms", "other_ms", "launch_ms", "wait_ms",
-                        "model_flops", "gemm_flops", "expected_step_ms", "expected_mfu"}
+                        "exposed_ms", "model_flops", "gemm_flops", "expected_step_ms",
+                        "expected_mfu"}
     assert est["wait_ms"] > 0 and 0 < est["mfu"] < 1
     # At the kernel rates measured on Hopper, every kernel takes longer than at the peaks.
     assert est["expected_step_ms"] > est["step_ms"] and est["expected_mfu"] < est["mfu"]
+    # The communication nothing hides is part of the step.
+    assert est["exposed_ms"] == pytest.approx(out["exposed_comm_s_estimate"] * 1e3)
     assert est["step_ms"] == pytest.approx(
-        est["gemm_ms"] + est["other_ms"] + est["launch_ms"] + est["wait_ms"])
+        est["gemm_ms"] + est["other_ms"] + est["launch_ms"] + est["wait_ms"]
+        + est["exposed_ms"])
     per_device = GPT.from_config(config.load(TINY, overrides).model).flops_per_example() * 32 / 8
     assert est["model_flops"] == pytest.approx(per_device)
     top = out["top_kernels"]

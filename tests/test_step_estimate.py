@@ -41,10 +41,16 @@ def test_a_loop_body_counts_once_per_trip():
         return jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w), x)
 
     x, w = jnp.ones((64, 128)), jnp.ones((128, 128))
-    est = estimate_step(_hlo(f, x, w), H100, model_flops=1.0)
+    text = _hlo(f, x, w)
+    est = estimate_step(text, H100, model_flops=1.0)
     assert est.gemm_flops == pytest.approx(5 * 2 * 64 * 128 * 128)
-    assert est.wait_ms == 0
+    assert est.wait_ms == 0 and est.exposed_ms == 0
     assert est.step_ms == pytest.approx(est.gemm_ms + est.other_ms + est.launch_ms)
+    # Communication no compute hides (`HloReport.exposed_comm_s_estimate`) adds to the step.
+    exposed = estimate_step(text, H100, model_flops=1.0, exposed_s=2e-3)
+    assert exposed.exposed_ms == pytest.approx(2.0)
+    assert exposed.step_ms == pytest.approx(est.step_ms + 2.0)
+    assert exposed.mfu == pytest.approx(est.mfu * est.step_ms / exposed.step_ms)
 
 
 def test_expected_runs_each_kernel_at_its_measured_share_of_the_peak():

@@ -90,15 +90,17 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                        branch_frequencies=frequencies(text))
 
 
-def step_estimate(cfg, plan, model, target: str, text: str):
+def step_estimate(cfg, plan, model, target: str, text: str, report=None):
     """`StepEstimate` of a step compiled for a GPU `target` (`analysis.step_estimate`): the
-    roofline over its kernels, the pipeline replayed on the plan's tick table."""
+    roofline over its kernels, the pipeline replayed on the plan's tick table, plus the
+    communication the `report` (its `HloReport`) finds under no compute."""
     from jax_overlap.hardware.machine import chip_spec
     from jax_overlap.analysis.step_estimate import Ticks, estimate_step
 
     model_flops = model.flops_per_example() * cfg.train.global_batch / plan.num_devices
     ticks = Ticks.of_program(plan.program) if plan.program is not None else None
-    return estimate_step(text, chip_spec(target), model_flops, ticks)
+    exposed = (report.exposed_comm_s_estimate or 0.0) if report is not None else 0.0
+    return estimate_step(text, chip_spec(target), model_flops, ticks, exposed)
 
 
 # Below this share of collective bytes under GEMMs, `analyze` names the knobs that would help.
@@ -229,7 +231,8 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
     model, plan = built.model, built.plan
     frequencies = (plan.program.switch_weights(texts[0]) if plan.program is not None
                    else None)
-    estimate = step_estimate(cfg, plan, model, target, texts[0]) if target != "cpu" else None
+    estimate = (step_estimate(cfg, plan, model, target, texts[0], report) if target != "cpu"
+                else None)
     dcn = dcn_summary(plan, texts if target == "cpu" else [], frequencies, report)
     if as_json:
         out = report.to_json()

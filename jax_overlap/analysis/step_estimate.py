@@ -12,7 +12,9 @@ conditional (a guard's apply, a real layer rather than a padded one). Per kernel
   fusion reading a slice of a large buffer (a pool slot) counts the slice, one that
   updates a buffer in place (``dynamic-update-slice``, ``scatter``) counts the update;
 * every kernel, collectives included: :data:`LAUNCH_S` for its launch;
-* a collective's transfer: assumed hidden (``analyze`` reports separately which are).
+* a collective's transfer: hidden where compute runs under it; what is not is passed in
+  (``exposed_s``: ``HloReport.exposed_comm_s_estimate``, which credits each async collective
+  with the GEMMs under it) and added to the step.
 
 Pipelines are replayed tick by tick (:func:`replay_ticks`): a stage's tick costs the tick
 loop's own kernels plus the branch its row of the table runs in each lane, and a stage
@@ -24,8 +26,10 @@ the loop's longest stage plus the work outside the loop.
 Returned figures (:class:`StepEstimate`) are per device per step: ``gemm_ms``,
 ``other_ms`` and ``launch_ms`` are the average device's work (the stages' mean in a
 pipeline), ``wait_ms`` the rest of the replayed step -- the bubble, lockstep waits and
-stage imbalance (0 without a pipeline); ``step_ms`` their sum; ``mfu`` the model's FLOPs
-over ``step_ms`` at the chip's bf16 peak.
+stage imbalance (0 without a pipeline), ``exposed_ms`` the communication nothing hides;
+``step_ms`` their sum; ``mfu`` the model's FLOPs over ``step_ms`` at the chip's bf16 peak.
+So a plan that leaves its collectives exposed (sequence parallelism's, say) is not ranked
+ahead of one that hides them at the cost of more kernels.
 
 The roofline runs kernels at the chip's peaks. Where the chip's kernels were measured
 (:attr:`ChipSpec.efficiency`: Hopper, on a traced H200 step), ``expected_ms`` is the same
@@ -34,7 +38,7 @@ the other kernels each their own -- and ``expected_mfu`` its MFU: what a real st
 
 What the roofline leaves out: kernel efficiency below the peaks, caches, the cost of a
 conditional's predicate read beyond one launch, overlap of independent kernels on several
-streams, and link time (``HloReport.exposed_comm_s_estimate`` has that).
+streams, and link contention.
 """
 
 from __future__ import annotations
@@ -464,7 +468,8 @@ class StepEstimate:
       step_ms: the replayed step.
       mfu: ``model_flops / (step_ms x bf16 peak)``.
       gemm_ms, other_ms, launch_ms: the average device's GEMM, other-kernel and launch time.
-      wait_ms: ``step_ms`` minus the average device's work (0 without a pipeline).
+      wait_ms: the replayed step minus the average device's work (0 without a pipeline).
+      exposed_ms: communication under no compute, added to the step.
       model_flops: the model's training FLOPs per device per step.
       gemm_flops: the program's matmul FLOPs per device per step (recompute included).
       kernels: every kernel with its executions per step and where it runs.
@@ -485,12 +490,14 @@ class StepEstimate:
     chip: str = ""
     expected_ms: float | None = None
     expected_mfu: float | None = None
+    exposed_ms: float = 0.0
 
     def to_json(self) -> dict[str, float]:
         """The JSON object ``analyze --json`` prints under ``estimate``."""
         out = {"step_ms": self.step_ms, "mfu": self.mfu, "gemm_ms": self.gemm_ms,
                "other_ms": self.other_ms, "launch_ms": self.launch_ms,
-               "wait_ms": self.wait_ms, "model_flops": self.model_flops,
+               "wait_ms": self.wait_ms, "exposed_ms": self.exposed_ms,
+               "model_flops": self.model_flops,
                "gemm_flops": self.gemm_flops}
         if self.expected_ms is not None:
             out.update(expected_step_ms=self.expected_ms, expected_mfu=self.expected_mfu)
@@ -531,7 +538,7 @@ def _last_tick_switches(module: HloModule) -> list[Instruction]:
 
 
 def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
-                  ticks: Ticks | None = None) -> StepEstimate:
+                  ticks: Ticks | None = None, exposed_s: float = 0.0) -> StepEstimate:
     """Estimate the compiled step's time on one device of ``chip``.
 
     Args:
@@ -539,16 +546,21 @@ def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
       chip: the GPU's peaks.
       model_flops: the model's training FLOPs per device per step (for ``mfu``).
       ticks: the pipeline's tick table (:meth:`Ticks.of_program`); None without one.
+      exposed_s: seconds of communication no compute hides
+        (``HloReport.exposed_comm_s_estimate``), added to the step.
 
     Returns:
       The :class:`StepEstimate`.
     """
     module = parse_module(hlo) if isinstance(hlo, str) else hlo
     est = _replay(module, chip, model_flops, ticks)
+    step_s = est.step_ms * 1e-3 + exposed_s
+    est = dataclasses.replace(est, step_ms=step_s * 1e3, exposed_ms=exposed_s * 1e3,
+                              mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0)
     measured = chip.at_measured_rates()
     if measured is None:
         return est
-    expected_s = _replay(module, measured, model_flops, ticks).step_ms * 1e-3
+    expected_s = _replay(module, measured, model_flops, ticks).step_ms * 1e-3 + exposed_s
     return dataclasses.replace(
         est, expected_ms=expected_s * 1e3,
         expected_mfu=model_flops / (expected_s * chip.peak_bf16_flops) if expected_s else 0.0)
@@ -624,7 +636,8 @@ def format_estimate(est: StepEstimate, top: int = 0) -> list[str]:
     kernels."""
     lines = [f"estimated step on one {est.chip}: {est.step_ms:.1f} ms, MFU {est.mfu:.3f} "
              f"(GEMMs {est.gemm_ms:.1f} ms, other kernels {est.other_ms:.1f} ms, launches "
-             f"{est.launch_ms:.1f} ms, waits {est.wait_ms:.1f} ms; GEMM FLOPs "
+             f"{est.launch_ms:.1f} ms, waits {est.wait_ms:.1f} ms, exposed communication "
+             f"{est.exposed_ms:.1f} ms; GEMM FLOPs "
              f"{est.gemm_flops / max(est.model_flops, 1):.2f}x the model's)"]
     if est.expected_ms is not None:
         lines.append(f"expected at measured kernel rates: {est.expected_ms:.1f} ms, MFU "

@@ -135,8 +135,9 @@ def estimate_top(result: TuneResult, k: int, target: str) -> list[Estimated]:
     for p in tqdm(plans, desc="compiling for " + target, unit="plan", leave=False):
         built = analyze.build_plan(p.config, target)
         texts: list[str] = []
-        analyze.analyze(p.config, target, built, texts)
-        est = analyze.step_estimate(p.config, built.plan, built.model, target, texts[0])
+        report = analyze.analyze(p.config, target, built, texts)
+        est = analyze.step_estimate(p.config, built.plan, built.model, target, texts[0],
+                                    report)
         out.append(Estimated(p, est.to_json()))
     return sorted(out, key=lambda e: e.estimate["step_ms"])
 
