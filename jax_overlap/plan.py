@@ -10,8 +10,9 @@ the plan (or plain values from it) and never look at the config's parallel secti
 
 Knobs left at `auto` are chosen here for the target the step runs on (`Target`): with tp > 1
 on a GPU, collective matmul (bidirectional when the local sequence chunk splits in two), and
-together the microbatch that keeps each GEMM near `MICROBATCH_TOKENS` rows with the estimated
-step (`hardware.memory`, remat `full`: `GPU_REMAT_WHY`) within `MEMORY_BUDGET` of the device's
+together the fewest microbatches whose GEMMs stay within their row budget (`gemm_tokens`),
+whose pipeline bubble stays within `PIPELINE_BUBBLE`, and whose estimated step
+(`hardware.memory`, remat `full`: `GPU_REMAT_WHY`) fits `MEMORY_BUDGET` of the device's
 memory; on a CPU, where every collective is synchronous and wall time follows total work, plain
 TP, no extra microbatches and no recompute. `ParallelPlan.choices` says what was picked and
 why; `resolved_config` writes the choices back into the config (the run's config.json holds
@@ -45,10 +46,16 @@ MICROBATCH_TOKENS = 8192
 # 29.0 GiB compiled; m 2 960 ms, 32.4 GiB; m 1 941 ms, 44.9 GiB, where the f32 logits of the
 # whole batch start to dominate).
 DATA_PARALLEL_MICROBATCH_TOKENS = 4 * MICROBATCH_TOKENS
-# Under collective matmul each GEMM runs as tp ring steps of 1/tp of the rows; auto
-# microbatching keeps each step's GEMM at MICROBATCH_TOKENS rows (GPT-1.3B dp2 x tp4: 8
-# microbatches of 16 sequences, 1.84 s estimated step; 32 of 4 took 1.6x as long, mostly the
-# ring steps' kernel launches): `gemm_tokens`.
+# The same for every GEMM on a GPU where collective matmul or a pipeline hides the
+# collectives: under collective matmul each ring step's GEMM (1/tp of the rows), in a pipeline
+# each action's. Smaller microbatches only add kernel launches and passes over the gradient
+# accumulators (GPT-1.3B, deviceless 8 x H100, step with exposed communication, 2026-12-06:
+# dp2 x tp4 collective matmul, m 2 / 4 / 8 / 16: 1521 / 1655 / 1891 / 2347 ms; pp2 x dp2 x tp2,
+# m 8 / 16 / 32: 1327 / 1346 / 1451 ms): `gemm_tokens`.
+# A pipeline's microbatches fill it: auto takes no fewer than make its bubble,
+# (pp - 1) / (m + pp - 1), at most this share (GPT-1.3B pp4 x dp2, m 8 / 16 / 32: 1335 /
+# 1224 / 1253 ms, but 0.933 of the collective bytes under GEMMs at m 16 against 0.962).
+PIPELINE_BUBBLE = 0.1
 # Share of device memory the estimated step may take under auto microbatching / remat; the rest
 # is headroom for the buffers that overlapping keeps alive longer and for XLA's own
 # temporaries. (XLA's GPU scheduler itself plans for 80% of the device, and its
@@ -583,10 +590,10 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
         elif m.pp > 1:
             tp_comm, why = "sequence_parallel", (
                 "pp > 1: inside the pipeline's per-stage branches collective matmul runs as "
-                "grouped all-gather / reduce-scatter steps, which hide the TP collectives but "
-                "cost more kernels and copies than they hide (GPT-1.3B pp2 x dp2 x tp2, "
-                "deviceless 8 x H100: 1.51 s estimated step + 0.01 s exposed, sequence "
-                "parallel 1.39 s + 0.06 s)")
+                "grouped all-gather / reduce-scatter steps, which cost more kernels and copies "
+                "than they hide (GPT-1.3B pp2 x dp2 x tp2, 16 microbatches, deviceless 8 x "
+                "H100: 1.39 s estimated step, 0.02 s of it exposed communication; sequence "
+                "parallel 1.35 s, 0.06 s exposed)")
         elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")
@@ -594,8 +601,8 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             tp_comm, why = "collective_matmul", (
                 f"tp={m.tp} on {target.name}: each block's all-gather and reduce-scatter run as "
                 f"ring steps under the partial matmuls (GPT-1.3B dp2 x tp4, deviceless 8 x "
-                f"H100: 1.84 s estimated step with 0.06 s of communication exposed; sequence "
-                f"parallel 1.52 s with 0.48 s exposed)")
+                f"H100: 1.52 s estimated step, 0.05 s of it exposed communication; sequence "
+                f"parallel 2.00 s, 0.48 s exposed)")
         choices["overlap.tp_comm"] = Choice(tp_comm, why)
     direction = ov.collective_matmul_direction
     if direction == "auto":
@@ -1101,13 +1108,21 @@ def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
 
 
 def gemm_tokens(cfg: Config, tp_comm: str) -> int:
-    """Microbatch tokens auto microbatching aims for: `MICROBATCH_TOKENS` GEMM rows, per ring
-    step under collective matmul (at pp = 1; a pipeline's grouped steps are whole GEMMs)."""
+    """Most tokens a microbatch takes under auto microbatching on a GPU:
+    `DATA_PARALLEL_MICROBATCH_TOKENS` GEMM rows, per ring step under collective matmul (at
+    pp = 1; a pipeline's grouped steps are whole GEMMs); `MICROBATCH_TOKENS` where tensor
+    parallelism's collectives run whole beside the GEMMs (sequence parallel or plain TP at
+    pp = 1), so that XLA's scheduler has room to keep them in flight."""
     if tp_comm == "collective_matmul" and cfg.mesh.pp == 1:
-        return MICROBATCH_TOKENS * cfg.mesh.tp
-    if cfg.mesh.pp == 1 and cfg.mesh.tp == 1:
-        return DATA_PARALLEL_MICROBATCH_TOKENS
-    return MICROBATCH_TOKENS
+        return DATA_PARALLEL_MICROBATCH_TOKENS * cfg.mesh.tp
+    if cfg.mesh.pp == 1 and cfg.mesh.tp > 1:
+        return MICROBATCH_TOKENS
+    return DATA_PARALLEL_MICROBATCH_TOKENS
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """The idle share of a 1F1B-like pipeline: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
 
 
 def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
@@ -1145,8 +1160,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                           choices: dict[str, Choice], attention: str = "plain"
                           ) -> tuple[int, str]:
     """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
-    kept): on a GPU the fewest microbatches whose GEMMs stay within `MICROBATCH_TOKENS` rows
-    and whose estimated step fits (`fits_memory`) under the candidate policies
+    kept): on a GPU the fewest microbatches whose GEMMs stay within `gemm_tokens` rows, whose
+    pipeline bubble is at most `PIPELINE_BUBBLE` and whose estimated step fits (`fits_memory`) under the candidate policies
     (`_remat_candidates`); on a CPU the fewest microbatches and no recompute but in a
     pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
     m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
@@ -1202,16 +1217,18 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         return n, pick_remat(n)
     budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
     tokens = gemm_tokens(cfg, overlap.tp_comm)
-    for n in valid:
+    filled = [n for n in valid if pipeline_bubble(m.pp, n) <= PIPELINE_BUBBLE] or valid[-1:]
+    for n in filled:
         b = per_replica // n
         if b * mo.seq_len > tokens:
             continue
         remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats(n))
         if remat is not None:
             rows = (f"collective-matmul ring steps of {b * mo.seq_len // m.tp} rows"
-                    if tokens > MICROBATCH_TOKENS and m.tp > 1
+                    if overlap.tp_comm == "collective_matmul" and m.pp == 1 and m.tp > 1
                     else f"GEMMs of {b * mo.seq_len} rows")
-            why = (f"{b} sequences x {mo.seq_len} positions per microbatch: {rows}, "
+            bubble = (f", bubble {pipeline_bubble(m.pp, n):.3f}" if m.pp > 1 else "")
+            why = (f"{b} sequences x {mo.seq_len} positions per microbatch: {rows}{bubble}, "
                    f"~{need / 1e9:.0f} GB per device estimated")
             if budget is not None:
                 why += f" (budget {budget / 1e9:.0f} GB)"

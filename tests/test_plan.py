@@ -60,10 +60,17 @@ def test_auto_moe_chunks_split_the_all_to_alls_on_a_gpu_with_ep_only():
 def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
     tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
     assert (tp4.overlap.tp_comm, tp4.overlap.cm_direction) == ("collective_matmul", "bi")
-    # 16 sequences x 2048 positions per microbatch: ring steps of 8192 rows (32 of 4 spent
-    # the step on the ring steps' small kernels).
-    assert (tp4.microbatches, tp4.micro_batch) == (8, 16)
-    assert "ring steps of 8192 rows" in tp4.choices["pipeline.microbatches"].why
+    # 64 sequences x 2048 positions per microbatch: ring steps of 32768 rows, as dp8's GEMMs
+    # (estimated step 1521 ms; 8 of 16: 1891 ms, 32 of 4 spent the step on the ring steps'
+    # small kernels).
+    assert (tp4.microbatches, tp4.micro_batch) == (2, 64)
+    assert "ring steps of 32768 rows" in tp4.choices["pipeline.microbatches"].why
+    # A pipeline: the fewest microbatches whose bubble is at most 0.1 (pp2: 16 of 8
+    # sequences, estimated step 1346 ms; 32 of 4: 1451 ms).
+    pp2 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]),
+                             target=H100)
+    assert (pp2.microbatches, pp2.micro_batch) == (16, 8)
+    assert "bubble 0.059" in pp2.choices["pipeline.microbatches"].why
     # Data parallelism alone: 16 sequences, GEMMs of 32768 rows (estimated step 960 ms; 4
     # microbatches of 8: 1017 ms).
     dp8 = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
@@ -208,7 +215,7 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
     assert resolved.overlap.tp_comm == "collective_matmul"
-    assert resolved.pipeline.microbatches == 8
+    assert resolved.pipeline.microbatches == 2
     config.validate(resolved)  # the resolved config is itself a valid explicit config
 
 
