@@ -12,7 +12,8 @@ Candidates whose compiled step takes more than the plan's `MEMORY_BUDGET` share 
 memory are not ranked (the rest is the headroom the plan keeps for XLA's own temporaries).
 
 Estimates are cached in `--cache` (default bench/results/plain_vs_tuned.json), keyed by the
-config file and overrides, so a rerun compiles only what is new; `--fresh` ignores it.
+config file, the overrides and the values the plan resolves for them (so a changed default
+compiles again), so a rerun compiles only what is new; `--fresh` ignores it.
 Deviceless GPT-1.3B compiles take 1-6 minutes each on a small CPU.
 
     python bench/plain_vs_tuned.py                 # GPT-1.3B: dp8, pp4 x dp2, dp2 x tp4, pp2 x dp2 x tp2 (h100)
@@ -32,6 +33,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # plans are resolved here, compiled in children
 
 from jax_overlap.plan import MEMORY_BUDGET  # noqa: E402
 
@@ -112,11 +114,22 @@ def estimate(recipe: str, overrides: list[str], target: str) -> dict:
             "microbatches": plan["microbatches"], "remat": choices.get("model.remat", "")}
 
 
+def resolved(recipe: str, overrides: list[str], target: str) -> str:
+    """The values the plan picks for the recipe's `auto` knobs (no compile)."""
+    from jax_overlap import config
+    from jax_overlap.analysis.analyze import build_plan
+
+    plan = build_plan(config.load(os.path.join(GPU, recipe), overrides), target).plan
+    return json.dumps({k: c.value for k, c in plan.choices.items()}, sort_keys=True,
+                      default=str)
+
+
 def compare(name: str, recipe: str, candidates: list[list[str]], base: list[str],
             target: str, cache: dict) -> dict:
     """The plain config's estimate, each candidate's, and the gap to the best that fits."""
     def cached(extra: list[str]) -> dict:
-        key = " ".join([recipe] + base + extra) + f" @{target}{CACHE_VERSION}"
+        key = (" ".join([recipe] + base + extra) + f" @{target}{CACHE_VERSION} "
+               + resolved(recipe, base + extra, target))
         if key not in cache:
             print(f"  compiling {name} {' '.join(extra) or '(plain)'} ...", flush=True)
             cache[key] = estimate(recipe, base + extra, target)
@@ -162,7 +175,7 @@ def main(argv=None) -> int:
     cache: dict = {}
     if args.cache and os.path.exists(args.cache) and not args.fresh:
         with open(args.cache) as f:
-            cache = {k: v for k, v in json.load(f).items() if k.endswith(CACHE_VERSION)}
+            cache = {k: v for k, v in json.load(f).items() if f"{CACHE_VERSION} " in k}
     failed = []
     for name in args.only or list(meshes):
         recipe, candidates = meshes[name]
