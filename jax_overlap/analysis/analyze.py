@@ -59,7 +59,7 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
     # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
     # by how often the tick table takes it, not as if every branch ran every tick.
     def frequencies(text):
-        return plan.program.switch_weights(text) if plan.program is not None else None
+        return switch_weights(plan.program, text)
 
     from jax_overlap.analysis import deviceless
 
@@ -88,6 +88,24 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 
     return analyze_hlo(text, target=get_target(target).key,
                        branch_frequencies=frequencies(text))
+
+
+def switch_weights(program, text: str):
+    """The branch weights of a compiled pipeline step's tick switches, for
+    `hlo_parse.execution_counts` (None without a pipeline): each branch's share of the
+    table's (tick, stage) entries (`TickProgram.branch_frequencies`). Where the step runs its
+    last tick after the loop (`LAST_TICK_SCOPE` in its HLO), per conditional: the last row's
+    shares for that tick's switches, the other rows' for the loop's."""
+    from jax_overlap.pipeline.program import LAST_TICK_SCOPE
+
+    if program is None:
+        return None
+    scope = f"/{LAST_TICK_SCOPE}/"
+    if scope not in text:
+        return program.branch_frequencies()
+    loop = program.branch_frequencies(slice(0, -1))
+    last = program.branch_frequencies(slice(-1, None))
+    return lambda inst: last if scope in inst.attributes else loop
 
 
 def step_estimate(cfg, plan, model, target: str, text: str, report=None):
@@ -229,8 +247,7 @@ def analyze_command(cfg, target: str = "cpu", as_json: bool = False, top: int = 
     memory: dict = {}
     report = analyze(cfg, target, built, texts, memory)
     model, plan = built.model, built.plan
-    frequencies = (plan.program.switch_weights(texts[0]) if plan.program is not None
-                   else None)
+    frequencies = switch_weights(plan.program, texts[0])
     estimate = (step_estimate(cfg, plan, model, target, texts[0], report) if target != "cpu"
                 else None)
     dcn = dcn_summary(plan, texts if target == "cpu" else [], frequencies, report)

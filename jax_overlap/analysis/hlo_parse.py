@@ -491,7 +491,7 @@ def execution_counts(module: HloModule, branch_frequencies: Sequence[float] | No
         it: the share of (tick, stage) entries running each action, averaged over
         stages); branch ``b`` then counts its caller's executions times ``[b]``. Or a
         function of the conditional giving those shares (or None), where they differ
-        from one conditional to another (`TickProgram.switch_weights`).
+        from one conditional to another (`analysis.analyze.switch_weights`).
 
     Returns:
       (computation -> executions, warnings about loops whose trip count is unknown).

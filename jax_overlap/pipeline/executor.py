@@ -1248,10 +1248,10 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
     # Each stage holds its own layers' gradients: nothing to combine over pp.
     blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
                           grads["synced"] if synced else grads["blocks"])
-    # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
-    # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
     if ends is not None:
         return {"blocks": blocks, **ends}
+    # Embedding / head gradients live on the stages that ran virtual stage 0 / the last;
+    # zeros elsewhere. Summing over pp gathers them (and adds tied wte's two uses).
     ends = {k: grads[k] for k in ("embed", "head")}
     bucket_bytes, comm_dtype = overlap.grad_bucket_bytes, overlap.grad_comm_dtype
     slow = any(DCN in _varying_axes(g) for g in jax.tree.leaves(ends))  # dcn: slow_axis

@@ -33,7 +33,8 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 LANE_SCOPE = "pp_lane"
 HEAD_SCOPE = "pp_head"
 # Around the step's last tick where it runs after the loop (`executor.DeferredEmbedding`): its
-# switches take the last row of the table, the loop's the others (`tick_rows`).
+# switches take the last row of the table, the loop's the others
+# (`analysis.analyze.switch_weights`).
 LAST_TICK_SCOPE = "pp_last_tick"
 RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
 ROUTES = ("down", "up", "self")
@@ -130,17 +131,6 @@ class TickProgram:
         counts = np.bincount(self.column("branch")[ticks].ravel(),
                              minlength=1 + len(self.branches))
         return (counts / counts.sum()).tolist()
-
-    def switch_weights(self, hlo_text: str):
-        """The branch weights of the compiled step's tick switches
-        (`analysis.hlo_parse.execution_counts`): `branch_frequencies()`, or where the step
-        runs its last tick after the loop (`LAST_TICK_SCOPE` in its HLO), per conditional:
-        the loop's ticks' shares, or the last tick's for its own switches."""
-        if f"/{LAST_TICK_SCOPE}/" not in hlo_text:
-            return self.branch_frequencies()
-        loop, last = self.branch_frequencies(slice(0, -1)), self.branch_frequencies(
-            slice(-1, None))
-        return lambda inst: last if f"/{LAST_TICK_SCOPE}/" in inst.attributes else loop
 
     def fills(self, pool: str) -> tuple[bool, ...]:
         """Per switch branch (idle first), whether it fills its slot of a residual pool: an
