@@ -16,7 +16,7 @@ config file, the overrides and the values the plan resolves for them (so a chang
 compiles again), so a rerun compiles only what is new; `--fresh` ignores it.
 Deviceless GPT-1.3B compiles take 1-6 minutes each on a small CPU.
 
-    python bench/plain_vs_tuned.py                 # GPT-1.3B: dp8, pp4 x dp2, dp2 x tp4, pp2 x dp2 x tp2 (h100)
+    python bench/plain_vs_tuned.py                 # GPT-1.3B, h100: every mesh below
     python bench/plain_vs_tuned.py --only dp8
     python bench/plain_vs_tuned.py --quick         # a small GPT, two candidates a mesh
 

@@ -35,23 +35,20 @@ from jax_overlap.pipeline.schedules import KINDS, Schedule, make_schedule
 
 MIB = 2**20
 
-# GEMM rows per microbatch (sequences x positions) that auto microbatching aims for on a GPU:
-# large enough that the matmuls run near peak, small enough that one microbatch's activations
-# leave XLA's latency-hiding scheduler room to keep collectives in flight (it serialises them
-# when the step would not fit otherwise).
+# GEMM rows per microbatch (sequences x positions) auto microbatching allows on a GPU where
+# tensor parallelism's collectives run whole beside the GEMMs (sequence parallel or plain TP at
+# pp = 1): small enough that one microbatch's activations leave XLA's latency-hiding scheduler
+# room to keep those collectives in flight (it serialises them when the step would not fit
+# otherwise). `gemm_tokens`.
 MICROBATCH_TOKENS = 8192
-# Data parallelism alone (pp = tp = 1): four times that. Each microbatch adds a pass over the
-# f32 gradient accumulators and its share of kernel launches, and the GEMMs are the device's
-# own (GPT-1.3B dp8, remat full, deviceless 8 x H100, 2026-12-03: m 4 1017 ms estimated step,
-# 29.0 GiB compiled; m 2 960 ms, 32.4 GiB; m 1 941 ms, 44.9 GiB, where the f32 logits of the
-# whole batch start to dominate).
-DATA_PARALLEL_MICROBATCH_TOKENS = 4 * MICROBATCH_TOKENS
-# The same for every GEMM on a GPU where collective matmul or a pipeline hides the
-# collectives: under collective matmul each ring step's GEMM (1/tp of the rows), in a pipeline
-# each action's. Smaller microbatches only add kernel launches and passes over the gradient
-# accumulators (GPT-1.3B, deviceless 8 x H100, step with exposed communication, 2026-12-06:
-# dp2 x tp4 collective matmul, m 2 / 4 / 8 / 16: 1521 / 1655 / 1891 / 2347 ms; pp2 x dp2 x tp2,
-# m 8 / 16 / 32: 1327 / 1346 / 1451 ms): `gemm_tokens`.
+# Everywhere else four times that: data parallelism's GEMMs, each collective-matmul ring
+# step's (1/tp of the rows), each pipeline action's. Each microbatch adds a pass over the f32
+# gradient accumulators and its share of kernel launches (deviceless 8 x H100, remat full:
+# GPT-1.3B dp8, 2026-12-03, m 4 / 2 / 1: 1017 / 960 / 941 ms estimated step, 29.0 / 32.4 /
+# 44.9 GiB compiled, at m 1 the f32 logits of the whole batch start to dominate; with the
+# exposed communication in the step, 2026-12-06: dp2 x tp4 collective matmul, m 2 / 4 / 8 /
+# 16: 1521 / 1655 / 1891 / 2347 ms; pp2 x dp2 x tp2, m 8 / 16 / 32: 1327 / 1346 / 1451 ms).
+GEMM_TOKENS = 4 * MICROBATCH_TOKENS
 # A pipeline's microbatches fill it: auto takes no fewer than make its bubble,
 # (pp - 1) / (m + pp - 1), at most this share (GPT-1.3B pp4 x dp2, m 8 / 16 / 32: 1335 /
 # 1224 / 1253 ms, but 0.933 of the collective bytes under GEMMs at m 16 against 0.962).
@@ -1107,17 +1104,21 @@ def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
     return None, need, tried
 
 
+def _ring_steps(cfg: Config, tp_comm: str) -> bool:
+    """Whether each GEMM runs as tp collective-matmul ring steps of 1/tp of its rows (at
+    pp = 1; a pipeline's grouped steps are whole GEMMs)."""
+    return tp_comm == "collective_matmul" and cfg.mesh.pp == 1 and cfg.mesh.tp > 1
+
+
 def gemm_tokens(cfg: Config, tp_comm: str) -> int:
-    """Most tokens a microbatch takes under auto microbatching on a GPU:
-    `DATA_PARALLEL_MICROBATCH_TOKENS` GEMM rows, per ring step under collective matmul (at
-    pp = 1; a pipeline's grouped steps are whole GEMMs); `MICROBATCH_TOKENS` where tensor
-    parallelism's collectives run whole beside the GEMMs (sequence parallel or plain TP at
-    pp = 1), so that XLA's scheduler has room to keep them in flight."""
-    if tp_comm == "collective_matmul" and cfg.mesh.pp == 1:
-        return DATA_PARALLEL_MICROBATCH_TOKENS * cfg.mesh.tp
+    """Most tokens a microbatch takes under auto microbatching on a GPU: `GEMM_TOKENS` GEMM
+    rows (per ring step under collective matmul), `MICROBATCH_TOKENS` where TP collectives
+    run whole beside the GEMMs (sequence parallel or plain TP at pp = 1)."""
+    if _ring_steps(cfg, tp_comm):
+        return GEMM_TOKENS * cfg.mesh.tp
     if cfg.mesh.pp == 1 and cfg.mesh.tp > 1:
         return MICROBATCH_TOKENS
-    return DATA_PARALLEL_MICROBATCH_TOKENS
+    return GEMM_TOKENS
 
 
 def pipeline_bubble(stages: int, microbatches: int) -> float:
@@ -1161,9 +1162,9 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                           ) -> tuple[int, str]:
     """`pipeline.microbatches` and `model.remat`, `auto` resolved together (explicit values are
     kept): on a GPU the fewest microbatches whose GEMMs stay within `gemm_tokens` rows, whose
-    pipeline bubble is at most `PIPELINE_BUBBLE` and whose estimated step fits (`fits_memory`) under the candidate policies
-    (`_remat_candidates`); on a CPU the fewest microbatches and no recompute but in a
-    pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
+    pipeline bubble is at most `PIPELINE_BUBBLE` and whose estimated step fits (`fits_memory`)
+    under the candidate policies (`_remat_candidates`); on a CPU the fewest microbatches and
+    no recompute but in a pipeline (`CPU_PIPELINE_REMAT_WHY`)."""
     m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
     auto_remat = mo.remat == "auto"
     per_replica = cfg.train.global_batch // (m.dcn * m.dp)
@@ -1225,7 +1226,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         remat, need, tried = _cheapest_remat(cfg, b, overlap, target, attention, remats(n))
         if remat is not None:
             rows = (f"collective-matmul ring steps of {b * mo.seq_len // m.tp} rows"
-                    if overlap.tp_comm == "collective_matmul" and m.pp == 1 and m.tp > 1
+                    if _ring_steps(cfg, overlap.tp_comm)
                     else f"GEMMs of {b * mo.seq_len} rows")
             bubble = (f", bubble {pipeline_bubble(m.pp, n):.3f}" if m.pp > 1 else "")
             why = (f"{b} sequences x {mo.seq_len} positions per microbatch: {rows}{bubble}, "

@@ -56,11 +56,6 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 
     built = built or build_plan(cfg, target)
     plan = built.plan
-    # A pipeline step runs its actions through one `conditional` per tick: weigh each branch
-    # by how often the tick table takes it, not as if every branch ran every tick.
-    def frequencies(text):
-        return switch_weights(plan.program, text)
-
     from jax_overlap.analysis import deviceless
 
     if target == "cpu":
@@ -71,7 +66,8 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
                                           memory=memory)
         if texts is not None:
             texts.append(text)
-        return analyze_hlo(text, target="cpu", branch_frequencies=frequencies(text))
+        return analyze_hlo(text, target="cpu",
+                           branch_frequencies=switch_weights(plan.program, text))
     reason = deviceless.unavailable_reason()
     if reason:
         from jax_overlap.config import ConfigError
@@ -87,13 +83,14 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
     from jax_overlap.analysis.xla_targets import get_target
 
     return analyze_hlo(text, target=get_target(target).key,
-                       branch_frequencies=frequencies(text))
+                       branch_frequencies=switch_weights(plan.program, text))
 
 
 def switch_weights(program, text: str):
     """The branch weights of a compiled pipeline step's tick switches, for
-    `hlo_parse.execution_counts` (None without a pipeline): each branch's share of the
-    table's (tick, stage) entries (`TickProgram.branch_frequencies`). Where the step runs its
+    `hlo_parse.execution_counts` (None without a pipeline). A pipeline step runs its actions
+    through one `conditional` per tick: each branch weighs its share of the table's (tick,
+    stage) entries (`TickProgram.branch_frequencies`), not as if every branch ran every tick. Where the step runs its
     last tick after the loop (`LAST_TICK_SCOPE` in its HLO), per conditional: the last row's
     shares for that tick's switches, the other rows' for the loop's."""
     from jax_overlap.pipeline.program import LAST_TICK_SCOPE

@@ -47,7 +47,6 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -420,11 +419,6 @@ class Ticks:
                                   for b in program.branches)
         return cls(branch, names, senders, head, program.lanes == 2 or program.skewed)
 
-    @cached_property
-    def lane_frequencies(self) -> list[list[float]]:
-        """Per lane, the share of (tick, stage) entries taking each branch."""
-        return [self.frequencies(lane) for lane in range(self.branch.shape[2])]
-
     def frequencies(self, lane: int, rows: slice = slice(None)) -> list[float]:
         """The share of lane `lane`'s (tick, stage) entries of the ticks `rows` taking each
         branch."""
@@ -553,35 +547,36 @@ def estimate_step(hlo: str | HloModule, chip: ChipSpec, model_flops: float,
       The :class:`StepEstimate`.
     """
     module = parse_module(hlo) if isinstance(hlo, str) else hlo
-    est = _replay(module, chip, model_flops, ticks)
-    step_s = est.step_ms * 1e-3 + exposed_s
-    est = dataclasses.replace(est, step_ms=step_s * 1e3, exposed_ms=exposed_s * 1e3,
-                              mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0)
+    est = _replay(module, chip, model_flops, ticks, exposed_s)
     measured = chip.at_measured_rates()
     if measured is None:
         return est
-    expected_s = _replay(module, measured, model_flops, ticks).step_ms * 1e-3 + exposed_s
+    expected_s = _replay(module, measured, model_flops, ticks, exposed_s).step_ms * 1e-3
     return dataclasses.replace(
         est, expected_ms=expected_s * 1e3,
         expected_mfu=model_flops / (expected_s * chip.peak_bf16_flops) if expected_s else 0.0)
 
 
 def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
-            ticks: Ticks | None) -> StepEstimate:
-    """The roofline of ``module`` at ``chip``'s rates, its pipeline replayed."""
+            ticks: Ticks | None, exposed_s: float = 0.0) -> StepEstimate:
+    """The roofline of ``module`` at ``chip``'s rates, its pipeline replayed, plus
+    ``exposed_s``."""
 
     # A step that runs its last tick after the loop (`pipeline.executor.DeferredEmbedding`)
     # has a second set of tick switches, outside the loop: those take the table's last
     # row, the loop's the rows before it.
     loop = _tick_loop(module) if ticks is not None else None
     peeled = [] if loop is None else _last_tick_switches(module)
-    rows_of = {False: slice(0, ticks.branch.shape[0] - (1 if peeled else 0)) if ticks else None,
-               True: slice(-1, None)}
+
+    def rows_of(inst: Instruction) -> slice:
+        if not peeled:
+            return slice(None)
+        return slice(-1, None) if _in_last_tick(inst) else slice(0, -1)
 
     def weights(inst: Instruction) -> Sequence[float] | None:
         if ticks is None:
             return None
-        rows = rows_of[bool(peeled) and _in_last_tick(inst)]
+        rows = rows_of(inst)
         lane = _lane(inst)
         if lane is not None and lane < ticks.branch.shape[2]:
             return ticks.frequencies(lane, rows)
@@ -610,7 +605,7 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
             + walker.tally(cond).seconds * (trips + 1) / max(trips, 1)
         work = np.full(ticks.branch.shape[:2], outside)
         for switch in switches + peeled:
-            rows = rows_of[switch in peeled]
+            rows = rows_of(switch)
             costs = [b.seconds for b in walker.branches(switch, "")]
             lane = _lane(switch)
             if lane is not None and lane < ticks.branch.shape[2]:
@@ -620,15 +615,15 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
                 work[rows] += np.where(ticks.head[rows], costs[1], costs[0])[:, None]
         replayed = replay_ticks(work, ticks).max()
         wait_s = max(0.0, replayed - work.sum(axis=0).mean())
-    step_s = total.seconds + wait_s
+    step_s = total.seconds + wait_s + exposed_s
     kernels = tuple((k, runs, where) for k, runs, where in total.kernels.values())
     return StepEstimate(
         step_ms=step_s * 1e3,
         mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s > 0 else 0.0,
         gemm_ms=total.gemm_s * 1e3, other_ms=total.other_s * 1e3,
         launch_ms=total.launches * LAUNCH_S * 1e3, wait_ms=wait_s * 1e3,
-        model_flops=float(model_flops), gemm_flops=total.gemm_flops, kernels=kernels,
-        chip=chip.name)
+        exposed_ms=exposed_s * 1e3, model_flops=float(model_flops),
+        gemm_flops=total.gemm_flops, kernels=kernels, chip=chip.name)
 
 
 def format_estimate(est: StepEstimate, top: int = 0) -> list[str]:
