@@ -148,15 +148,15 @@ class Head(nn.Module):
     @nn.compact
     def __call__(self, x_btd, wte_vd, par: Parallel):
         y_btd = LayerNorm(name="ln_f")(x_btd)
-        if par.sequence_sharded:  # logits need every position: (B, T/tp, D) -> (B, T, D)
-            y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
         if self.tied:
             w_dv = wte_vd.T
         else:
             w_dv = self.param("w_out", _normal(0.02), (self.d_model, self.vocab // self.tp))
         w_dv = vocab_columns(w_dv, par)
-        return jnp.einsum("btd,dv->btv", y_btd.astype(par.compute_dtype),
-                          w_dv.astype(par.compute_dtype))
+        # Logits need every position: under sequence parallelism the sequence is gathered
+        # (B, T/tp, D) -> (B, T, D) for this matmul, under collective matmul beneath it.
+        return column_parallel(y_btd.astype(par.compute_dtype), w_dv.astype(par.compute_dtype),
+                               par)
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,8 @@ def test_every_ring_transfer_is_a_loop_step(direction):
 def test_gpu_schedule_hides_grouped_steps_at_tp2_in_a_pipeline():
     """Deviceless H100, pp2 x dp2 x tp2: inside the pipeline's stage branches sequence
     parallelism's all-gathers and reduce-scatters have no GEMM beside them; the grouped
-    steps (own chunk first at tp = 2) put most of their bytes under one."""
+    steps (own chunk first at tp = 2) put nearly all of their bytes under one, in the
+    backward too, and so does the head's gather."""
     from jax_overlap.analysis import analyze, deviceless
 
     if not deviceless.plugin_available():
@@ -276,5 +277,7 @@ def test_gpu_schedule_hides_grouped_steps_at_tp2_in_a_pipeline():
         return sum(op.bytes_per_step for op in ops if op.under_gemm) / sum(
             op.bytes_per_step for op in ops)
 
-    assert tp_share("sequence_parallel") < 0.1  # measured 0.01 (2026-12-05, jax 0.12.0.1)
-    assert tp_share("collective_matmul") >= 0.6  # measured 0.73 (0.95 on GPT-1.3B)
+    assert tp_share("sequence_parallel") < 0.1  # measured 0.07 (2026-12-06, jax 0.12.0.1)
+    # measured 0.96 (0.73 before the own GEMM's input gradient was summed after a barrier,
+    # `collective_matmul._fork`, and the head's gather went under its GEMM)
+    assert tp_share("collective_matmul") >= 0.9

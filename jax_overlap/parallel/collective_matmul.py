@@ -361,6 +361,30 @@ def own_chunk_first(tp: int) -> bool:
     return tp == 2
 
 
+@jax.custom_vjp
+def _fork(x):
+    """`(x, x)`, whose backward adds the two cotangents only after an optimization barrier.
+
+    `_gather_under` uses `x` twice: in the own chunk's GEMM and in the all-gather. In the
+    backward their cotangents are the own GEMM's input gradient and the reduce-scatter of
+    the other chunks' (the all-gather's transpose). Summed by autodiff, XLA fuses the add
+    into the own GEMM's epilogue, and that GEMM then waits for the reduce-scatter; summed
+    after a barrier, the reduce-scatter runs under it."""
+    return x, x
+
+
+def _fork_fwd(x):
+    return (x, x), None
+
+
+def _fork_bwd(_, cts):
+    own, gathered = jax.lax.optimization_barrier(cts)
+    return (own + gathered,)
+
+
+_fork.defvjp(_fork_fwd, _fork_bwd)
+
+
 def _gather_under(x_btd, own_fn, axis: str, tp: int):
     """All-gathers `x` over `axis` while `own_fn(x)` runs on the rank's own chunk.
 
@@ -368,7 +392,8 @@ def _gather_under(x_btd, own_fn, axis: str, tp: int):
       (own_fn(x), [(chunk, rows)] for every other rank's chunk, rows (B, T/tp, D)).
     """
     rank = jax.lax.axis_index(axis)
-    gathered = jax.lax.all_gather(x_btd, axis, axis=1)  # (B, tp, T/tp, D), over tp
+    x_btd, x_sent = _fork(x_btd)
+    gathered = jax.lax.all_gather(x_sent, axis, axis=1)  # (B, tp, T/tp, D), over tp
     # The barrier keeps the own work ahead of the gather's end: XLA would otherwise fuse the
     # own GEMM with the other chunks' (one GEMM of the concatenated rows, after the gather).
     own, gathered = jax.lax.optimization_barrier((own_fn(x_btd), gathered))

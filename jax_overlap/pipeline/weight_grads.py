@@ -202,6 +202,13 @@ class _Graph:
 
 
 def _bind(eqn, invals) -> list:
+    if eqn.primitive.name == "pvary":
+        # A replayed value may already vary over an axis the traced one did not (the
+        # in-loop buckets mark a weight varying over tp before its last weight matmuls);
+        # marking it again is an error, so only the axes it lacks are added.
+        axes = tuple(eqn.params["axes"])
+        return [compat.to_varying(v, tuple(a for a in axes if a not in compat.varying_axes(v)))
+                for v in invals]
     out = compat.bind_eqn(eqn, invals)
     return list(out) if eqn.primitive.multiple_results else [out]
 
