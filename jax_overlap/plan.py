@@ -47,7 +47,7 @@ MICROBATCH_TOKENS = 8192
 # GPT-1.3B dp8, 2026-12-03, m 4 / 2 / 1: 1017 / 960 / 941 ms estimated step, 29.0 / 32.4 /
 # 44.9 GiB compiled, at m 1 the f32 logits of the whole batch start to dominate; with the
 # exposed communication in the step, 2026-12-06: dp2 x tp4 collective matmul, m 2 / 4 / 8 /
-# 16: 1521 / 1655 / 1891 / 2347 ms; pp2 x dp2 x tp2, m 8 / 16 / 32: 1327 / 1346 / 1451 ms).
+# 16: 1312 / 1429 / 1593 / 1981 ms; pp2 x dp2 x tp2, m 8 / 16 / 32: 1327 / 1346 / 1451 ms).
 GEMM_TOKENS = 4 * MICROBATCH_TOKENS
 # A pipeline's microbatches fill it: auto takes no fewer than make its bubble,
 # (pp - 1) / (m + pp - 1), at most this share (GPT-1.3B pp4 x dp2, m 8 / 16 / 32: 1335 /
@@ -599,7 +599,7 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             tp_comm, why = "collective_matmul", (
                 f"tp={m.tp} on {target.name}: each block's all-gather and reduce-scatter run as "
                 f"ring steps under the partial matmuls (GPT-1.3B dp2 x tp4, deviceless 8 x "
-                f"H100: 1.52 s estimated step, 0.05 s of it exposed communication; sequence "
+                f"H100: 1.31 s estimated step, 0.06 s of it exposed communication; sequence "
                 f"parallel 2.00 s, 0.48 s exposed)")
         choices["overlap.tp_comm"] = Choice(tp_comm, why)
     direction = ov.collective_matmul_direction
@@ -1026,7 +1026,7 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       unrolled_buckets=(m.pp == 1 and overlap.grad_bucket_bytes > 0
                                         and not overlap.fsdp
                                         and overlap.bucket_order == "largest_first"),
-                      ep=m.ep)
+                      ep=m.ep, ring_steps=overlap.tp_comm == "collective_matmul")
 
 
 @functools.lru_cache(maxsize=256)

@@ -117,8 +117,9 @@ def test_ring_is_ppermutes_not_gathers():
 
     kinds = analyze_hlo(text).collectives
     # Forward: tp-1 permutes; backward (the custom VJP): a reduce-scatter ring for the
-    # input's gradient (tp-1) and the input's chunks again for the weight's (tp-1).
-    assert kinds["collective-permute"].count == 3 * (tp - 1)
+    # input's gradient (tp-1) and the input's chunks again for the weight's (tp-1), whose
+    # first transfer is the forward's first, shared (CSE) when one program has both.
+    assert 3 * (tp - 1) - 1 <= kinds["collective-permute"].count <= 3 * (tp - 1)
     assert "all-gather" not in kinds and "reduce-scatter" not in kinds
 
 
@@ -238,10 +239,10 @@ def test_gpu_schedule_hides_ring_steps_under_gemms(direction):
 
 
 @pytest.mark.parametrize("direction", ["uni", "bi"])
-def test_every_ring_transfer_is_a_loop_step(direction):
-    """No collective-permute of either ring (forward or backward) is outside a loop body: a
-    transfer outside the loop has no partial GEMM of its own step that XLA cannot merge
-    with the GEMMs before or after the loop (see collective_matmul's docstring)."""
+def test_ring_steps_are_unrolled(direction):
+    """Neither ring (forward or backward) is a loop: as a scan, XLA:GPU copied the carried
+    chunk and output buffers at every step (collective_matmul's docstring). Every transfer is
+    still its own step: tp - 1 permutes per ring direction and pass."""
     from jax_overlap.analysis.hlo_parse import parse_module
     from jax_overlap.analysis.hlo_report import analyze_hlo
 
@@ -252,9 +253,13 @@ def test_every_ring_transfer_is_a_loop_step(direction):
                     (rs_ring, (jnp.zeros((b, t, n)), jnp.zeros((n, d)), jnp.zeros((b, t, d))))):
         text = f.lower(*args).compile().as_text()
         module = parse_module(text)
+        assert not any(i.opcode == "while" for c in module.computations.values()
+                       for i in c.instructions)
         permutes = [op for op in analyze_hlo(text).ops if op.kind == "collective-permute"]
-        assert permutes
-        assert all(op.computation != module.entry for op in permutes)
+        # the forward's ring and the backward's (the all-gather's backward re-sends x too,
+        # its first transfer shared with the forward's), on each ring direction
+        rings = 2 if direction == "bi" else 1
+        assert 2 * rings * (tp - 1) <= len(permutes) <= 3 * rings * (tp - 1)
 
 
 @pytest.mark.slow

@@ -67,6 +67,13 @@ PIPELINE_RECOMPUTE_SHARE = 0.45
 # backward. Measured on deviceless 8 x H100 compiles, remat full, when every bucket ran that
 # way: GPT-1.3B dp8 0.29-0.34, dp2 x tp4 0.55, Llama-3-8B dp2 x tp4 0.16; the low side.
 UNROLLED_RECOMPUTE_SHARE = 0.2
+# Whole-sequence activations (B, T, d_model) in the compute dtype that collective matmul's
+# unrolled ring steps hold at pp = 1 (`parallel.collective_matmul`), beside a layer's
+# recompute or the head's logits (its gather is a ring too): the chunks in flight, the partial
+# outputs and the accumulators of both ring directions.
+# Deviceless 8 x H100, remat full, m 2, bidirectional rings: GPT-1.3B dp2 x tp4 +3.3 GiB over
+# the scanned rings (6.6 sequences of 512 MiB), Llama-3-8B dp2 x tp4 +5.5 GiB (5.5 of 1 GiB).
+RING_STEP_SEQUENCES = 6
 
 
 def dtype_bytes(precision: str) -> int:
@@ -251,7 +258,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
                 slots: PipelineSlots | None = None, split_backward: bool = False,
                 vocab_parallel: bool = False, paired: bool = False,
                 buckets_in_loop: bool = False, unrolled_buckets: bool = False,
-                ep: int = 1) -> StepMemory:
+                ep: int = 1, ring_steps: bool = False) -> StepMemory:
     """Estimated peak bytes per device of one train step, by part.
 
     Args:
@@ -279,6 +286,10 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
         largest_first`): the last microbatch's layers run unrolled for their hooks
         (`UNROLLED_RECOMPUTE_SHARE`). Buckets packed per layer are reduced in the layer
         scan's backward and cost nothing here.
+      ring_steps: collective matmul's ring steps at pp = 1 (`overlap.tp_comm:
+        collective_matmul`, tp > 1): unrolled, a ring's chunks in flight, partial outputs
+        and accumulators are live at once beside the recomputed layer or the logits
+        (`RING_STEP_SEQUENCES`).
       ep: `mesh.ep`; above 1 the routed experts, their gradients and moments are stored
         split over dp (E/dp per rank, models/moe.py) and a layer's compute copy holds the
         ep slot's E/ep.
@@ -312,6 +323,8 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     # The fp32 logits of one microbatch (the head's peak, when no layer is being rebuilt).
     logits = tokens * 4 * model.vocab / tp / (pp if vocab_parallel else 1)
     work = max(redo, logits)
+    if ring_steps and tp > 1 and not pipelined:  # beside a layer's and the head's GEMMs alike
+        work += RING_STEP_SEQUENCES * tokens * a * d
     if not pipelined:
         kept = layers * (tokens * per_token + (copies if remat == "none" else 0.0))
         if unrolled_buckets and remat != "none":
@@ -365,4 +378,4 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
         buckets_in_loop=program is not None and ov.buckets_in_loop,
         unrolled_buckets=(program is None and ov.grad_bucket_bytes > 0 and not ov.fsdp
                           and ov.bucket_order == "largest_first"),
-        ep=plan.ep)
+        ep=plan.ep, ring_steps=ov.tp_comm == "collective_matmul")

@@ -7,19 +7,19 @@ transfer (or the transfer for the GEMM). Here the sequence moves in `tp` chunks 
 TP ring with `ppermute`, and each ring step's partial matmul does not depend on the transfer
 in flight, so the transfer runs under the GEMM.
 
-The ring steps are a `lax.scan` (one permute + one partial GEMM per iteration), shaped so
-that XLA's GPU pipeline cannot undo the overlap:
-  * not unrolled: unrolled, the tp independent partial GEMMs share the weight and can be
-    merged into one GEMM of the concatenated chunks, which waits for every transfer; one
-    GEMM per loop iteration cannot be merged;
-  * all-gather: the last chunk's GEMM is outside the loop, so the loop's final carry is
-    used after the loop -- a permute whose result is only the next iteration's carry may
-    be moved to the top of that iteration, where the GEMM would wait for it;
-  * reduce-scatter: every transfer, the last one too, is inside the loop, and the permute
-    is the first thing of the iteration and depends only on the carry. A last step outside
-    the loop would leave its GEMM free of the loop, to be merged with another GEMM, and the
-    last transfer with nothing to hide under.
-What XLA did that led to this shape (DotMerger, CollectivePermuteMotion, the exposed
+The tp - 1 ring steps are unrolled, and each step's results (the chunk that arrived, the
+buffers its matmul wrote) pass through one `optimization_barrier`, so XLA's GPU pipeline
+cannot undo the overlap:
+  * a step's partial GEMMs cannot be merged (DotMerger) with another step's into one GEMM
+    of the concatenated chunks, which would wait for every transfer;
+  * a transfer cannot be moved away from the GEMM it runs under: the step's permute and its
+    GEMM both end at the step's barrier, and the next step's permute reads the barrier's
+    output.
+As a `lax.scan` (one permute + one partial GEMM per iteration) the same steps kept these
+properties only by the loop's shape, and XLA:GPU copied the loop's carried buffers (the
+chunk in flight, the output or accumulator) at every iteration: GPT-1.3B dp2 x tp4,
+deviceless 8 x H100, 1.53 s estimated step as a scan, 1.31 s unrolled (docs/results.md).
+What XLA did with the earlier shapes (DotMerger, CollectivePermuteMotion, the exposed
 transfers it cost on GPT-1.3B): `docs/design/xla_notes.md`.
 
 Directions:
@@ -31,10 +31,10 @@ Directions:
 Numbers equal the plain collectives up to floating-point summation order (the ring adds the
 partial sums in a fixed order; XLA's reduce-scatter may use another). The backward of each
 ring is the other ring, written out as a custom VJP with the weight-gradient GEMMs in the
-same loop (see "the two rings" below).
+same steps (see "the two rings" below).
 
 Grouped steps (`grouped=True`, what the plan uses at pp > 1): the same software-pipelined
-loop, but each step moves its piece with an `all_gather` / `psum_scatter` over `axis` instead
+steps, but each step moves its piece with an `all_gather` / `psum_scatter` over `axis` instead
 of a `ppermute`. The pipeline executor runs every block inside a `lax.switch` whose branch
 differs from stage to stage; a collective-permute there is matched with whatever
 collective-permute the other stages run at that moment (XLA:CPU keys a permute's rendezvous by
@@ -80,10 +80,11 @@ def _halves(t_local: int) -> int:
 
 
 def _steps(body, carry, first: int, last: int):
-    """`carry` after body(carry, i) for i in [first, last); a scan (no loop when empty)."""
-    if last <= first:
-        return carry
-    return jax.lax.scan(lambda c, i: (body(c, i), None), carry, jnp.arange(first, last))[0]
+    """`carry` after body(carry, i) for i in [first, last): the steps unrolled, each one's
+    results tied by an optimization barrier (see the module docstring)."""
+    for i in range(first, last):
+        carry = jax.lax.optimization_barrier(body(carry, i))
+    return carry
 
 
 def _pieces(t_local: int, tp: int) -> int:
@@ -110,7 +111,7 @@ def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
 
 # --------------------------------------------------------------------------- the two rings
 # Each op is a custom VJP whose backward is the other ring, with the weight gradient's GEMMs
-# in the same loop: the all-gather ring's input gradient is a reduce-scatter ring of
+# in the same steps: the all-gather ring's input gradient is a reduce-scatter ring of
 # dy @ w^T, beside which the saved input chunk travels the ring again for its weight GEMMs;
 # the reduce-scatter ring's input gradient is an all-gather ring of dz, each arriving chunk
 # also giving its weight GEMM. Only the local chunk (and h) is kept from the forward.
@@ -124,7 +125,7 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
     """`all_gather(x) @ w` by ring steps; with `rows_of(row, size)` (the rows of another
     `(B, T, K)` operand) also `sum over chunks of rows_of(chunk)^T @ x_chunk`, `(K, D)` fp32.
 
-    Each step writes its matmul into a whole-sequence buffer carried through the loop at the
+    Each step writes its matmul into a whole-sequence buffer carried through the steps at the
     chunk's rows: XLA:GPU updates it in place. (Stacked as the scan's per-step outputs
     instead, the writes became async fusions that XLA scheduled under the transfers,
     leaving the matmuls outside them.)
@@ -190,7 +191,7 @@ def _reduce_scatter_ring(h_btn, w_nd, axis: str, tp: int, direction: str):
             acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             return acc_btd + own_btd
 
-        # Every move is a loop step, the last (own chunk) too: see the module docstring.
+        # Every move is a step with a GEMM beside it, the last (own chunk) too.
         return _steps(step, part(rank - 1), 1, tp)
     half = _halves(t_local)
 
@@ -211,7 +212,7 @@ def _reduce_scatter_ring(h_btn, w_nd, axis: str, tp: int, direction: str):
 
 def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction: str):
     """`(dx, dw)` of `all_gather(x) @ w`: a reduce-scatter ring of dy @ w^T for dx, and in the
-    same loop x's chunks travelling the ring again, each giving its GEMM of dw (fp32)."""
+    same steps x's chunks travelling the ring again, each giving its GEMM of dw (fp32)."""
     t_local = x_btd.shape[1]
     rank = jax.lax.axis_index(axis)
     w_nd = w_dn.T
@@ -232,7 +233,7 @@ def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction:
             return (acc_btd + own_btd, nxt_btd, dw), None
 
         first = _mm(dy_rows(rank - 1), w_nd)
-        (dx_btd, chunk_btd, dw), _ = jax.lax.scan(step, (first, x_btd, dw), jnp.arange(tp - 1))
+        (dx_btd, chunk_btd, dw) = _steps(lambda c, k: step(c, k)[0], (first, x_btd, dw), 0, tp - 1)
         return dx_btd, dw + _wgrad(chunk_btd, dy_rows(rank + 1))  # chunk (r - (tp - 1))
     half = _halves(t_local)
 
@@ -250,8 +251,8 @@ def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction:
 
     carry = (_mm(dy_rows(rank - 1, 0, half), w_nd), _mm(dy_rows(rank + 1, half, half), w_nd),
              x_btd[:, :half], x_btd[:, half:], dw)
-    (acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw), _ = jax.lax.scan(step_bi, carry,
-                                                                jnp.arange(tp - 1))
+    (acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw) = _steps(lambda c, k: step_bi(c, k)[0], carry,
+                                                       0, tp - 1)
     dw = (dw + _wgrad(fwd_btd, dy_rows(rank + 1, 0, half))
           + _wgrad(bwd_btd, dy_rows(rank - 1, half, half)))
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1), dw
