@@ -48,14 +48,18 @@ def test_dp8_buckets_hide_under_backward_gemms_shallow():
     assert data["collective_bytes_under_gemm_fraction"] >= 0.87
 
 
-@pytest.mark.slow  # default suite: test_collective_matmul's every-ring-step-in-a-loop check
+@pytest.mark.slow  # default suite: test_collective_matmul's unrolled-ring-steps check
 def test_dp2_tp4_ring_steps_hide_under_gemms_shallow():
     data = _under_gemm(SHALLOW + DP2_TP4_SHALLOW)
-    # Measured 0.889 under the auto preset gpu_overlap_tp (0.904 with gpu_overlap's pipelined
-    # all-gathers, which clone the layer loops; 0.759 with the reduce-scatter ring's last
-    # transfer outside its loop); the rest: the embedding's and the head's one-shot TP
-    # collectives in every microbatch.
-    assert data["collective_bytes_under_gemm_fraction"] >= 0.88
+    # Measured 0.753 (2026-12-06) with the ring steps unrolled: at one sequence a microbatch
+    # XLA merges the reduce-scatter ring's partial GEMMs (their rows are local, read by no
+    # transfer) into one GEMM before the ring, whose transfers then have only adds beside
+    # them. Threading the rows through each step's barrier kept them apart (0.968) but cost
+    # the full-size step 1312 -> 1383 ms (each step's rows copied out for its GEMM), so the
+    # merge stays; at full size the transfers run under other GEMMs (0.995,
+    # test_dp2_tp4_defaults_reach_their_overlap). As a scan: 0.889; with the reduce-scatter
+    # ring's last transfer outside its loop: 0.759; sequence parallelism: 0.2.
+    assert data["collective_bytes_under_gemm_fraction"] >= 0.72
 
 
 @pytest.mark.slow
