@@ -1026,7 +1026,7 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       unrolled_buckets=(m.pp == 1 and overlap.grad_bucket_bytes > 0
                                         and not overlap.fsdp
                                         and overlap.bucket_order == "largest_first"),
-                      ep=m.ep, ring_steps=overlap.tp_comm == "collective_matmul")
+                      ep=m.ep, ring_steps=_ring_steps(cfg, overlap.tp_comm))
 
 
 @functools.lru_cache(maxsize=256)

@@ -90,9 +90,10 @@ def switch_weights(program, text: str):
     """The branch weights of a compiled pipeline step's tick switches, for
     `hlo_parse.execution_counts` (None without a pipeline). A pipeline step runs its actions
     through one `conditional` per tick: each branch weighs its share of the table's (tick,
-    stage) entries (`TickProgram.branch_frequencies`), not as if every branch ran every tick. Where the step runs its
-    last tick after the loop (`LAST_TICK_SCOPE` in its HLO), per conditional: the last row's
-    shares for that tick's switches, the other rows' for the loop's."""
+    stage) entries (`TickProgram.branch_frequencies`), not as if every branch ran every
+    tick. Where the step runs its last tick after the loop (`LAST_TICK_SCOPE` in its HLO),
+    per conditional: the last row's shares for that tick's switches, the other rows' for
+    the loop's."""
     from jax_overlap.pipeline.program import LAST_TICK_SCOPE
 
     if program is None:

@@ -129,7 +129,7 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
     `(B, T, K)` operand) also `sum over chunks of rows_of(chunk)^T @ x_chunk`, `(K, D)` fp32.
 
     Each step writes its matmul into a whole-sequence buffer carried through the steps at the
-    chunk's rows: XLA:GPU updates it in place. (Stacked as the scan's per-step outputs
+    chunk's rows: XLA:GPU updates it in place. (Stacked as a scan's per-step outputs
     instead, the writes became async fusions that XLA scheduled under the transfers,
     leaving the matmuls outside them.)
     """
@@ -233,10 +233,10 @@ def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction:
             acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             dw = dw + _wgrad(chunk_btd, dy_rows(rank - k))
-            return (acc_btd + own_btd, nxt_btd, dw), None
+            return acc_btd + own_btd, nxt_btd, dw
 
         first = _mm(dy_rows(rank - 1), w_nd)
-        (dx_btd, chunk_btd, dw) = _steps(lambda c, k: step(c, k)[0], (first, x_btd, dw), 0, tp - 1)
+        dx_btd, chunk_btd, dw = _steps(step, (first, x_btd, dw), 0, tp - 1)
         return dx_btd, dw + _wgrad(chunk_btd, dy_rows(rank + 1))  # chunk (r - (tp - 1))
     half = _halves(t_local)
 
@@ -250,12 +250,11 @@ def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction:
         nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
         dw = (dw + _wgrad(fwd_btd, dy_rows(rank - k, 0, half))
               + _wgrad(bwd_btd, dy_rows(rank + k, half, half)))
-        return (acc_fwd + own_fwd, acc_bwd + own_bwd, nxt_fwd, nxt_bwd, dw), None
+        return acc_fwd + own_fwd, acc_bwd + own_bwd, nxt_fwd, nxt_bwd, dw
 
     carry = (_mm(dy_rows(rank - 1, 0, half), w_nd), _mm(dy_rows(rank + 1, half, half), w_nd),
              x_btd[:, :half], x_btd[:, half:], dw)
-    (acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw) = _steps(lambda c, k: step_bi(c, k)[0], carry,
-                                                       0, tp - 1)
+    acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw = _steps(step_bi, carry, 0, tp - 1)
     dw = (dw + _wgrad(fwd_btd, dy_rows(rank + 1, 0, half))
           + _wgrad(bwd_btd, dy_rows(rank - 1, half, half)))
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1), dw
