@@ -623,3 +623,56 @@ def test_a_gpu_planned_filled_table_matches_single_device(references, name, pp, 
                    model=model)
     assert run.plan.vocab_parallel and run.plan.schedule.paired
     _check_table(run, table, params, batch, ref_loss, ref_grads)
+
+
+def _casts(jaxpr, shapes):
+    """The fp32 -> bf16 casts in `jaxpr` (recursing) whose operand has one of `shapes`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if (eqn.primitive.name == "convert_element_type"
+                and eqn.invars[0].aval.dtype == np.float32
+                and eqn.params["new_dtype"] == jax.numpy.bfloat16
+                and tuple(eqn.invars[0].aval.shape) in shapes):
+            found.append(eqn)
+        for sub in _sub_jaxprs(eqn):
+            found += _casts(sub, shapes)
+    return found
+
+
+def test_bf16_weights_are_cast_once_per_step_not_in_the_tick_loop():
+    """Under bf16 the block's weight matrices, which it only reads cast to bf16, are cast
+    once before the tick loop (`executor._compute_blocks`); no action casts one again."""
+    cfg = pipeline_cfg("1f1b", 2, 4, 1, 4, extra=["train.precision=bf16"])
+    step, _, tick = _traced_tick(cfg)
+    blocks = jax.eval_shape(GPT.from_config(cfg.model).init, jax.random.key(0))["blocks"]
+    weights = {tuple(w.shape[1:]) for w in jax.tree.leaves(blocks) if w.ndim >= 3}
+    assert weights and not _casts(tick, weights)
+    # ... cast before it: the stage's stacked (chunks, layers, ...) matrices.
+    stacked = {(1, LAYERS // 2, *s) for s in weights}
+    assert {tuple(e.invars[0].aval.shape) for e in _casts(step, stacked)} == stacked
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("zb-h1", []),                                    # split W: weight matmuls on stashed operands
+    ("1f1b", ["overlap.grad_bucket_mb=0.001"]),       # in-loop buckets: sync actions
+])
+def test_bf16_cast_once_gives_the_gradients_of_casting_at_every_use(monkeypatch, name, extra):
+    """Casting the weights once per step changes no number: the actions see the same bf16
+    values, and the bf16 weight gradients widen into the same fp32 accumulators."""
+    from jax_overlap.pipeline import executor
+
+    cfg = pipeline_cfg(name, 2, 2, 2, 4, extra=["train.precision=bf16", *extra])
+    model = GPT.from_config(cfg.model)
+    params = model.init(jax.random.key(0))
+    batch = np_batch(cfg)
+
+    def run():
+        r = assemble(cfg, jax.devices()[:8], model=model)
+        loss, grads = jax.jit(r.loss_and_grads())(r.place_params(params), r.put_batch(batch))
+        return float(loss), layout.to_logical(grads, r.plan.layer_perm)
+
+    loss, grads = run()
+    monkeypatch.setattr(executor, "_compute_blocks", lambda model, par, blocks, x: blocks)
+    loss_every, grads_every = run()
+    assert rel(loss, loss_every) <= 1e-6
+    assert max_rel_err(grads, grads_every) <= 1e-6

@@ -112,6 +112,7 @@ from jax_overlap.overlap import buckets, fsdp, slow_axis
 from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import all_gather_invariant, shard_map, to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
+from jax_overlap.parallel.compute_cast import cast_leaves, cast_on_use
 from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
@@ -324,7 +325,10 @@ class StepContext:
     Attributes:
       model, par: the model and its TP context.
       params: this device's parameters (blocks gathered under fsdp), marked (dp, pp)-varying.
-      blocks_vn: the stage's blocks as (chunks, layers per chunk, ...).
+      blocks_vn: the stage's blocks as (chunks, layers per chunk, ...), in the dtype the
+        block reads each leaf in (`_compute_blocks`).
+      stored_vn: the same blocks as stored (fp32 under mixed precision): what the sync
+        actions' bucket hooks take, whose backward adds the fp32 accumulators.
       ids_mbt, targets_mbt: the replica's microbatches.
       count: the global loss count (every partial loss is divided by it).
       zeros_btd: an activation-shaped zero with the varying type transfers carry.
@@ -346,6 +350,7 @@ class StepContext:
     par: Parallel
     params: Any
     blocks_vn: Any
+    stored_vn: Any
     ids_mbt: jax.Array
     targets_mbt: jax.Array
     count: jax.Array
@@ -367,11 +372,13 @@ class StepContext:
     def layers_per_chunk(self) -> int:
         return jax.tree.leaves(self.blocks_vn)[0].shape[1]
 
-    def weights(self, role: str, chunk) -> dict:
-        """The weights a `role` action of `chunk` reads: the chunk's layers, plus the
-        embedding (first, last: tied head) and the head (last); with an uneven split also
-        "valid", which of the chunk's (padded) layers are real."""
-        w = {"chunk": jax.tree.map(lambda b: _at(b, chunk), self.blocks_vn)}
+    def weights(self, role: str, chunk, stored: bool = False) -> dict:
+        """The weights a `role` action of `chunk` reads: the chunk's layers (as stored if
+        `stored`, else as the block reads them), plus the embedding (first, last: tied head)
+        and the head (last); with an uneven split also "valid", which of the chunk's
+        (padded) layers are real."""
+        blocks = self.stored_vn if stored else self.blocks_vn
+        w = {"chunk": jax.tree.map(lambda b: _at(b, chunk), blocks)}
         if self.valid_vn is not None:
             w["valid"] = _at(self.valid_vn, chunk)
         if role in ("first", "last"):
@@ -585,7 +592,9 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
             dz = list(res["dz"])
             acts = list(res["chunk"][n_stash:])
             if sync:
-                grads = _synced_weight_grads(ctx, grads, chunk, w["chunk"], acts, dz)
+                grads = _synced_weight_grads(ctx, grads, chunk,
+                                             ctx.weights(role, chunk, stored=True)["chunk"],
+                                             acts, dz)
             else:
                 grads = _add_leaves(grads, chunk, dot, weight_part(w["chunk"], acts, dz))
         return res, grads, loss, out
@@ -692,7 +701,7 @@ def sync_branch(ctx: StepContext, kind: str, role: str, defer_embed: bool = Fals
 
     def branch(inbox, res, grads, loss, row):
         mb, chunk = row[COL["microbatch"]], row[COL["chunk"]]
-        w = ctx.weights(role, chunk)
+        w = ctx.weights(role, chunk, stored=True)
         x = ctx.action_input(role, inbox, row)
         targets_bt = ctx.targets_mbt[mb]
         marked, chunk_leaves, chunk_def, acc_leaves = _bucketed_chunk(ctx, grads, chunk,
@@ -1297,6 +1306,19 @@ def _prologue(params, batch, model, program: TickProgram, axis_sizes, fsdp_layou
     return params, blocks_vn, mbs, count
 
 
+def _compute_blocks(model, par: Parallel, blocks_vn, x_btd):
+    """The stage's blocks as the actions read them: every leaf the block only reads in the
+    compute dtype cast to it once per step, not once per layer per action
+    (`parallel.compute_cast`; the same numbers). The stored blocks stay what gradients
+    accumulate against and what the sync actions' bucket hooks take."""
+    dtype = par.compute_dtype
+    if dtype == jnp.float32:
+        return blocks_vn
+    layer = jax.tree.map(lambda w: w[0, 0], blocks_vn)
+    mask = cast_on_use(lambda p, x: model.block(p, x, par), layer, x_btd, dtype=dtype)
+    return cast_leaves(blocks_vn, mask, dtype)
+
+
 def residual_bytes(model, plan, mesh) -> dict[str, int]:
     """Bytes per device of each residual pool the step's stash holds ("chunk", "first",
     "last": slots x one slot), and "slot" (one microbatch's chunk residuals), traced without
@@ -1307,8 +1329,10 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
     def probe(params, batch):
         params, blocks_vn, mbs, count = _prologue(params, batch, model, program,
                                                   dict(mesh.shape), plan.layout.fsdp)
-        pieces = stage_pieces(model, plan.parallel(), count, plan.remat,
-                              _vocab_shards(program))
+        par = plan.parallel()
+        blocks_vn = _compute_blocks(model, par, blocks_vn,
+                                    model.embed(params["embed"], mbs["inputs"][0], par))
+        pieces = stage_pieces(model, par, count, plan.remat, _vocab_shards(program))
         valid_vn = _stage_validity(plan.stage_layers, program)
         pools = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn).pools
         found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
@@ -1451,8 +1475,10 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                     for u in chunk_buckets.units}
     pieces = stage_pieces(model, par, count, remat, _vocab_shards(program))
     valid_vn = _stage_validity(stage_layers, program)
+    stored_vn, blocks_vn = blocks_vn, _compute_blocks(model, par, blocks_vn, probe_btd)
     found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn, split_backward)
     ctx = StepContext(model=model, par=par, params=params, blocks_vn=blocks_vn,
+                      stored_vn=stored_vn,
                       ids_mbt=mbs["inputs"], targets_mbt=mbs["targets"], count=count,
                       zeros_btd=zeros_btd, grads0=grads0,
                       loss0=_vary(jnp.zeros((), jnp.float32), (*data, PP)),
