@@ -147,8 +147,7 @@ def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
     pipeline the projections' (q/k/v, attention output partial sums, MLP input), at pp = 1
     none of them (the step runs them as custom-vjp matmuls, `collectives.local_matmul`, so
     `minimal` keeps what `full` does and `save_dots` only attention's dots). A split backward
-    (ZB schedules) also keeps each weight matmul's input and output for W when a policy
-    recomputes.
+    (ZB schedules) also keeps each weight matmul's input for W when a policy recomputes.
     """
     a = dtype_bytes(precision)
     d, f = model.d_model, model.d_ff
@@ -166,9 +165,9 @@ def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
     if remat == "save_dots":
         kept += att.layer
     if split_backward:
-        # W's inputs (both norms' outputs, the context, GELU's output) and the outputs of the
-        # matmuls whose backward B runs (q/k/v, attention out, MLP in).
-        kept += a * (2 * d + d / tp + f / tp) + a * (3 * d / tp + d + f / tp)
+        # W's inputs: both norms' outputs, the context, GELU's output. (The zero addends B
+        # pulls the matmuls' output gradients from are handed to it again, not kept.)
+        kept += a * (2 * d + d / tp + f / tp)
     return kept
 
 

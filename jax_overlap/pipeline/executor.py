@@ -535,7 +535,8 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
 
     def chunk_pull(res, w_chunk, x):
         w_dot, w_other = cs.parts(w_chunk)
-        return residuals.pullback(lay["chunk"], res["chunk"][:n_stash], (w_dot, w_other, x))
+        return residuals.pullback(lay["chunk"], res["chunk"][:n_stash],
+                                  (w_dot, w_other, x, ctx.z0))
 
     def weight_part(w_chunk, acts, dz):
         w_dot, w_other = cs.parts(w_chunk)
@@ -547,7 +548,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
         w_dot, w_other = cs.parts(w_chunk)
         (y, acts), _, got, leaves = vjp_with_layout(
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, ctx.z0, w_other),
-            (w_dot, w_other, x), has_aux=True)
+            (w_dot, w_other, x, ctx.z0), has_aux=True)
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves + jax.tree.leaves(acts))
 
@@ -1416,8 +1417,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
         run = cs.forward(pieces.remat)
         (y, acts), _, chunk_layout, _ = vjp_with_layout(
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, z0, w_other),
-            (w_dot, w_other, x),
-            has_aux=True)
+            (w_dot, w_other, x, z0), has_aux=True)
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk) + [
             _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
             for a in jax.tree.leaves(acts)]
