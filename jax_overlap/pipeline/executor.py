@@ -261,6 +261,15 @@ class ChunkSplit(NamedTuple):
         other = self.split.other_leaves(self.n_leaves)
         return [leaves[i] for i in self.split.dot_leaves], [leaves[i] for i in other]
 
+    def layer_parts(self, w_chunk) -> tuple[list, list]:
+        """`parts` per layer: ([W's leaves of layer i], [B's leaves of layer i]). The F's vjp
+        and B's pullback take these same slices, so a residual that is one of them is
+        handed to B again (`reuse`), not stashed."""
+        w_dot, w_other = self.parts(w_chunk)
+        layers = jax.tree.leaves(w_chunk)[0].shape[0]
+        return ([[leaf[i] for leaf in w_dot] for i in range(layers)],
+                [[leaf[i] for leaf in w_other] for i in range(layers)])
+
     def layer(self, w_dot, w_other):
         """One layer's parameter tree from W's and B's leaves (what `parts` splits)."""
         leaves = [None] * self.n_leaves
@@ -272,22 +281,45 @@ class ChunkSplit(NamedTuple):
 
     def forward(self, remat: str) -> Callable:
         """`(x, z, w_other, w_dot, valid=None) -> (y, acts)`: the chunk with the matmul
-        addends, every layer under the remat policy; `z`, `acts` stacked over the chunk's
-        layers; `valid` skips padded layers (zero activation operands, so W adds nothing)."""
+        addends, every layer under the remat policy; `z`, `w_other`, `w_dot` lists per layer
+        (`zero_addends`, `layer_parts`), `acts` stacked over the chunk's layers; `valid` skips padded layers (zero activation
+        operands, so W adds nothing).
+
+        The layers are unrolled, not scanned: a scan's stacked outputs (the activation
+        operands here, their output gradients in B's transpose) are written once into the
+        loop's output and then again into the stash slot; unrolled, each layer's go to the
+        slot. (GPT-1.3B pp4 x dp2 ZB-V, deviceless 8 x H100: docs/results.md.)"""
         layer = remat_block(self.split.forward, remat)
 
+        def step(h, z_l, wo_l, wd_l, ok):
+            p_l = self.layer(wd_l, wo_l)
+            if ok is None:
+                return layer(p_l, h, list(z_l))
+            skipped = (h, [_vary(jnp.zeros(shape, dtype), axes)
+                           for shape, dtype, axes in self.act_avals])
+            return _masked(ok, lambda: layer(p_l, h, list(z_l)), skipped)
+
         def run(x, z, w_other, w_dot, valid=None):
-            def step(h, xs):
-                z_l, wo_l, wd_l, ok = xs
-                p_l = self.layer(wd_l, wo_l)
-                if ok is None:
-                    return layer(p_l, h, list(z_l))
-                skipped = (h, [_vary(jnp.zeros(shape, dtype), axes)
-                               for shape, dtype, axes in self.act_avals])
-                return _masked(ok, lambda: layer(p_l, h, list(z_l)), skipped)
-            return jax.lax.scan(step, x, (tuple(z), w_other, w_dot, valid))
+            acts = []
+            for i, (z_l, wo_l, wd_l) in enumerate(zip(z, w_other, w_dot)):
+                x, acts_l = step(x, z_l, wo_l, wd_l, None if valid is None else valid[i])
+                acts.append(acts_l)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *acts)
 
         return run
+
+    def zero_addends(self, layers: int) -> list:
+        """The zero addends of `layers` layers' weight matmuls, a list per layer. B is handed
+        these same arrays again (`residuals.vjp_with_layout`'s `reuse`): kept as residuals,
+        every F would stash a slot of zeros."""
+        return [[_vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in
+                 self.split.z_avals] for _ in range(layers)]
+
+    @staticmethod
+    def stacked(per_layer: list) -> list:
+        """Per-layer lists of leaves (B's output gradients `dz`, its small parameters'
+        gradients) as leaves stacked over the layers."""
+        return [jnp.stack(leaves) for leaves in zip(*per_layer)]
 
     def weight_matmuls(self, w_dot, w_other, acts) -> list:
         """Every layer's weight matmuls on the saved activation operands (one batch of
@@ -338,7 +370,7 @@ class StepContext:
       layouts: the residual `Layout` of the "embed", "chunk" and "head" vjps.
       chunk_split: with a split backward, the chunk's `ChunkSplit` (W = the weight matmuls
         only); None otherwise, or for a block `weight_grads` cannot split.
-      z0: the zero addends of the chunk's weight matmuls (stacked over its layers).
+      z0: the zero addends of the chunk's weight matmuls (`ChunkSplit.zero_addends`).
       overlap: the plan's overlap choices; axis_sizes: the mesh's.
       chunk_buckets: the bucket plan of one chunk (in-loop buckets), else None.
       tp_share: per bucketed leaf, the tp ranks its bucket sums over (1 for tp-split leaves).
@@ -534,7 +566,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
     n_stash = len(lay["chunk"].avals)
 
     def chunk_pull(res, w_chunk, x):
-        w_dot, w_other = cs.parts(w_chunk)
+        w_dot, w_other = cs.layer_parts(w_chunk)
         return residuals.pullback(lay["chunk"], res["chunk"][:n_stash],
                                   (w_dot, w_other, x, ctx.z0))
 
@@ -545,7 +577,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
         return d_dot
 
     def chunk_residuals(w_chunk, x, valid=None):
-        w_dot, w_other = cs.parts(w_chunk)
+        w_dot, w_other = cs.layer_parts(w_chunk)
         (y, acts), _, got, leaves = vjp_with_layout(
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, ctx.z0, w_other),
             (w_dot, w_other, x, ctx.z0), has_aux=True)
@@ -574,7 +606,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
             dy = inbox["g"]
         x = res["first"][-1] if role == "first" else inbox["x"]
         dx, dz, d_other = chunk_pull(res, w["chunk"], x)(dy)
-        return dx, list(dz), _add_leaves(grads, chunk, other, d_other)
+        return dx, cs.stacked(dz), _add_leaves(grads, chunk, other, cs.stacked(d_other))
 
     def backward(inbox, res, grads, loss, row):
         chunk = row[COL["chunk"]]
@@ -1410,10 +1442,8 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
                                                 (w_chunk, x), (w_chunk, x))
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk)
     else:
-        layers = jax.tree.leaves(w_chunk)[0].shape[0]
-        z0 = [_vary(jnp.zeros((layers, *shape), dtype), axes)
-              for shape, dtype, axes in cs.split.z_avals]
-        w_dot, w_other = cs.parts(w_chunk)
+        z0 = cs.zero_addends(jax.tree.leaves(w_chunk)[0].shape[0])
+        w_dot, w_other = cs.layer_parts(w_chunk)
         run = cs.forward(pieces.remat)
         (y, acts), _, chunk_layout, _ = vjp_with_layout(
             lambda x_, z_, wo_: run(x_, z_, wo_, w_dot, valid), (x, z0, w_other),
@@ -1422,7 +1452,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
             _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
             for a in jax.tree.leaves(acts)]
         extra = [_vary(jnp.zeros((program.residual_slots("dz") + 1, *z.shape), z.dtype),
-                       sorted(_varying_axes(z))) for z in z0]
+                       sorted(_varying_axes(z))) for z in cs.stacked(z0)]
     layouts = {"embed": embed_layout, "chunk": chunk_layout}
     n_first = program.residual_slots("first") + 1
     first = residuals.empty_pool(embed_layout, n_first)
