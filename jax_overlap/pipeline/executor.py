@@ -173,12 +173,18 @@ class StagePieces(NamedTuple):
 
     Attributes:
       embed: `(w_embed, ids) -> x` (virtual stage 0 only).
-      chunk: `(w_chunk, x, valid=None) -> y`, the chunk's layers (a scan), each block under
-        the remat policy; `valid` (one bool per layer, uneven `pipeline.stage_layers`) skips
-        the padded layers (`_masked`).
+      chunk: `(w_chunk, x, valid=None) -> y`, the chunk's layers, each block under the
+        remat policy; `w_chunk` as `chunk_weights` gives it; `valid` (one bool per layer,
+        uneven `pipeline.stage_layers`) skips the padded layers (`_masked`).
       head: `(w_embed, w_head, y, targets) -> loss / global count` (the last virtual stage).
       block: `(p_layer, x) -> x`, one block without remat (what `weight_grads` splits).
       remat: the remat policy name.
+      unrolled: the chunk's layers unrolled (paired ticks), not a scan. A scan's stacked
+        residuals and weight gradients are written once into the loop's outputs and again
+        into their stash slot or accumulator; unrolled, once (GPT-1.3B pp4 x dp2 paired
+        1F1B, deviceless 8 x H100: docs/results.md). Unpaired, XLA runs more of the
+        unrolled recomputes ahead of the backward, at a memory cost the estimate does not
+        model, so those ticks keep the scan.
     """
 
     embed: Callable
@@ -186,16 +192,33 @@ class StagePieces(NamedTuple):
     head: Callable
     block: Callable
     remat: str
+    unrolled: bool = False
+
+    def chunk_weights(self, w_chunk):
+        """What `chunk` takes: the stacked layers (a scan), or `layers_of` them (unrolled)."""
+        return layers_of(w_chunk) if self.unrolled else w_chunk
+
+    def chunk_grads(self, dw):
+        """The chunk's weight gradients stacked over its layers, from `chunk`'s pullback."""
+        return jax.tree.map(lambda *g: jnp.stack(g), *dw) if self.unrolled else dw
 
 
-def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1
-                 ) -> StagePieces:
+def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1,
+                 unrolled: bool = False) -> StagePieces:
     """The `StagePieces` of a model with its TP context, loss divisor and remat policy; with
-    `vocab_shards` > 1 the head is this pp rank's vocabulary-parallel share of it."""
+    `vocab_shards` > 1 the head is this pp rank's vocabulary-parallel share of it;
+    `unrolled`: the chunk's layers unrolled (see `StagePieces`)."""
     raw = partial(_apply_block, model, par)
     block = remat_block(raw, remat)
 
     def chunk(w_chunk, x_btd, valid=None):
+        if unrolled:
+            for i, p in enumerate(w_chunk):
+                if valid is None:
+                    x_btd = block(p, x_btd)
+                else:
+                    x_btd = _masked(valid[i], lambda p=p, h=x_btd: block(p, h), x_btd)
+            return x_btd
         if valid is None:
             return jax.lax.scan(lambda h, p: (block(p, h), None), x_btd, w_chunk)[0]
         return jax.lax.scan(lambda h, xs: (_masked(xs[1], lambda: block(xs[0], h), h), None),
@@ -218,7 +241,16 @@ def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1
         # (one head GEMM more per microbatch, on the last stage only). The vocabulary-parallel
         # head pulls back at once and keeps nothing, so it runs without the checkpoint.
         head = jax.checkpoint(head)
-    return StagePieces(embed, chunk, head, raw, remat)
+    return StagePieces(embed, chunk, head, raw, remat, unrolled)
+
+
+def layers_of(w_chunk) -> list:
+    """A chunk's stacked layer parameters as one tree per layer. An F's vjp and its B's
+    pullback take these same slices, so a residual that is one of them (a checkpointed
+    block's weights) is handed to B again (`residuals.vjp_with_layout`'s `reuse`), not
+    stashed."""
+    return [jax.tree.map(lambda a, i=i: a[i], w_chunk)
+            for i in range(jax.tree.leaves(w_chunk)[0].shape[0])]
 
 
 def _apply_block(model, par, p, x):
@@ -282,8 +314,8 @@ class ChunkSplit(NamedTuple):
     def forward(self, remat: str) -> Callable:
         """`(x, z, w_other, w_dot, valid=None) -> (y, acts)`: the chunk with the matmul
         addends, every layer under the remat policy; `z`, `w_other`, `w_dot` lists per layer
-        (`zero_addends`, `layer_parts`), `acts` stacked over the chunk's layers; `valid` skips padded layers (zero activation
-        operands, so W adds nothing).
+        (`zero_addends`, `layer_parts`), `acts` stacked over the chunk's layers; `valid`
+        skips padded layers (zero activation operands, so W adds nothing).
 
         The layers are unrolled, not scanned: a scan's stacked outputs (the activation
         operands here, their output gradients in B's transpose) are written once into the
@@ -490,8 +522,9 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
     pieces, lay = ctx.pieces, ctx.layouts
 
     def chunk_residuals(w_chunk, x, valid=None):
+        w_layers = pieces.chunk_weights(w_chunk)
         y, _, got, leaves = vjp_with_layout(lambda w_, x_: pieces.chunk(w_, x_, valid),
-                                            (w_chunk, x), (w_chunk, x))
+                                            (w_layers, x), (w_layers, x))
         _checked(got, lay["chunk"], "chunk")
         return y, list(leaves)
 
@@ -512,8 +545,10 @@ def action_branch(ctx: StepContext, kind: str, role: str) -> Callable:
         else:
             dy = inbox["g"]
         x = res["first"][-1] if role == "first" else inbox["x"]
-        pull = residuals.pullback(lay["chunk"], res["chunk"], (w["chunk"], x))
-        dw["chunk"], dx = pull(dy)
+        pull = residuals.pullback(lay["chunk"], res["chunk"],
+                                  (pieces.chunk_weights(w["chunk"]), x))
+        dw_layers, dx = pull(dy)
+        dw["chunk"] = pieces.chunk_grads(dw_layers)
         if role == "first":
             pull = residuals.pullback(lay["embed"], res["first"][:-1], (w["embed"],))
             (dw["embed"],) = pull(dx)
@@ -1365,7 +1400,8 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
         par = plan.parallel()
         blocks_vn = _compute_blocks(model, par, blocks_vn,
                                     model.embed(params["embed"], mbs["inputs"][0], par))
-        pieces = stage_pieces(model, par, count, plan.remat, _vocab_shards(program))
+        pieces = stage_pieces(model, par, count, plan.remat, _vocab_shards(program),
+                              program.lanes == 2)
         valid_vn = _stage_validity(plan.stage_layers, program)
         pools = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn).pools
         found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
@@ -1438,8 +1474,9 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `run_ticks`)
     z0 = extra = None
     if cs is None:
+        w_layers = pieces.chunk_weights(w_chunk)
         y, _, chunk_layout, _ = vjp_with_layout(lambda w_, x_: pieces.chunk(w_, x_, valid),
-                                                (w_chunk, x), (w_chunk, x))
+                                                (w_layers, x), (w_layers, x))
         chunk_pool = residuals.empty_pool(chunk_layout, n_chunk)
     else:
         z0 = cs.zero_addends(jax.tree.leaves(w_chunk)[0].shape[0])
@@ -1503,7 +1540,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
-    pieces = stage_pieces(model, par, count, remat, _vocab_shards(program))
+    pieces = stage_pieces(model, par, count, remat, _vocab_shards(program), program.lanes == 2)
     valid_vn = _stage_validity(stage_layers, program)
     stored_vn, blocks_vn = blocks_vn, _compute_blocks(model, par, blocks_vn, probe_btd)
     found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn, split_backward)
