@@ -74,6 +74,7 @@ PAIR_SEARCH = 600
 QUICK_PAIR_SEARCH = 5
 TICKS = 8  # ticks of the single-action programs
 TICK_M = 8  # microbatches (so microbatch size) of the single-action programs
+TICK_REPS = 3  # calls each single-action program is timed (the best), --quick too
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -300,11 +301,14 @@ def main() -> None:
     cfg, model, mesh = run.cfg, run.model, run.mesh
     plan = run.plan
     ticks = {}
+    # Each action's cost is a difference from the idle program's: a few calls each even in
+    # --quick, or one slow call on a loaded host can put an action at or below zero.
+    tick_reps = max(args.reps, TICK_REPS)
     for kind, split in (("idle", True), ("FB", True), ("B", True), ("W", True),
                         ("B", False)):
         program = single_action_program(kind, TICK_M, split)
         fn = executor.make_pipeline_loss_and_grads(model, plan.with_program(program), mesh)
-        _, step_s, _ = timed(fn, (params, batch), args.reps)
+        _, step_s, _ = timed(fn, (params, batch), tick_reps)
         ticks[kind if split or kind != "B" else "B+W (non-split B)"] = step_s
     idle_s = ticks["idle"]
     tick_ms = {"idle (whole program / ticks)": idle_s / TICKS * 1e3}

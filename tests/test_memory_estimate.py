@@ -41,7 +41,11 @@ def _chunk_pool_estimate(cfg, plan) -> float:
                                        remat=plan.remat, pipelined=True)
     a = memory.dtype_bytes(cfg.train.precision)
     copies = a * plan.param_elements[1] / plan.tp if a < 4 and plan.remat == "none" else 0.0
-    return (slots.chunk + 1) * (layers * (tokens * per_token + copies) + tokens * att.chunk)
+    # Unrolled (paired, split backward), the chunk's first layer's input is the chunk's own.
+    unrolled = plan.split_backward or bool(plan.program.schedule.paired)
+    first = tokens * a * mo.d_model / plan.tp if unrolled and plan.remat != "none" else 0.0
+    return (slots.chunk + 1) * (layers * (tokens * per_token + copies) - first
+                                + tokens * att.chunk)
 
 
 @pytest.mark.parametrize("extra", [

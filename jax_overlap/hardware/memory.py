@@ -332,8 +332,12 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     slots = slots or PipelineSlots.rough(pp, microbatches)
     chunk_layers = layers / max(slots.chunks, 1)
     stacked = chunk_layers * tokens * per_token  # one slot's per-layer residuals
-    slot = stacked + tokens * att.chunk + (chunk_layers * copies if remat == "none" else 0.0)
     act = tokens * a * d / s  # one microbatch's activations between stages
+    if (paired or split_backward) and remat != "none":
+        # A chunk run unrolled (paired ticks, a split backward) keeps its first layer's input
+        # as the chunk's own, in the activation stash, not in this slot.
+        stacked -= act
+    slot = stacked + tokens * att.chunk + (chunk_layers * copies if remat == "none" else 0.0)
     kept = (slots.chunk + 1) * slot
     kept += (slots.first + 1) * 2.5 * act  # the embedding's residuals and its output
     if not vocab_parallel:
