@@ -200,7 +200,7 @@ class StagePieces(NamedTuple):
 
     def chunk_grads(self, dw):
         """The chunk's weight gradients stacked over its layers, from `chunk`'s pullback."""
-        return jax.tree.map(lambda *g: jnp.stack(g), *dw) if self.unrolled else dw
+        return stack_layers(dw) if self.unrolled else dw
 
 
 def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1,
@@ -244,13 +244,18 @@ def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1,
     return StagePieces(embed, chunk, head, raw, remat, unrolled)
 
 
-def layers_of(w_chunk) -> list:
-    """A chunk's stacked layer parameters as one tree per layer. An F's vjp and its B's
-    pullback take these same slices, so a residual that is one of them (a checkpointed
-    block's weights) is handed to B again (`residuals.vjp_with_layout`'s `reuse`), not
-    stashed."""
-    return [jax.tree.map(lambda a, i=i: a[i], w_chunk)
-            for i in range(jax.tree.leaves(w_chunk)[0].shape[0])]
+def layers_of(w_chunk, layers: int | None = None) -> list:
+    """A chunk's stacked layer parameters (any tree of arrays stacked over `layers`, by
+    default their leading dim) as one tree per layer. An F's vjp and its B's pullback take
+    these same slices, so a residual that is one of them (a checkpointed block's weights) is
+    handed to B again (`residuals.vjp_with_layout`'s `reuse`), not stashed."""
+    layers = jax.tree.leaves(w_chunk)[0].shape[0] if layers is None else layers
+    return [jax.tree.map(lambda a, i=i: a[i], w_chunk) for i in range(layers)]
+
+
+def stack_layers(per_layer: list) -> Any:
+    """The inverse of `layers_of`: one tree per layer as one tree stacked over the layers."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
 
 
 def _apply_block(model, par, p, x):
@@ -297,10 +302,8 @@ class ChunkSplit(NamedTuple):
         """`parts` per layer: ([W's leaves of layer i], [B's leaves of layer i]). The F's vjp
         and B's pullback take these same slices, so a residual that is one of them is
         handed to B again (`reuse`), not stashed."""
-        w_dot, w_other = self.parts(w_chunk)
         layers = jax.tree.leaves(w_chunk)[0].shape[0]
-        return ([[leaf[i] for leaf in w_dot] for i in range(layers)],
-                [[leaf[i] for leaf in w_other] for i in range(layers)])
+        return tuple(layers_of(part, layers) for part in self.parts(w_chunk))
 
     def layer(self, w_dot, w_other):
         """One layer's parameter tree from W's and B's leaves (what `parts` splits)."""
@@ -336,7 +339,7 @@ class ChunkSplit(NamedTuple):
             for i, (z_l, wo_l, wd_l) in enumerate(zip(z, w_other, w_dot)):
                 x, acts_l = step(x, z_l, wo_l, wd_l, None if valid is None else valid[i])
                 acts.append(acts_l)
-            return x, jax.tree.map(lambda *a: jnp.stack(a), *acts)
+            return x, stack_layers(acts)
 
         return run
 
@@ -346,12 +349,6 @@ class ChunkSplit(NamedTuple):
         every F would stash a slot of zeros."""
         return [[_vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in
                  self.split.z_avals] for _ in range(layers)]
-
-    @staticmethod
-    def stacked(per_layer: list) -> list:
-        """Per-layer lists of leaves (B's output gradients `dz`, its small parameters'
-        gradients) as leaves stacked over the layers."""
-        return [jnp.stack(leaves) for leaves in zip(*per_layer)]
 
     def weight_matmuls(self, w_dot, w_other, acts) -> list:
         """Every layer's weight matmuls on the saved activation operands (one batch of
@@ -641,7 +638,7 @@ def split_action_branch(ctx: StepContext, kind: str, role: str, sync: bool = Fal
             dy = inbox["g"]
         x = res["first"][-1] if role == "first" else inbox["x"]
         dx, dz, d_other = chunk_pull(res, w["chunk"], x)(dy)
-        return dx, cs.stacked(dz), _add_leaves(grads, chunk, other, cs.stacked(d_other))
+        return dx, stack_layers(dz), _add_leaves(grads, chunk, other, stack_layers(d_other))
 
     def backward(inbox, res, grads, loss, row):
         chunk = row[COL["chunk"]]
@@ -1489,7 +1486,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
             _vary(jnp.zeros((n_chunk, *a.shape), a.dtype), sorted(_varying_axes(a)))
             for a in jax.tree.leaves(acts)]
         extra = [_vary(jnp.zeros((program.residual_slots("dz") + 1, *z.shape), z.dtype),
-                       sorted(_varying_axes(z))) for z in cs.stacked(z0)]
+                       sorted(_varying_axes(z))) for z in stack_layers(z0)]
     layouts = {"embed": embed_layout, "chunk": chunk_layout}
     n_first = program.residual_slots("first") + 1
     first = residuals.empty_pool(embed_layout, n_first)
