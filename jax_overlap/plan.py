@@ -47,7 +47,7 @@ MICROBATCH_TOKENS = 8192
 # GPT-1.3B dp8, 2026-12-03, m 4 / 2 / 1: 1017 / 960 / 941 ms estimated step, 29.0 / 32.4 /
 # 44.9 GiB compiled, at m 1 the f32 logits of the whole batch start to dominate; with the
 # exposed communication in the step, 2026-12-06: dp2 x tp4 collective matmul, m 2 / 4 / 8 /
-# 16: 1312 / 1429 / 1593 / 1981 ms; pp2 x dp2 x tp2, m 8 / 16 / 32: 1223 / 1215 / 1279 ms).
+# 16: 1312 / 1429 / 1593 / 1981 ms; pp2 x dp2 x tp2, m 8 / 16 / 32: 1278 / 1271 / 1336 ms).
 GEMM_TOKENS = 4 * MICROBATCH_TOKENS
 # A pipeline's microbatches fill it: auto takes no fewer than make its bubble,
 # (pp - 1) / (m + pp - 1), at most this share (GPT-1.3B pp4 x dp2, m 8 / 16 / 32: 1282 /
@@ -589,9 +589,9 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
                 "pp > 1: inside the pipeline's per-stage branches collective matmul runs as "
                 "grouped all-gather / reduce-scatter steps, whose chunk copies cost more than "
                 "the communication they hide (GPT-1.3B pp2 x dp2 x tp2, 16 microbatches, "
-                "deviceless 8 x H100: 1.37 s estimated step, 0.98 of the collective bytes "
-                "under GEMMs, 0.01 s exposed; sequence parallel 1.22 s, 0.31 under GEMMs, "
-                "0.06 s exposed)")
+                "deviceless 8 x H100: 1.38 s estimated step, 0.99 of the collective bytes "
+                "under GEMMs, 0.02 s exposed; sequence parallel 1.27 s, 0.31 under GEMMs, "
+                "0.12 s exposed)")
         elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")

@@ -21,9 +21,12 @@ from jax_overlap.analysis.hlo_parse import (
     shape_bytes,
 )
 from jax_overlap.hardware.machine import KernelEfficiency, chip_spec
+from jax_overlap.analysis.analyze import switch_weights
 from jax_overlap.analysis.step_estimate import (
     LAUNCH_S,
     Ticks,
+    _in_last_tick,
+    _lane,
     estimate_step,
     replay_ticks,
 )
@@ -219,3 +222,28 @@ def test_a_last_tick_after_the_loop_is_costed_by_the_last_row(monkeypatch):
     assert one.gemm_flops == pytest.approx(other.gemm_flops, rel=1e-6)
     assert one.gemm_ms == pytest.approx(other.gemm_ms, rel=1e-6)
     assert 0 < one.wait_ms == pytest.approx(other.wait_ms, rel=0.05)
+    # The collective report counts each lane's switch by its own column of the table: a
+    # stage runs each microbatch's F in lane 0 and its B in lane 1 once a step (weights
+    # pooled over both lanes had each at half that, and the in-switch collectives too).
+    program = run.plan.program
+    m = program.schedule.microbatches
+    for text in (peeled, looped):
+        module = parse_module(text)
+        counts, _ = execution_counts(module, switch_weights(program, text))
+        lanes = []
+        for comp in module.computations.values():
+            for inst in comp.instructions:
+                lane = _lane(inst) if inst.opcode == "conditional" else None
+                if lane is None or _in_last_tick(inst):
+                    continue
+                called = called_computations(inst)["branch_computations"]
+                assert len(set(called)) == len(called) == 1 + len(program.branches)
+                kind = "F" if lane == 0 else "B"
+                # Per device, on average over the stages: each microbatch's action once,
+                # but where the last tick runs apart, stage 0's last B.
+                want = m - (lane == 1 and text is peeled) / program.schedule.stages
+                runs = sum(counts[called[b + 1]] for b, branch in enumerate(program.branches)
+                           if branch.kind == kind)
+                assert runs == pytest.approx(want), (lane, runs, want)
+                lanes.append(lane)
+        assert set(lanes) == {0, 1}

@@ -88,22 +88,17 @@ def analyze(cfg, target: str = "cpu", built=None, texts: list | None = None,
 
 def switch_weights(program, text: str):
     """The branch weights of a compiled pipeline step's tick switches, for
-    `hlo_parse.execution_counts` (None without a pipeline). A pipeline step runs its actions
-    through one `conditional` per tick: each branch weighs its share of the table's (tick,
-    stage) entries (`TickProgram.branch_frequencies`), not as if every branch ran every
-    tick. Where the step runs its last tick after the loop (`LAST_TICK_SCOPE` in its HLO),
-    per conditional: the last row's shares for that tick's switches, the other rows' for
-    the loop's."""
+    `hlo_parse.execution_counts` (None without a pipeline): each lane's switch by its own
+    column of the tick table, the head phase's cond by the ticks that have a head
+    (`step_estimate.tick_switch_shares`), not as if every branch ran every tick. Where the
+    step runs its last tick after the loop (`LAST_TICK_SCOPE` in its HLO), that tick's
+    switches take the last row, the loop's the others."""
+    from jax_overlap.analysis.step_estimate import Ticks, tick_switch_shares
     from jax_overlap.pipeline.program import LAST_TICK_SCOPE
 
     if program is None:
         return None
-    scope = f"/{LAST_TICK_SCOPE}/"
-    if scope not in text:
-        return program.branch_frequencies()
-    loop = program.branch_frequencies(slice(0, -1))
-    last = program.branch_frequencies(slice(-1, None))
-    return lambda inst: last if scope in inst.attributes else loop
+    return tick_switch_shares(Ticks.of_program(program), f"/{LAST_TICK_SCOPE}/" in text)
 
 
 def step_estimate(cfg, plan, model, target: str, text: str, report=None):

@@ -426,6 +426,35 @@ class Ticks:
         return (counts / max(counts.sum(), 1)).tolist()
 
 
+def _rows_of(inst: Instruction, last_apart: bool) -> slice:
+    """The table rows a tick switch runs: all; or, where the last tick runs after the loop
+    (`last_apart`), the last row for that tick's switches and the others for the loop's."""
+    if not last_apart:
+        return slice(None)
+    return slice(-1, None) if _in_last_tick(inst) else slice(0, -1)
+
+
+def tick_switch_shares(ticks: Ticks, last_apart: bool
+                       ) -> Callable[[Instruction], Sequence[float] | None]:
+    """Per `conditional` of a pipeline step, the share of its executions that take each
+    branch, for `hlo_parse.execution_counts`: a lane's switch, its own column of the table
+    (each lane's switch runs once a tick); the head phase's cond, the share of ticks that
+    have a head; None for any other. `last_apart`: the step runs its last tick after the loop
+    (`LAST_TICK_SCOPE`)."""
+
+    def shares(inst: Instruction) -> Sequence[float] | None:
+        rows = _rows_of(inst, last_apart)
+        lane = _lane(inst)
+        if lane is not None and lane < ticks.branch.shape[2]:
+            return ticks.frequencies(lane, rows)
+        if _is_head(inst):
+            share = float(ticks.head[rows].mean())
+            return [1.0 - share, share]
+        return None
+
+    return shares
+
+
 def replay_ticks(work: np.ndarray, ticks: Ticks) -> np.ndarray:
     """Finish time of each stage's last tick, replaying the table.
 
@@ -569,21 +598,10 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
     peeled = [] if loop is None else _last_tick_switches(module)
 
     def rows_of(inst: Instruction) -> slice:
-        if not peeled:
-            return slice(None)
-        return slice(-1, None) if _in_last_tick(inst) else slice(0, -1)
+        return _rows_of(inst, bool(peeled))
 
-    def weights(inst: Instruction) -> Sequence[float] | None:
-        if ticks is None:
-            return None
-        rows = rows_of(inst)
-        lane = _lane(inst)
-        if lane is not None and lane < ticks.branch.shape[2]:
-            return ticks.frequencies(lane, rows)
-        if _is_head(inst):
-            share = float(ticks.head[rows].mean())
-            return [1.0 - share, share]
-        return None
+    weights = tick_switch_shares(ticks, bool(peeled)) if ticks is not None else (
+        lambda inst: None)
 
     def label(inst: Instruction, b: int) -> str | None:
         lane = _lane(inst)
