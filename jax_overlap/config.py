@@ -143,14 +143,16 @@ class TrainConfig:
 
 @dataclass
 class PipelineConfig:
-    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): 1f1b (paired on a GPU), or interleaved
-    # where virtual_stages > 1 is given.
+    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): on a GPU interleaved 1F1B with two chunks
+    # per stage for a decoder whose layers split evenly into them (virtual_stages auto), else
+    # 1f1b (paired on a GPU); interleaved where virtual_stages > 1 is given.
     schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "auto"
     # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
     # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
     microbatches: int | Literal["auto"] = "auto"
     # Chunks per pipeline stage. auto follows the schedule when the config is loaded
-    # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1.
+    # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1 (which
+    # the plan may raise to 2 with schedule auto: `PlanDecides`).
     virtual_stages: int | Literal["auto"] = "auto"
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
@@ -472,13 +474,22 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
+class PlanDecides(int):
+    """A count the config resolved from `auto` that the plan may still change for its target:
+    `pipeline.virtual_stages` under `schedule: auto` (1 here; the plan's schedule choice may
+    make it 2). Everything before the plan reads it as the int it is."""
+
+
 def resolve_virtual_stages(cfg: Config) -> Config:
     """`pipeline.virtual_stages: auto` -> what the schedule places per stage: 2 for zb-v (its
-    only value) and interleaved (the fewest it runs) at mesh.pp > 1, else 1."""
+    only value) and interleaved (the fewest it runs) at mesh.pp > 1, else 1 (a `PlanDecides`
+    under `schedule: auto`)."""
     pl = cfg.pipeline
     if pl.virtual_stages != "auto":
         return cfg
     v = 2 if cfg.mesh.pp > 1 and pl.schedule in ("interleaved", "zb-v") else 1
+    if pl.schedule == "auto":
+        v = PlanDecides(v)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, virtual_stages=v))
 
 

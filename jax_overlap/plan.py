@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_overlap.config import Config, ConfigError
+from jax_overlap.config import Config, ConfigError, PlanDecides
 from jax_overlap.model_api import param_elements
 from jax_overlap.pipeline.program import TickProgram, compile_program
 from jax_overlap.pipeline.schedules import KINDS, Schedule, make_schedule
@@ -780,14 +780,38 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
     return float(bucket_mb), bool(embed_first), preset
 
 
-# Why `pipeline.schedule: auto` runs 1F1B, on each target (measured; docs/results.md).
+# Why `pipeline.schedule: auto` runs what it runs, on each target (measured; docs/results.md).
+INTERLEAVED_WHY = ("GPU: interleaved 1F1B, two chunks per stage, paired: half of 1F1B's bubble "
+                   "at the same microbatches for twice the transfers, all under GEMMs -- the "
+                   "fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
+                   "interleaved m 16 1072 ms, MFU 0.56; 1F1B m 32 1134 ms; ZB-V 1236 ms)")
 AUTO_SCHEDULE_WHY = {
-    True: ("GPU: the fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-           "1F1B paired 0.48 MFU, ZB-V paired 0.38; ZB-V's extra ticks and W actions cost more "
-           "than its smaller bubble saves)"),
+    True: ("GPU: 1F1B paired ({why}; GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved "
+           "1072 ms, 1F1B 1134 ms, ZB-V 1236 ms, whose extra ticks and W actions cost more than "
+           "its smaller bubble saves)"),
     False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.09-1.29x a pp = 1 "
             "step's, ZB-V 1.35-1.47x)"),
 }
+# Decoders whose blocks are all alike, which the plan may cut into two chunks per stage.
+INTERLEAVED_KINDS = ("gpt", "llama")
+
+
+def _no_interleaving(cfg: Config) -> str | None:
+    """Why `schedule: auto` cannot run interleaved 1F1B on a GPU, or None if it can: the
+    virtual stages are left to the plan, the model is a plain decoder, its layers split
+    evenly into 2 x pp chunks and an explicit microbatch count suits the table."""
+    m, pl, mo = cfg.mesh, cfg.pipeline, cfg.model
+    if not isinstance(pl.virtual_stages, PlanDecides):
+        return f"pipeline.virtual_stages = {pl.virtual_stages} is given"
+    if mo.kind not in INTERLEAVED_KINDS or getattr(mo, "experts", 0):
+        return f"model.kind {mo.kind}: one chunk per stage"
+    if pl.stage_layers not in (None, "auto"):
+        return "pipeline.stage_layers is given"
+    if mo.layers % (2 * m.pp):
+        return f"model.layers {mo.layers} does not split into 2 x pp = {2 * m.pp} equal chunks"
+    if pl.microbatches != "auto" and pl.microbatches % m.pp:
+        return f"pipeline.microbatches {pl.microbatches} is not a multiple of mesh.pp"
+    return None
 
 
 def schedule_name(cfg: Config) -> str:
@@ -802,13 +826,21 @@ def schedule_name(cfg: Config) -> str:
 def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
     """`cfg` with `pipeline.schedule: auto` resolved (a choice only where there is a
     pipeline)."""
-    name = schedule_name(cfg)
-    if cfg.pipeline.schedule == "auto" and cfg.mesh.pp > 1:
-        choices["pipeline.schedule"] = Choice(name, (
-            f"virtual_stages = {cfg.pipeline.virtual_stages}: the schedule that runs "
-            f"several chunks per stage" if name == "interleaved"
-            else AUTO_SCHEDULE_WHY[bool(target.accelerator)]))
-    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=name))
+    name, pl = schedule_name(cfg), cfg.pipeline
+    if pl.schedule == "auto" and cfg.mesh.pp > 1:
+        why = (f"virtual_stages = {pl.virtual_stages}: the schedule that runs several chunks "
+               f"per stage") if name == "interleaved" else AUTO_SCHEDULE_WHY[False]
+        if target.accelerator and name == "1f1b":
+            blocked = _no_interleaving(cfg)
+            if blocked is None:
+                name, why = "interleaved", INTERLEAVED_WHY
+                pl = dataclasses.replace(pl, virtual_stages=2)
+                choices["pipeline.virtual_stages"] = Choice(2, "interleaved 1F1B's fewest "
+                                                               "chunks per stage")
+            else:
+                why = AUTO_SCHEDULE_WHY[True].format(why=blocked)
+        choices["pipeline.schedule"] = Choice(name, why)
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, schedule=name))
 
 
 # Why `pipeline.transfer_latency: auto` is 1 on a GPU unless a transfer is exposed: at latency
@@ -1122,9 +1154,11 @@ def gemm_tokens(cfg: Config, tp_comm: str) -> int:
     return GEMM_TOKENS
 
 
-def pipeline_bubble(stages: int, microbatches: int) -> float:
-    """The idle share of a 1F1B-like pipeline: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
+def pipeline_bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle share of a 1F1B-like pipeline: (p - 1) / (v m + p - 1) with v chunks per
+    stage (interleaved)."""
+    return ((stages - 1) / (virtual_stages * microbatches + stages - 1) if stages > 1
+            else 0.0)
 
 
 def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
@@ -1219,7 +1253,8 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
         return n, pick_remat(n)
     budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
     tokens = gemm_tokens(cfg, overlap.tp_comm)
-    filled = [n for n in valid if pipeline_bubble(m.pp, n) <= PIPELINE_BUBBLE] or valid[-1:]
+    v = pl.virtual_stages if pl.schedule == "interleaved" else 1
+    filled = [n for n in valid if pipeline_bubble(m.pp, n, v) <= PIPELINE_BUBBLE] or valid[-1:]
     for n in filled:
         b = per_replica // n
         if b * mo.seq_len > tokens:
@@ -1229,7 +1264,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
             rows = (f"collective-matmul ring steps of {b * mo.seq_len // m.tp} rows"
                     if _ring_steps(cfg, overlap.tp_comm)
                     else f"GEMMs of {b * mo.seq_len} rows")
-            bubble = (f", bubble {pipeline_bubble(m.pp, n):.3f}" if m.pp > 1 else "")
+            bubble = (f", bubble {pipeline_bubble(m.pp, n, v):.3f}" if m.pp > 1 else "")
             why = (f"{b} sequences x {mo.seq_len} positions per microbatch: {rows}{bubble}, "
                    f"~{need / 1e9:.0f} GB per device estimated")
             if budget is not None:

@@ -108,15 +108,27 @@ def test_a_plain_gpu_config_gets_the_overlap_knobs():
 
 
 def test_auto_schedule_is_printed_and_an_explicit_one_wins():
-    piped = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.microbatches=auto",
-                               "pipeline.schedule=auto"])
+    piped_overrides = ["mesh.pp=2", "mesh.dp=2", "model.layers=4", "pipeline.virtual_stages=auto",
+                       "pipeline.microbatches=auto",
+                       "pipeline.schedule=auto"]
+    piped = config.load(TINY, piped_overrides)
     assert piped.pipeline.schedule == "auto" and piped.pipeline.virtual_stages == 1
-    for target, lead in ((Target(), "CPU"), (H100, "GPU")):
+    # CPU: 1F1B; GPU: interleaved 1F1B, two chunks per stage, where the layers split evenly.
+    for target, name, v in ((Target(), "1f1b", 1), (H100, "interleaved", 2)):
         plan = ParallelPlan.build(piped, target=target)
-        assert plan.schedule.name == "1f1b"
-        assert plan.choices["pipeline.schedule"].why.startswith(lead)
-        assert plan.resolved_config(piped).pipeline.schedule == "1f1b"
+        assert (plan.schedule.name, plan.virtual_stages) == (name, v)
+        assert plan.choices["pipeline.schedule"].why.startswith("GPU" if v == 2 else "CPU")
+        resolved = plan.resolved_config(piped).pipeline
+        assert (resolved.schedule, resolved.virtual_stages) == (name, v)
     assert plan.schedule.paired  # GPU: paired ticks
+    assert plan.microbatches % piped.mesh.pp == 0
+    # On a GPU, 1F1B where interleaving cannot run, with the reason; an explicit count wins.
+    for extra, reason in ((["pipeline.virtual_stages=1"], "pipeline.virtual_stages = 1"),
+                          (["model.layers=6"], "model.layers 6")):
+        plan = ParallelPlan.build(config.load(TINY, [*piped_overrides, *extra]), target=H100)
+        assert plan.schedule.name == "1f1b" and plan.virtual_stages == 1
+        assert reason in plan.choices["pipeline.schedule"].why
+        assert "pipeline.virtual_stages" not in plan.choices
     chunks = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.virtual_stages=2",
                                 "pipeline.microbatches=4", "pipeline.schedule=auto",
                                 "model.layers=4"])
@@ -160,8 +172,9 @@ def test_auto_zero1_splits_only_an_optimizer_state_that_does_not_fit():
     cpu = ParallelPlan.build(config.load(llama, ["model.layers=4", "model.d_model=256"]))
     assert cpu.overlap.zero1 is False and cpu.choices["overlap.zero1"].why.startswith("CPU")
     # Where ZeRO-1 alone does not make a replica fit (its in-loop buckets counted), FSDP
-    # decides (and shards the moments too).
-    big = ParallelPlan.build(config.load(llama), target=H100)
+    # decides (and shards the moments too). (1F1B's slots: interleaved's chunks of four
+    # layers stash less, and there ZeRO-1 fits.)
+    big = ParallelPlan.build(config.load(llama, ["pipeline.schedule=1f1b"]), target=H100)
     assert big.overlap.fsdp and big.overlap.zero1 is False
     assert "left to overlap.param_sharding" in big.choices["overlap.zero1"].why
     fsdp = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/llama3_8b_fsdp8.yaml"),
