@@ -61,6 +61,10 @@ MESHES = {
         ["pipeline.schedule=zb-v", "pipeline.paired=true", "pipeline.microbatches=32"],
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=32",
          "model.remat=save_dots"],
+        ["pipeline.microbatches=32"],
+        ["pipeline.virtual_stages=3", "pipeline.schedule=interleaved",
+         "pipeline.microbatches=16"],
+        ["model.remat=save_dots"],
     ]),
     "dp2_tp4": ("gpt_1p3b_dp2_tp4.yaml", [
         ["overlap.tp_comm=sequence_parallel"],
@@ -70,6 +74,7 @@ MESHES = {
         ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=16"],
     ]),
     "pp2_dp2_tp2": ("gpt_1p3b_pp2_dp2_tp2.yaml", [
+        ["pipeline.schedule=1f1b", "pipeline.virtual_stages=1"],
         ["overlap.tp_comm=collective_matmul"],
         ["pipeline.microbatches=8"],
         ["pipeline.microbatches=16"],

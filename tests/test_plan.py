@@ -129,6 +129,15 @@ def test_auto_schedule_is_printed_and_an_explicit_one_wins():
         assert plan.schedule.name == "1f1b" and plan.virtual_stages == 1
         assert reason in plan.choices["pipeline.schedule"].why
         assert "pipeline.virtual_stages" not in plan.choices
+    # The microbatch rule counts the interleaved bubble (p - 1) / (v m + p - 1): GPT-1.3B
+    # pp4 x dp2 takes 16 (bubble 0.086) where 1F1B needs 32.
+    gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml"),
+                             target=H100)
+    assert (gpt.schedule.name, gpt.virtual_stages, gpt.microbatches) == ("interleaved", 2, 16)
+    assert "bubble 0.086" in gpt.choices["pipeline.microbatches"].why
+    one = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml",
+                                         ["pipeline.schedule=1f1b"]), target=H100)
+    assert (one.schedule.name, one.virtual_stages, one.microbatches) == ("1f1b", 1, 32)
     chunks = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "pipeline.virtual_stages=2",
                                 "pipeline.microbatches=4", "pipeline.schedule=auto",
                                 "model.layers=4"])
