@@ -167,6 +167,13 @@ class PipelineConfig:
     # stage. auto: on a GPU at latency 1, off on a CPU (collectives are synchronous there;
     # pairing only adds permutes).
     paired: bool | Literal["auto"] = "auto"
+    # Paired tables only: run a tick's two actions as one switch over the (forward, backward)
+    # pairs the table takes, so each lane's collectives inside its action (tensor-parallel
+    # all-gathers / reduce-scatters, expert all-to-alls) run under the other lane's GEMMs; the
+    # stage-to-stage transfers then run between ticks. false: each lane its own switch, each
+    # transfer under the other lane. auto: on a GPU where the actions hold collectives
+    # (tp > 1 or ep > 1), else off (plan.FUSED_PAIRS_WHY).
+    fused_pairs: bool | Literal["auto"] = "auto"
     # Paired tables only: steps of a search over which ticks run pairs, so the actions
     # sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the whole
     # step; ~35 ms a step at p = 4, m = 16, done once when the plan is built).

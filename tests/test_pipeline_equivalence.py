@@ -570,7 +570,12 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
 # buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
 GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
                ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"]),
-               # sequence parallel inside the stages, the last tick's embedding deferred
+               # both lanes in one switch (`pipeline.fused_pairs`): the deferred last tick,
+               # and a zero-bubble table's B / W pairs filing the dz pool beside F's chunk pool
+               ("1f1b", 4, 2, 1, 4, True, ["pipeline.fused_pairs=true"]),
+               ("zb-v", 2, 2, 1, 4, True, ["pipeline.fused_pairs=true"]),
+               # sequence parallel inside the stages (fused pairs: tp > 1), the last tick's
+               # embedding deferred
                pytest.param(("1f1b", 2, 2, 2, 4, True), marks=pytest.mark.slow),
                # the split W's last weight matmuls replayed on tp-varying weights (in-loop
                # buckets), grouped collective matmul with its barriered backward sum
@@ -595,6 +600,7 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case):
     assert run.plan.vocab_parallel and run.plan.schedule.paired == ("pipeline.paired=false"
                                                                    not in extra)
     program = run.plan.program
+    assert program.fused == (tp > 1 or "pipeline.fused_pairs=true" in extra)
     deferred = executor.deferred_embedding(model, program, True,
                                            any(b.sync for b in program.branches),
                                            run.plan.overlap, dict(run.mesh.shape))

@@ -479,3 +479,26 @@ def test_vocab_parallel_needs_a_model_that_declares_it():
 
     with pytest.raises(ConfigError, match="^pipeline.vocab_parallel: model Plain does not"):
         ParallelPlan.build(cfg, Plain(**dataclasses.asdict(model)))
+
+
+def test_auto_fused_pairs_only_where_an_action_holds_collectives():
+    """Paired ticks run both lanes as one switch on a GPU where the actions hold collectives
+    for the other lane to hide (tp > 1); not at tp = 1, unpaired or on a CPU; an explicit
+    value wins."""
+    gpu = f"{REPO}/configs/gpu"
+    tp2 = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp2_dp2_tp2.yaml"), target=H100)
+    assert tp2.fused_pairs and tp2.program.fused
+    assert tp2.choices["pipeline.fused_pairs"].why.startswith("GPU, tp = 2")
+    tp1 = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp4_dp2.yaml"), target=H100)
+    assert not tp1.fused_pairs and not tp1.program.fused
+    assert "tp = ep = 1" in tp1.choices["pipeline.fused_pairs"].why
+    cpu = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp2_dp2_tp2.yaml",
+                                         ["model.layers=4", "model.d_model=256",
+                                          "pipeline.paired=true"]))
+    assert not cpu.fused_pairs and cpu.choices["pipeline.fused_pairs"].why.startswith("CPU")
+    given = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp4_dp2.yaml",
+                                           ["pipeline.fused_pairs=true"]), target=H100)
+    assert given.program.fused and "pipeline.fused_pairs" not in given.choices
+    unpaired = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp2_dp2_tp2.yaml",
+                                              ["pipeline.paired=false"]), target=H100)
+    assert not unpaired.fused_pairs and unpaired.program.lanes == 1

@@ -247,3 +247,32 @@ def test_a_last_tick_after_the_loop_is_costed_by_the_last_row(monkeypatch):
                 assert runs == pytest.approx(want), (lane, runs, want)
                 lanes.append(lane)
         assert set(lanes) == {0, 1}
+    # Both lanes in one switch (`pipeline.fused_pairs`): one switch over the table's
+    # (forward, backward) pairs, weighted by how often each pair runs; every microbatch's F
+    # and B still once a step, and the replay's work the same GEMMs.
+    monkeypatch.undo()
+    fused_cfg = config.load(TINY, [*PIPELINE, "model.attention=plain",
+                                   "pipeline.fused_pairs=true"])
+    fused = assemble(fused_cfg, jax.devices()[:8], target=Target("h100", True, 80e9))
+    program = fused.plan.program
+    pairs, index = program.lane_pairs
+    assert program.fused and (program.column("branch") == np.asarray(pairs)[index]).all()
+    text = jax.jit(fused.loss_and_grads()).lower(params, fused.abstract_batch()).compile(
+    ).as_text()
+    module = parse_module(text)
+    counts, _ = execution_counts(module, switch_weights(program, text))
+    runs = {"F": 0.0, "B": 0.0}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            if inst.opcode != "conditional" or _lane(inst) is None:
+                continue
+            assert _lane(inst) == 0
+            called = called_computations(inst)["branch_computations"]
+            assert len(called) == len(pairs)
+            for i, pair in enumerate(pairs):
+                for b in pair:
+                    if b:
+                        runs[program.branches[b - 1].kind] += counts[called[i]]
+    assert runs == pytest.approx({"F": m, "B": m}), runs
+    est = estimate_step(text, H100, 1.0, Ticks.of_program(program))
+    assert est.gemm_flops == pytest.approx(one.gemm_flops, rel=1e-6)

@@ -415,9 +415,9 @@ class Ticks:
                         for s in range(stages))
         head = (program.column("head_mb")[:, 0, 0] > 0) if program.vocab_parallel \
             else np.zeros(branch.shape[0], bool)
-        names = ("idle",) + tuple(f"{b.kind} {b.role}{' sync' if b.sync else ''}"
-                                  for b in program.branches)
-        return cls(branch, names, senders, head, program.lanes == 2 or program.skewed)
+        # Fused lanes: one switch, whose arrivals are filed before it runs.
+        return cls(program.switch_table(), program.switch_names(), senders, head,
+                   (program.lanes == 2 and not program.fused) or program.skewed)
 
     def frequencies(self, lane: int, rows: slice = slice(None)) -> list[float]:
         """The share of lane `lane`'s (tick, stage) entries of the ticks `rows` taking each

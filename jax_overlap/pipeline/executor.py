@@ -888,7 +888,9 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     the arrivals after it, so the transfers run under the action.
     Paired (two lanes): each lane runs as a skewed half-tick -- the other lane's last output
     is sent before the action and filed after it -- so every transfer runs under the other
-    lane's compute at latency 1.
+    lane's compute at latency 1. Fused pairs (`TickProgram.fused`): both lanes' actions in
+    one switch, so each one's collectives run under the other's GEMMs, and the transfers
+    between ticks (`_TickLoop.fused_tick`).
 
     The residual pools and gradient accumulators are updated in place through the tick's
     switches; XLA keeps them in place only with copy insertion's region analysis
@@ -927,23 +929,30 @@ class _TickLoop:
         # in whichever lane its pair puts it: lane 0 of a zero-bubble table then adds too.
         fills = {name: program.fills(name) for name in res0}
         adds = [False] + [b.kind != "F" for b in program.branches]
-        self.lanes = []
-        for lane in range(program.lanes):
-            taken = set(np.unique(program.column("branch")[:, :, lane]).tolist())
-            self.lanes.append(_lane_switches(ctx, branches, fills, taken,
-                                             any(adds[b] for b in taken)))
-        # The last tick's switches, when it runs apart (`last_tick`): only its own branches.
-        self.deferred, self.last_lanes = deferred, None
-        if deferred is not None:
-            self.last_lanes = []
+        def switches(branches_, rows):
+            # Per lane, its switches over what `rows` of the table take; fused, one switch
+            # over the (lane 0, lane 1) pairs they take.
+            if program.fused:
+                pairs, index = program.lane_pairs
+                return [_pair_switch(ctx, branches_, fills, pairs,
+                                     set(index[rows].ravel().tolist()), adds)]
+            out = []
             for lane in range(program.lanes):
-                taken = set(np.unique(program.table[-1, :, lane, COL["branch"]]).tolist())
-                self.last_lanes.append(_lane_switches(ctx, deferred.branches, fills, taken,
-                                                      any(adds[b] for b in taken)))
+                taken = set(np.unique(program.column("branch")[rows][..., lane]).tolist())
+                out.append(_lane_switches(ctx, branches_, fills, taken,
+                                          any(adds[b] for b in taken)))
+            return out
+
+        self.lanes = switches(branches, slice(None))
+        # The last tick's switches, when it runs apart (`last_tick`): only its own branches.
+        self.deferred = deferred
+        self.last_lanes = (None if deferred is None
+                           else switches(deferred.branches, slice(-1, None)))
         self.res0 = res0
         # A paired tick splits the vocabulary-parallel head around its backward lane where
         # collectives run asynchronously (an accelerator's program).
-        self.split_head = program.vocab_parallel and program.lanes == 2 and accelerator
+        self.split_head = (program.vocab_parallel and program.lanes == 2 and accelerator
+                           and not program.fused)
         self.accelerator = accelerator
 
     def head_phase(self, pool, grads, loss, out, rows, row):
@@ -1172,11 +1181,45 @@ class _TickLoop:
         pool = self.file_all(pool, next_[0], arrival_f, 0)
         return (pool, res, out_b, pending_head, grads, loss), None
 
+    def fused_tick(self, carry, rows_pairs, lanes=None):
+        # Both lanes in one switch (`TickProgram.fused`): last tick's outputs are sent and
+        # filed first, then the tick's pair runs, its two actions in one computation, so the
+        # collectives of each (tensor-parallel all-gathers and reduce-scatters, expert
+        # all-to-alls) can run under the other's GEMMs. The transfers, read by the next
+        # tick's switch, run between ticks, as in the unpaired loop; the head phase runs
+        # whole after the switch (`head_phase`), its gradient filed before any B reads it.
+        pool, res, out_b, out_f, grads, loss = carry
+        rows, pair_rows = rows_pairs
+        now = _at(rows, self.stage)
+        pool = self.file_all(pool, now[0], self.send(out_f, 0), 0)
+        pool = self.file_all(pool, now[1], self.send(out_b, 1), 1)
+        pool, inboxes = jax.lax.optimization_barrier(
+            (pool, (self.slots(pool, now[0]), self.slots(pool, now[1]))))
+        switch = (lanes or self.lanes)[0]
+        kept = {name: res[name] for name in switch.pools}
+        read_only = {name: p for name, p in res.items() if name not in kept}
+        step = (grads, loss) if switch.grads else (loss,)
+        with jax.named_scope(f"{LANE_SCOPE}0"):
+            kept, step, (out_f, out_b) = jax.lax.switch(
+                _at(pair_rows, self.stage), switch.branches, inboxes, read_only, kept, step,
+                (now[0], now[1]))
+        res = {**res, **kept}
+        grads, loss = step if switch.grads else (grads, step[0])
+        pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
+        return (pool, res, out_b, out_f, grads, loss), None
+
     def run(self, pool_sbtd):
         """(grads, loss) after scanning the table."""
         start = (self.ctx.grads0, self.ctx.loss0)
         table = jnp.asarray(self.program.table)
-        if self.program.lanes == 2:
+        if self.program.fused:
+            pair_rows = jnp.asarray(self.program.lane_pairs[1])
+            carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, *start)
+            if self.deferred is not None:
+                carry, _ = jax.lax.scan(self.fused_tick, carry0, (table[:-1], pair_rows[:-1]))
+                return self.last_tick(carry, table[-1], pair_rows[-1])
+            (*_, grads, loss), _ = jax.lax.scan(self.fused_tick, carry0, (table, pair_rows))
+        elif self.program.lanes == 2:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
             no_head = ()
@@ -1200,7 +1243,8 @@ class _TickLoop:
         return grads, loss, None
 
     def last_tick(self, carry, rows, rows_next):
-        """The step's last paired tick, run after the loop. It runs one action, virtual
+        """The step's last paired tick, run after the loop (`rows_next`: a fused program's
+        pair indices of that row). It runs one action, virtual
         stage 0's last backward (`deferred_embedding`); until it ends, the tied embedding's
         gradient was complete nowhere, and its fp32 all-reduce over (pp, dp) -- the step's
         largest -- had nothing left to run under. Here the embedding and head gradients of
@@ -1217,9 +1261,9 @@ class _TickLoop:
         grads = carry[-2]
         ends = jax.lax.psum({k: grads[k] for k in ("embed", "head")}, (PP, DP))
         # The scope tells `analysis.step_estimate` that these switches run the last row.
+        tick = self.fused_tick if self.program.fused else self.paired_tick
         with jax.named_scope(LAST_TICK_SCOPE):
-            (_, _, dx, _, grads, loss), _ = self.paired_tick(carry, (rows, rows_next),
-                                                             lanes=self.last_lanes)
+            (_, _, dx, _, grads, loss), _ = tick(carry, (rows, rows_next), lanes=self.last_lanes)
         dx = jax.lax.psum(dx, PP)  # virtual stage 0's, made on stage 0 only
         dx = all_gather_invariant(dx, DP)  # (dp b, T, D), the same on every replica
         ids = all_gather_invariant(ctx.ids_mbt[deferred.microbatch], DP)  # (dp b, T)
@@ -1292,6 +1336,62 @@ def _lane_switches(ctx: StepContext, branches: list, fills: dict[str, tuple[bool
 
     return _LaneSwitches([plain(b, fn) for b, fn in enumerate(branches)],
                          [filing(b, fn) for b, fn in enumerate(branches)], pools, grads)
+
+
+class _PairSwitch(NamedTuple):
+    """A fused paired program's one switch (`_TickLoop.fused_tick`).
+
+    Attributes:
+      branches: per (lane 0, lane 1) pair of `TickProgram.lane_pairs`,
+        `(inboxes, read_only, kept, carry, rows) -> (kept, carry, (out 0, out 1))`: the two
+        actions, what they fill filed into `kept` in place.
+      pools: the residual pools its actions fill (`kept`).
+      grads: whether its actions add to the gradients (as `_LaneSwitches.grads`).
+    """
+
+    branches: list
+    pools: tuple[str, ...]
+    grads: bool
+
+
+def _pair_switch(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, ...]],
+                 pairs: tuple[tuple[int, int], ...], taken: set[int], adds: list[bool]
+                 ) -> _PairSwitch:
+    """The one switch of a fused paired program over `pairs`, of which the table takes
+    the indices `taken` (the others are no-ops).
+
+    Both actions read their slots of the pools as the tick got them: a slot one fills is
+    never one the other reads (slots are allocated per tick), so XLA orders the reads before
+    the in-place writes and copies nothing.
+    """
+    used = {b for i in taken for b in pairs[i] if b}
+    grads = any(adds[b] for b in used)
+    pools = tuple(name for name, flags in fills.items() if any(flags[b] for b in used))
+
+    def one(i, pair):
+        def run(inboxes, read_only, kept, carry, rows):
+            outs = [ctx.zeros_btd, ctx.zeros_btd]
+            if i not in taken:
+                return kept, carry, tuple(outs)
+            every = {**read_only, **kept}
+            g, loss = carry if grads else (ctx.grads0, carry[0])
+            filed = dict(kept)
+            for lane, b in enumerate(pair):
+                if not b:
+                    continue
+                made, g_out, loss, outs[lane] = branches[b](
+                    inboxes[lane], _slots_of(every, rows[lane]), g, loss, rows[lane])
+                # An action that adds nothing (F) hands back the accumulators recast: the
+                # other's additions must not take them from it, or they wait for the whole
+                # F and XLA runs the two actions one after the other.
+                if adds[b]:
+                    g = g_out
+                filed = {name: _filed(leaves, made[name], rows[lane][COL[_POOL_SLOT[name]]])
+                         if fills[name][b] else leaves for name, leaves in filed.items()}
+            return filed, ((g, loss) if grads else (loss,)), tuple(outs)
+        return run
+
+    return _PairSwitch([one(i, pair) for i, pair in enumerate(pairs)], pools, grads)
 
 
 def _slots_of(pools: dict, row) -> dict:

@@ -10,6 +10,7 @@ not `microbatches x chunks`. Pure numpy: no JAX.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -89,7 +90,12 @@ class TickProgram:
         share of the logits and loss, the hidden state's gradient summed over pp), and the
         stage that ran the F files that gradient into its slot `head_slot` (`trash` on the
         others) before its B can read it (a paired tick files it at the next tick, before
-        the backward lane).
+        the backward lane; a fused one at the same tick, after its switch).
+      fused: a paired table's two lanes run as one switch over the (lane 0, lane 1) branch
+        pairs the table takes (`lane_pairs`), so each lane's collectives (tensor- or
+        expert-parallel) can run under the other lane's GEMMs; the ring transfers then run
+        between ticks. Unfused, each lane is its own switch and the transfers run under the
+        other lane (`pipeline.fused_pairs`).
     """
 
     schedule: Schedule
@@ -102,6 +108,7 @@ class TickProgram:
     res_slots: tuple[tuple[str, int], ...] = ()
     lane_rings: tuple[tuple[tuple, tuple, bool], ...] = ()
     vocab_parallel: bool = False
+    fused: bool = False
 
     @property
     def ticks(self) -> int:
@@ -125,11 +132,39 @@ class TickProgram:
         """One field of the table, `(ticks, stages, lanes)`."""
         return self.table[:, :, :, COL[name]]
 
+    @functools.cached_property
+    def lane_pairs(self) -> tuple[tuple[tuple[int, int], ...], np.ndarray]:
+        """(the distinct (lane 0, lane 1) branch pairs of a paired table, sorted; int
+        `(ticks, stages)` the index of each entry's pair): a fused program's one switch."""
+        branch = self.column("branch")
+        pairs = tuple(sorted({(int(a), int(b)) for a, b in branch.reshape(-1, 2)}))
+        index = np.zeros(branch.shape[:2], np.int32)
+        for i, pair in enumerate(pairs):
+            index[(branch == pair).all(axis=-1)] = i
+        return pairs, index
+
+    def switch_table(self) -> np.ndarray:
+        """int `(ticks, stages, switches)`: the branch each of a tick's switches takes -- one
+        switch per lane, indexed by the table's branch; fused, one indexed by `lane_pairs`."""
+        if self.fused:
+            return self.lane_pairs[1][..., None]
+        return self.column("branch")
+
+    def switch_names(self) -> tuple[str, ...]:
+        """A label per branch of the switches (`idle`, `F first`, `B mid sync`; fused,
+        `F first + B first`...)."""
+        names = ("idle",) + tuple(f"{b.kind} {b.role}{' sync' if b.sync else ''}"
+                                  for b in self.branches)
+        if not self.fused:
+            return names
+        return tuple(" + ".join(names[b] for b in pair if b) or "idle"
+                     for pair in self.lane_pairs[0])
+
     def branch_frequencies(self, ticks: slice = slice(None)) -> list[float]:
         """Per switch branch (idle first), the share of (tick, stage) entries of `ticks`
         that take it: how often one device runs it per tick, on average over the stages."""
-        counts = np.bincount(self.column("branch")[ticks].ravel(),
-                             minlength=1 + len(self.branches))
+        counts = np.bincount(self.switch_table()[ticks].ravel(),
+                             minlength=len(self.switch_names()))
         return (counts / counts.sum()).tolist()
 
     def fills(self, pool: str) -> tuple[bool, ...]:
@@ -289,7 +324,7 @@ def _sync_actions(s: Schedule, tick_of: dict[Task, int]) -> set[Task]:
 
 
 def compile_program(schedule: Schedule, sync_in_loop: bool = False,
-                    vocab_parallel: bool = False) -> TickProgram:
+                    vocab_parallel: bool = False, fused: bool = False) -> TickProgram:
     """Turns a schedule table into the executor's int tables.
 
     Args:
@@ -297,6 +332,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
       sync_in_loop: give each chunk's last weight-gradient action its own branch
         (`Branch.sync`), where the executor reduces the chunk's gradients over dp.
       vocab_parallel: run the head vocabulary-parallel on every stage (see `TickProgram`).
+      fused: run a paired table's lanes as one switch (see `TickProgram`); ignored unpaired.
 
     Returns:
       The `TickProgram`.
@@ -368,4 +404,4 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
                        for lane in range(lanes))
     return TickProgram(s, branches, table, slots, used("down", (0, 1)), used("up", (0, 1)),
                        bool(used("self", (0, 1))), tuple(sorted(res_slots.items())), lane_rings,
-                       vocab_parallel)
+                       vocab_parallel, fused and lanes == 2)
