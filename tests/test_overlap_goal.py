@@ -96,7 +96,8 @@ def test_dp2_tp4_defaults_reach_their_overlap():
                                        "pipeline.paired=true"]], ids=["ep8", "ep4-pp2-paired"])
 def test_moe_all_to_alls_hide_under_expert_gemms(mesh):
     # Mixtral's layer at 2 layers; auto picks 6 software-pipelined chunks. Measured 0.950
-    # (ep8) and 0.917 (ep4 x pp2 paired) on 2026-12-03; one chunk: 0.333 on both.
+    # (ep8, 2026-12-03) and 0.979 (ep4 x pp2 paired, both lanes in one switch: fused pairs,
+    # 2026-12-06; 0.950 apart); one chunk: 0.333 on both, 0.771 fused.
     data = _under_gemm(["model.layers=2", *mesh], config=MIXTRAL)
     assert data["plan"]["choices"]["overlap.moe_chunks"]["value"] == 6
     a2a = data["collectives"]["all-to-all"]
