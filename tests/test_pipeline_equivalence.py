@@ -14,6 +14,7 @@ import pytest
 from helpers import TINY, cached_references, max_rel_err, np_batch, rel, schedule_sweep
 
 from jax_overlap import config
+from jax_overlap.analysis.step_estimate import Ticks
 from jax_overlap.parallel import mesh as meshlib
 from jax_overlap.pipeline import layout, schedules
 from jax_overlap.pipeline import program as tick_program
@@ -444,7 +445,7 @@ def test_in_loop_buckets_reduce_in_each_chunks_last_backward():
     column = program.column("branch")
     sync_ids = [i + 1 for i, b in enumerate(program.branches) if b.sync]
     assert int(np.isin(column, sync_ids).sum()) == 2 * 2  # stages x chunks
-    freqs = program.branch_frequencies()
+    freqs = Ticks.of_program(program).frequencies(0)  # one lane
     assert sum(freqs) == pytest.approx(1.0)
     assert freqs[tick_program.IDLE] == pytest.approx(program.idle_fraction())
     for b, branch in zip(program.branches, branches[1:]):

@@ -183,8 +183,7 @@ def test_the_estimate_agrees_with_a_simpler_roofline():
         _, _, plan, text = _pipeline_hlo(overrides)
         ticks = Ticks.of_program(plan.program) if plan.program is not None else None
         est = estimate_step(text, H100, 1.0, ticks)
-        frequencies = plan.program.branch_frequencies() if plan.program is not None else None
-        simple = _simple_roofline(text, H100, frequencies) * 1e3
+        simple = _simple_roofline(text, H100, switch_weights(plan.program, text)) * 1e3
         work = est.step_ms - est.wait_ms
         assert abs(work - simple) / simple < 0.20, (overrides, work, simple)
 

@@ -260,8 +260,8 @@ def analyze_hlo(text: str, *, target: str | None = None, chip: ChipSpec | None =
       chip: chip for the time estimates; default: the target's chip when the target
         is a GPU name, else None (no estimates).
       link: link model; default: the chip's NVLink, one direction.
-      branch_frequencies: see :func:`execution_counts` (the pipeline executor's
-        `TickProgram.branch_frequencies`).
+      branch_frequencies: see :func:`execution_counts` (a pipeline step's:
+        `analysis.analyze.switch_weights`).
 
     Returns:
       :class:`HloReport`.

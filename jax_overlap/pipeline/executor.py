@@ -203,11 +203,12 @@ class StagePieces(NamedTuple):
         return stack_layers(dw) if self.unrolled else dw
 
 
-def stage_pieces(model, par: Parallel, count, remat: str, vocab_shards: int = 1,
-                 unrolled: bool = False) -> StagePieces:
-    """The `StagePieces` of a model with its TP context, loss divisor and remat policy; with
-    `vocab_shards` > 1 the head is this pp rank's vocabulary-parallel share of it;
-    `unrolled`: the chunk's layers unrolled (see `StagePieces`)."""
+def stage_pieces(model, par: Parallel, count, remat: str, program: TickProgram
+                 ) -> StagePieces:
+    """The `StagePieces` of a model with its TP context, loss divisor and remat policy, for
+    `program`: a vocabulary-parallel head is this pp rank's share of it; paired ticks run the
+    chunk's layers unrolled (see `StagePieces`)."""
+    vocab_shards, unrolled = _vocab_shards(program), program.lanes == 2
     raw = partial(_apply_block, model, par)
     block = remat_block(raw, remat)
 
@@ -1497,8 +1498,7 @@ def residual_bytes(model, plan, mesh) -> dict[str, int]:
         par = plan.parallel()
         blocks_vn = _compute_blocks(model, par, blocks_vn,
                                     model.embed(params["embed"], mbs["inputs"][0], par))
-        pieces = stage_pieces(model, par, count, plan.remat, _vocab_shards(program),
-                              program.lanes == 2)
+        pieces = stage_pieces(model, par, count, plan.remat, program)
         valid_vn = _stage_validity(plan.stage_layers, program)
         pools = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn).pools
         found.update({k: sum(a.size * a.dtype.itemsize for a in v) for k, v in pools.items()})
@@ -1637,7 +1637,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}
-    pieces = stage_pieces(model, par, count, remat, _vocab_shards(program), program.lanes == 2)
+    pieces = stage_pieces(model, par, count, remat, program)
     valid_vn = _stage_validity(stage_layers, program)
     stored_vn, blocks_vn = blocks_vn, _compute_blocks(model, par, blocks_vn, probe_btd)
     found = _residual_pools(pieces, params, blocks_vn, mbs, program, valid_vn, split_backward)

@@ -160,13 +160,6 @@ class TickProgram:
         return tuple(" + ".join(names[b] for b in pair if b) or "idle"
                      for pair in self.lane_pairs[0])
 
-    def branch_frequencies(self, ticks: slice = slice(None)) -> list[float]:
-        """Per switch branch (idle first), the share of (tick, stage) entries of `ticks`
-        that take it: how often one device runs it per tick, on average over the stages."""
-        counts = np.bincount(self.switch_table()[ticks].ravel(),
-                             minlength=len(self.switch_names()))
-        return (counts / counts.sum()).tolist()
-
     def fills(self, pool: str) -> tuple[bool, ...]:
         """Per switch branch (idle first), whether it fills its slot of a residual pool: an
         F the chunk's pool and, on the first / last virtual stage, the embedding's /
