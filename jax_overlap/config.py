@@ -221,6 +221,12 @@ class OverlapConfig:
     # all-to-alls having no GEMM of the layer to hide under (models/moe.py).
     # auto: 6 on a GPU with ep > 1, else 1.
     moe_chunks: int | Literal["auto"] = "auto"
+    # pp = 1: the microbatch loop runs microbatch i+1's forward and microbatch i's backward
+    # as one computation (their layers unrolled), so each one's all-to-alls and TP
+    # collectives run under the other's GEMMs (DualPipe's overlap without a pipeline); one
+    # more microbatch's residuals are kept. auto: on a GPU with expert parallelism (ep > 1),
+    # two microbatches or more and no FSDP; off elsewhere (plan.PAIR_MICROBATCHES_WHY).
+    pair_microbatches: bool | Literal["auto"] = "auto"
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves dp gradient traffic
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one
     # sequence per microbatch under remat full, replicated otherwise.

@@ -135,6 +135,8 @@ class OverlapPlan:
         group's own update at once, the mean of the groups' updates one step late).
       moe_chunks: expert parallelism's all-to-alls per MoE layer and direction (the tokens
         in that many chunks, each one's all-to-all under another's expert GEMMs).
+      pair_microbatches: pp = 1, the microbatch loop runs one microbatch's forward beside the
+        previous one's backward (`training.grads`).
     """
 
     grad_bucket_bytes: int = 0
@@ -153,6 +155,7 @@ class OverlapPlan:
     dcn_comm_dtype: str = "fp32"
     dcn_delay_mode: str = "local"
     moe_chunks: int = 1
+    pair_microbatches: bool = False
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -460,6 +463,8 @@ class ParallelPlan:
             moe_chunks=_resolve_moe_chunks(cfg, target, choices),
         )
         microbatches, remat = _resolve_microbatches(cfg, target, overlap, choices, attention)
+        overlap = dataclasses.replace(overlap, pair_microbatches=_resolve_pair_microbatches(
+            cfg, target, overlap, microbatches, remat, attention, choices))
         try:
             # One stage runs the plain microbatch loop whatever schedule is named.
             costs = tuple(pl.tick_costs) if pl.tick_costs is not None else None
@@ -640,6 +645,49 @@ def _resolve_moe_chunks(cfg, target, choices) -> int:
             "estimated step 3-6% longer from the extra copies)")
     choices["overlap.moe_chunks"] = Choice(chunks, why)
     return chunks
+
+
+# Why `overlap.pair_microbatches: auto` is what it is (measured; docs/results.md).
+PAIR_MICROBATCHES_WHY = (
+    "GPU, ep = {ep}, {m} microbatches: microbatch i+1's forward runs beside microbatch i's "
+    "backward, so each one's all-to-alls run under the other's GEMMs (Mixtral-8x7B shape, 2 "
+    "layers, ep8, 4 microbatches, deviceless 8 x H100: all-to-all bytes under GEMMs 0.33 -> "
+    "0.77 with one chunk, 0.95 -> 0.98 with six; estimated step 403 -> 390 ms, 404 -> 400 ms)")
+
+
+def _resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
+                               microbatches: int, remat: str, attention: str,
+                               choices: dict[str, Choice]) -> bool:
+    """`overlap.pair_microbatches`, `auto` resolved: on at pp = 1 on a GPU with expert
+    parallelism, two microbatches or more, no FSDP, and the second microbatch's residuals
+    within the memory budget; off elsewhere (a dense model's plan records no choice)."""
+    m, want = cfg.mesh, cfg.overlap.pair_microbatches
+    if want != "auto":
+        return bool(want) and m.pp == 1 and microbatches > 1
+    if m.pp > 1 or not cfg.model.experts:
+        return False
+    why = None
+    if m.ep == 1:
+        why = "no expert parallelism (mesh.ep = 1): no all-to-all to hide"
+    elif not target.accelerator:
+        why = "CPU: collectives run synchronously; nothing runs under them"
+    elif microbatches < 2:
+        why = "one microbatch: no second one to pair with"
+    elif overlap.fsdp:
+        why = ("FSDP runs the layers as a gather-window loop: a forward's and a backward's "
+               "layers cannot run side by side")
+    else:
+        micro_batch = cfg.train.global_batch // (m.dcn * m.dp * microbatches)
+        paired = dataclasses.replace(overlap, pair_microbatches=True)
+        need = estimated_step_bytes(cfg, micro_batch, paired, remat, attention)
+        budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
+        if budget is not None and need > budget:
+            why = (f"a second microbatch's residuals: ~{need / 1e9:.0f} GB per device "
+                   f"estimated, over the budget of {budget / 1e9:.0f} GB")
+    on = why is None
+    choices["overlap.pair_microbatches"] = Choice(on, PAIR_MICROBATCHES_WHY.format(
+        ep=m.ep, m=microbatches) if on else why)
+    return on
 
 
 # What `overlap.grad_bucket_mb: auto` picks on a GPU: the `gpu_overlap` preset's combine
@@ -1094,7 +1142,8 @@ def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, re
                       unrolled_buckets=(m.pp == 1 and overlap.grad_bucket_bytes > 0
                                         and not overlap.fsdp
                                         and overlap.bucket_order == "largest_first"),
-                      ep=m.ep, ring_steps=_ring_steps(cfg, overlap.tp_comm))
+                      ep=m.ep, ring_steps=_ring_steps(cfg, overlap.tp_comm),
+                      paired_microbatches=m.pp == 1 and overlap.pair_microbatches)
 
 
 @functools.lru_cache(maxsize=256)

@@ -71,7 +71,8 @@ def check(key, dp, tp, pp=1, extra=()):
             assert shard[expert_dim] == cfg.model.experts // dp, (name, shard)
         hlo = jax.jit(run.loss_and_grads()).lower(staged, run.put_batch(batch)).as_text()
         assert "all_to_all" in hlo or "all-to-all" in hlo
-        if pp == 1 and plan.layout.fsdp is None and plan.layout.plan is None:
+        if (pp == 1 and plan.layout.fsdp is None and plan.layout.plan is None
+                and not plan.overlap.pair_microbatches):
             # one scanned unit (no unrolled bucketed microbatch): per chunk a dispatch and a
             # combine, forward and backward
             assert hlo.count("all_to_all") == 4 * plan.parallel().moe_chunks
@@ -88,16 +89,22 @@ def pipeline_extra(name, chunks=1, paired=False):
             f"pipeline.virtual_stages={chunks}"] + (["pipeline.paired=true"] if paired else [])
 
 
+PAIRED = ["overlap.pair_microbatches=true"]
 DEFAULT = [
     # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
     # all-gather the slot's 2 and reduce-scatter their gradients. 3 chunks: the middle
-    # stage runs beside the next chunk's dispatch and the previous one's combine.
-    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3"]),
+    # stage runs beside the next chunk's dispatch and the previous one's combine. Paired
+    # microbatches: the first forward, two trips of (forward 2 | backward 1, forward 3 |
+    # backward 2), the last backward.
+    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3", "pipeline.microbatches=4",
+                        *PAIRED]),
     # ep = dp with ZeRO-1 and in-backward buckets: the experts' optimizer state is split by
     # ep already (no dp sum, no ZeRO-1 split), the rest by ZeRO-1. At tp2 the buckets mark
     # the router weight tp-varying and reduce the statistics over (dp, tp): each tp rank
-    # gives half (the counts came out doubled).
-    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
+    # gives half (the counts came out doubled). Paired over 2 microbatches: the first one's
+    # backward beside the last one's bucketed forward and backward.
+    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01",
+                        "pipeline.microbatches=2", *PAIRED]),
     # FSDP over dp=4 stores the moe_stats leaf (E + 2 = 6) whole: its gradient is summed with
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
@@ -219,6 +226,12 @@ def test_bad_moe_settings_are_one_line_each(override, message):
 
 SWEEP = [
     ("drops", 2, 2, 1, []),
+    ("drops", 4, 2, 1, ["mesh.ep=2", "overlap.moe_chunks=3"]),
+    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.zero1=true", "overlap.grad_bucket_mb=0.01"]),
+    ("dropless", 4, 1, 1, ["mesh.ep=4", "model.remat=full", "pipeline.microbatches=2",
+                           "overlap.grad_bucket_mb=0.01", *PAIRED]),
+    ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.param_sharding=fsdp", "pipeline.microbatches=2",
+                        *PAIRED]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),

@@ -13,6 +13,7 @@ from jax_overlap.analysis import tune
 from jax_overlap.hardware.link_profiles import AxisLink, Link, load_profile
 from jax_overlap.analysis.simulate import Costs, simulate
 from jax_overlap.config import ConfigError
+from jax_overlap.hardware import memory
 from jax_overlap.pipeline.schedules import bubble_fraction
 from jax_overlap import plan as plan_lib
 from jax_overlap.plan import ParallelPlan, Target, fits_memory
@@ -502,3 +503,39 @@ def test_auto_fused_pairs_only_where_an_action_holds_collectives():
     unpaired = ParallelPlan.build(config.load(f"{gpu}/gpt_1p3b_pp2_dp2_tp2.yaml",
                                               ["pipeline.paired=false"]), target=H100)
     assert not unpaired.fused_pairs and unpaired.program.lanes == 1
+
+
+def test_auto_pair_microbatches_where_expert_all_to_alls_can_hide():
+    """At pp = 1 the microbatch loop pairs one microbatch's forward with the previous one's
+    backward on a GPU with expert parallelism and two microbatches or more, without FSDP
+    and within the memory budget (the estimate counts the second microbatch's residuals);
+    every other case says why not, a dense model records nothing, an explicit value wins."""
+    mixtral = f"{REPO}/configs/mixtral_8x7b.yaml"
+    small = ["model.layers=2", "overlap.param_sharding=replicated"]
+    on = ParallelPlan.build(config.load(mixtral, [*small, "pipeline.microbatches=4"]),
+                            target=H100)
+    assert on.overlap.pair_microbatches
+    assert on.choices["overlap.pair_microbatches"].why.startswith("GPU, ep = 8, 4 microbatches")
+    unpaired = dataclasses.replace(on, overlap=dataclasses.replace(on.overlap,
+                                                                   pair_microbatches=False))
+    model = config.load(mixtral, small).model
+    # two microbatches' residuals, and the unrolled layers' recomputes
+    assert (memory.plan_step_memory(model, "bf16", on).kept
+            > 2 * memory.plan_step_memory(model, "bf16", unpaired).kept)
+    for sets, why in [(["pipeline.microbatches=1"], "one microbatch"),
+                      (["pipeline.microbatches=4", "overlap.param_sharding=fsdp"], "FSDP"),
+                      (["pipeline.microbatches=4", "mesh.ep=1"], "no expert parallelism"),
+                      (["pipeline.microbatches=2", "model.layers=10"], "a second microbatch")]:
+        plan = ParallelPlan.build(config.load(mixtral, [*small, *sets]), target=H100)
+        assert not plan.overlap.pair_microbatches, sets
+        assert plan.choices["overlap.pair_microbatches"].why.startswith(why) or \
+            why in plan.choices["overlap.pair_microbatches"].why, (sets, plan.choices)
+    cpu = ParallelPlan.build(config.load(mixtral, [*small, "pipeline.microbatches=4"]))
+    assert cpu.choices["overlap.pair_microbatches"].why.startswith("CPU")
+    dense = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml"),
+                               target=H100)
+    assert "overlap.pair_microbatches" not in dense.choices
+    given = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_dp8.yaml",
+                                           ["overlap.pair_microbatches=true",
+                                            "pipeline.microbatches=2"]), target=H100)
+    assert given.overlap.pair_microbatches and "overlap.pair_microbatches" not in given.choices

@@ -257,7 +257,8 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
                 slots: PipelineSlots | None = None, split_backward: bool = False,
                 vocab_parallel: bool = False, paired: bool = False,
                 buckets_in_loop: bool = False, unrolled_buckets: bool = False,
-                ep: int = 1, ring_steps: bool = False) -> StepMemory:
+                ep: int = 1, ring_steps: bool = False,
+                paired_microbatches: bool = False) -> StepMemory:
     """Estimated peak bytes per device of one train step, by part.
 
     Args:
@@ -289,6 +290,9 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
         collective_matmul`, tp > 1): unrolled, a ring's chunks in flight, partial outputs
         and accumulators are live at once beside the recomputed layer or the logits
         (`RING_STEP_SEQUENCES`).
+      paired_microbatches: pp = 1, a microbatch's forward beside the previous one's
+        backward (`overlap.pair_microbatches`): two microbatches' residuals are kept, and
+        the layers run unrolled (`UNROLLED_RECOMPUTE_SHARE`).
       ep: `mesh.ep`; above 1 the routed experts, their gradients and moments are stored
         split over dp (E/dp per rank, models/moe.py) and a layer's compute copy holds the
         ep slot's E/ep.
@@ -326,7 +330,9 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
         work += RING_STEP_SEQUENCES * tokens * a * d
     if not pipelined:
         kept = layers * (tokens * per_token + (copies if remat == "none" else 0.0))
-        if unrolled_buckets and remat != "none":
+        if paired_microbatches:
+            kept *= 2
+        if (unrolled_buckets or paired_microbatches) and remat != "none":
             kept += UNROLLED_RECOMPUTE_SHARE * layers * (redo - copies)
         return StepMemory(float(state), float(kept), float(work))
     slots = slots or PipelineSlots.rough(pp, microbatches)
@@ -381,4 +387,5 @@ def plan_step_memory(model, precision: str, plan) -> StepMemory:
         buckets_in_loop=program is not None and ov.buckets_in_loop,
         unrolled_buckets=(program is None and ov.grad_bucket_bytes > 0 and not ov.fsdp
                           and ov.bucket_order == "largest_first"),
-        ep=plan.ep, ring_steps=ov.tp_comm == "collective_matmul")
+        ep=plan.ep, ring_steps=ov.tp_comm == "collective_matmul",
+        paired_microbatches=program is None and ov.pair_microbatches)

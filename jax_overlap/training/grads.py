@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from jax_overlap.parallel.collectives import Parallel
 from jax_overlap.parallel.compat import to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP, TP, data_axes, data_spec, microbatched
 from jax_overlap.parallel.remat import checkpoint_policy, remat_block
+from jax_overlap.pipeline import residuals
 
 
 def tree_zeros_like(tree):
@@ -94,7 +95,10 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         largest_first`) run with the layers unrolled (`_bucketed_last_microbatch`);
       zero1: reductions are psum_scatter, gradients leave split over dp (`DpLayout`);
       fsdp: blocks run through `fsdp.windowed_blocks` and are reduce-scattered per block in
-        their backward; only embedding/head gradients go through buckets.
+        their backward; only embedding/head gradients go through buckets;
+      pair_microbatches: microbatch i+1's forward runs beside microbatch i's backward, the
+        layers unrolled (`_paired_microbatches`); with buckets, the last paired backward
+        beside the last microbatch's forward (`_bucketed_last_microbatch`).
 
     Args:
       model: a `StagedModel`.
@@ -112,6 +116,11 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     layout = plan.layout
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
+    paired = ov.pair_microbatches and microbatches > 1
+    if paired:
+        # Unrolled: a scan over layers is one loop op, which XLA cannot interleave with the
+        # other microbatch's loop.
+        layers = _unrolled_layers(block, model.num_layers)
     if layout.fsdp is not None:
         # Weight matrices travel in the compute dtype (the model casts them to it anyway).
         low = None if par.compute_dtype == jnp.float32 else par.compute_dtype
@@ -144,8 +153,15 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
 
         zero = (to_varying(jnp.zeros((), jnp.float32), data), tree_zeros_like(local_params))
         mbs = microbatched(batch, microbatches)
+        def loss_of(p, mb):
+            return loss_sum(model, p, mb, par, layers) / count
+
         if layout.plan is None:
-            (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
+            if paired:
+                loss, grads, pending = _paired_microbatches(loss_of, local_params, zero, mbs)
+                grads = tree_add(grads, pending())
+            else:
+                (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
             leaves, treedef = jax.tree.flatten(grads)
             dims = treedef.flatten_up_to(layout.split_dims)
             todo = [i for i in range(len(leaves))
@@ -158,15 +174,24 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
 
         earlier = jax.tree.map(lambda x: x[:-1], mbs)
         last = jax.tree.map(lambda x: x[-1], mbs)
-        (loss, acc), _ = (jax.lax.scan(microbatch_step, zero, earlier) if microbatches > 1
-                          else (zero, None))
-        # The last microbatch's forward does not depend on the earlier ones; without the
-        # barrier XLA may run it first and keep its activations alive through them.
-        acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
+        if paired:
+            # The earlier microbatches' last backward runs beside the last one's forward:
+            # its gradient joins the accumulator only in the bucket hooks of the backward.
+            loss, acc, pending = _paired_microbatches(loss_of, local_params, zero, earlier)
+            acc, stash, local_params, last = jax.lax.optimization_barrier(
+                (acc, pending.stash, local_params, last))
+            acc = tree_add(acc, pending.backward(stash))
+        else:
+            (loss, acc), _ = (jax.lax.scan(microbatch_step, zero, earlier)
+                              if microbatches > 1 else (zero, None))
+            # The last microbatch's forward does not depend on the earlier ones; without the
+            # barrier XLA may run it first and keep its activations alive through them.
+            acc, local_params, last = jax.lax.optimization_barrier((acc, local_params, last))
         # The layer scan needs two trips or more (layers 1 .. L-1): a one-trip loop leaves
         # its layer's reductions nothing to run under (XLA pipelines them into the next trip).
+        # Paired, the layers run unrolled, beside the last paired backward.
         last_step = (functools.partial(_scanned_last_microbatch, remat=plan.remat)
-                     if layout.fsdp is None and layout.plan.per_segment
+                     if layout.fsdp is None and layout.plan.per_segment and not paired
                      and model.num_layers > 2 else _bucketed_last_microbatch)
         loss_last, grads = last_step(model, par, block, layout, layers, local_params, acc, last,
                                      count, axis_sizes, marked, ov.grad_comm_dtype)
@@ -182,6 +207,75 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     batch_in = {"inputs": data_spec(axis_sizes), "targets": data_spec(axis_sizes)}
     return slow_axis.wrap_step(per_device, mesh, layout.param_specs, layout.grad_specs,
                                batch_in, mode, ov.dcn_comm_dtype)
+
+
+def _unrolled_layers(block: Callable, num_layers: int) -> Callable:
+    """The layer stack as `num_layers` calls of `block` on the stacked 'blocks' parameters."""
+
+    def run(blocks, x):
+        for layer in range(num_layers):
+            x = block(jax.tree.map(lambda a, i=layer: a[i], blocks), x)
+        return x
+
+    return run
+
+
+class _Pending(NamedTuple):
+    """A forward's residuals whose backward is still to run (`_paired_microbatches`):
+    calling it runs that backward."""
+
+    stash: list
+    backward: Callable
+
+    def __call__(self):
+        return self.backward(self.stash)
+
+
+def _paired_microbatches(loss_of: Callable, params, zero, mbs):
+    """(loss, grads, pending) of a microbatch loop that runs microbatch i+1's forward beside
+    microbatch i's backward.
+
+    The first forward runs alone, then a scan whose trip does the next microbatch's forward
+    and the previous one's backward, one computation with no data between the two: each
+    one's collectives (expert all-to-alls, TP gathers) can run under the other's GEMMs. The
+    forward keeps its vjp's residuals (`pipeline.residuals`; the parameters are handed again,
+    not kept) and the carry holds them until the next trip's backward. The last microbatch's
+    backward is returned undone (`pending`), for the caller to pair it with what comes next.
+
+    Args:
+      loss_of: `(params, microbatch) -> loss`.
+      params: what the gradients are taken with respect to.
+      zero: the (loss, gradients) accumulators' zeros.
+      mbs: the microbatches, stacked (at least one).
+    """
+    def forward(mb):
+        loss, _, layout, stash = residuals.vjp_with_layout(lambda p: loss_of(p, mb),
+                                                             (params,), (params,))
+        return loss, layout, stash
+
+    first = jax.tree.map(lambda x: x[0], mbs)
+    rest = jax.tree.map(lambda x: x[1:], mbs)
+    loss0, layout, stash0 = forward(first)
+
+    def backward(stash):
+        pull = residuals.pullback(layout, stash, (params,))
+        (grads,) = pull(residuals.ones_cotangent(layout))
+        return grads
+
+    def trip(carry, mb):
+        loss_acc, grads_acc, stash = carry
+        loss, again, stash_next = forward(mb)
+        if (again.kinds, again.avals) != (layout.kinds, layout.avals):
+            raise AssertionError("pair_microbatches: a microbatch's residuals differ from "
+                                 "the first one's")
+        grads = backward(stash)
+        return (loss_acc + loss, tree_add(grads_acc, grads), stash_next), None
+
+    carry = (zero[0] + loss0, zero[1], stash0)
+    if jax.tree.leaves(rest)[0].shape[0]:
+        carry, _ = jax.lax.scan(trip, carry, rest)
+    loss, grads, stash = carry
+    return loss, grads, _Pending(stash, backward)
 
 
 def _fsdp_whole(fsdp_leaves: frozenset[int], block_layout) -> frozenset[int]:
