@@ -219,7 +219,8 @@ class OverlapConfig:
     # software-pipelined: chunk i's expert GEMMs run beside chunk i+1's dispatch and chunk
     # i-1's combine all-to-alls; from 3 chunks the first and the last are half-size, their
     # all-to-alls having no GEMM of the layer to hide under (models/moe.py).
-    # auto: 6 on a GPU with ep > 1, else 1.
+    # auto: 6 on a GPU with ep > 1, else 1; 1 where microbatches pair (pipeline.fused_pairs,
+    # overlap.pair_microbatches), the other one's GEMMs hiding the all-to-alls.
     moe_chunks: int | Literal["auto"] = "auto"
     # pp = 1: the microbatch loop runs microbatch i+1's forward and microbatch i's backward
     # as one computation (their layers unrolled), so each one's all-to-alls and TP

@@ -501,6 +501,8 @@ class ParallelPlan:
                                                                        remat, choices),
                                    fused_pairs=_resolve_fused(cfg, target, choices,
                                                               schedule.paired))
+        if plan.overlap.moe_chunks > 1 and (plan.fused_pairs or plan.overlap.pair_microbatches):
+            plan = dataclasses.replace(plan, overlap=_paired_moe_chunks(cfg, plan, choices))
         if target.accelerator:
             plan = dataclasses.replace(plan, memory_estimate=estimated_step_bytes(
                 cfg, plan.micro_batch, overlap, remat, attention))
@@ -647,12 +649,31 @@ def _resolve_moe_chunks(cfg, target, choices) -> int:
     return chunks
 
 
+def _paired_moe_chunks(cfg: Config, plan, choices: dict[str, Choice]) -> OverlapPlan:
+    """`overlap.moe_chunks: auto` where microbatches pair (fused pipeline ticks, paired
+    microbatches at pp = 1): one chunk, the other microbatch's GEMMs hiding the all-to-alls.
+    An explicit count stays."""
+    if cfg.overlap.moe_chunks != "auto":
+        return plan.overlap
+    where = ("fused pairs (pipeline.fused_pairs)" if plan.fused_pairs
+             else "paired microbatches (overlap.pair_microbatches)")
+    choices["overlap.moe_chunks"] = Choice(1, PAIRED_MOE_CHUNKS_WHY.format(where=where))
+    return dataclasses.replace(plan.overlap, moe_chunks=1)
+
+
+# Why `overlap.moe_chunks: auto` is 1 where microbatches pair (measured; docs/results.md).
+PAIRED_MOE_CHUNKS_WHY = (
+    "{where}: the other microbatch's GEMMs hide the all-to-alls without splitting the "
+    "tokens; chunks would add more time than they hide (Mixtral-8x7B shape, 2 layers, "
+    "deviceless 8 x H100, estimated step: ep8, 4 microbatches paired 389 ms with 1 chunk, "
+    "409 ms with 6; ep4 x pp2 fused 442 ms, 474 ms)")
+
 # Why `overlap.pair_microbatches: auto` is what it is (measured; docs/results.md).
 PAIR_MICROBATCHES_WHY = (
     "GPU, ep = {ep}, {m} microbatches: microbatch i+1's forward runs beside microbatch i's "
     "backward, so each one's all-to-alls run under the other's GEMMs (Mixtral-8x7B shape, 2 "
-    "layers, ep8, 4 microbatches, deviceless 8 x H100: all-to-all bytes under GEMMs 0.33 -> "
-    "0.77 with one chunk, 0.95 -> 0.98 with six; estimated step 403 -> 390 ms, 404 -> 400 ms)")
+    "layers, ep8, 4 microbatches, deviceless 8 x H100, one chunk: all-to-all bytes under "
+    "GEMMs 0.38 -> 0.71, estimated step 397 -> 389 ms)")
 
 
 def _resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,

@@ -56,6 +56,12 @@ def test_auto_moe_chunks_split_the_all_to_alls_on_a_gpu_with_ep_only():
     given = ParallelPlan.build(config.load(mixtral, small + ["overlap.moe_chunks=2"]),
                                target=H100)
     assert given.overlap.moe_chunks == 2 and "overlap.moe_chunks" not in given.choices
+    # Where microbatches pair, the other one's GEMMs hide the all-to-alls: one chunk.
+    for sets in (["pipeline.microbatches=4", "overlap.param_sharding=replicated"],
+                 ["mesh.dp=4", "mesh.pp=2", "mesh.ep=4"]):
+        paired = ParallelPlan.build(config.load(mixtral, small + sets), target=H100)
+        assert paired.overlap.moe_chunks == 1, sets
+        assert "hide the all-to-alls" in paired.choices["overlap.moe_chunks"].why
 
 
 def test_auto_knobs_on_a_gpu_pick_collective_matmul_and_microbatches_that_fit():
