@@ -3,11 +3,12 @@ losses' gradients, the statistics the step reports, and the single-device loss a
 on every mesh (fp32, <= 1e-5), drops included: the same tokens drop on every mesh.
 
 Default run: tiny meshes with drops, shared experts and dense layers between the MoE
-ones (ep2 x tp2 with chunked all-to-alls; sequence parallel with FSDP over dp4, which stores
-the statistics leaf whole; ep2 x tp2 with ZeRO-1 and in-backward buckets). `make test-slow`:
-pipelines (1F1B, paired 1F1B, ZB-V, ZB-H1, with and without ep), collective matmul, FSDP,
-remat, dropless, configs/moe_tiny.yaml learning with balanced experts, and a checkpoint
-saved with ep2 + FSDP resuming with ep1.
+ones (ep2 x tp2 with chunked all-to-alls and paired microbatches; sequence parallel with FSDP
+over dp4, which stores the statistics leaf whole; ep2 x tp2 with ZeRO-1, in-backward buckets
+and paired microbatches; ep2 on two hosts). `make test-slow`: pipelines (1F1B, paired 1F1B,
+ZB-V, ZB-H1, with and without ep, on two hosts), collective matmul, FSDP, remat, dropless,
+the pp = 1 cases unpaired, configs/moe_tiny.yaml learning with balanced experts, and a
+checkpoint saved with ep2 + FSDP resuming with ep1.
 """
 
 import jax
@@ -58,7 +59,7 @@ def reference(key):
 def check(key, dp, tp, pp=1, extra=()):
     cfg = moe_cfg(key, dp, tp, pp, extra)
     params, batch, ref_loss, ref_grads = reference(key)
-    run = assemble(cfg, jax.devices()[: dp * pp * tp])
+    run = assemble(cfg, jax.devices()[: cfg.mesh.dcn * dp * pp * tp])
     plan = run.plan
     staged = run.place_params(params)
     loss, grads = jax.jit(run.loss_and_grads())(staged, run.put_batch(batch))
@@ -90,6 +91,7 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 
 PAIRED = ["overlap.pair_microbatches=true"]
+DCN_SYNC = ["overlap.dcn_delay_mode=gradient"]  # `local` would keep the statistics per host
 DEFAULT = [
     # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
     # all-gather the slot's 2 and reduce-scatter their gradients. 3 chunks: the middle
@@ -109,6 +111,9 @@ DEFAULT = [
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
                         "overlap.grad_bucket_mb=0.01"]),
+    # Two hosts (the slow axis): the experts each rank stores are the same on both, their
+    # gradients summed over dcn as well as in their ep slot.
+    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2", *DCN_SYNC]),
 ]
 
 
@@ -232,6 +237,9 @@ SWEEP = [
                            "overlap.grad_bucket_mb=0.01", *PAIRED]),
     ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.param_sharding=fsdp", "pipeline.microbatches=2",
                         *PAIRED]),
+    ("drops", 2, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.dcn=2", "mesh.ep=2",
+                                                               *DCN_SYNC]),
+    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2", "overlap.param_sharding=fsdp", *DCN_SYNC]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),

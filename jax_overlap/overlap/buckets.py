@@ -599,8 +599,8 @@ def reduce_gradients(grads: Any, bucket_bytes: int, comm_dtype: str, axis: str,
     out: list[Any] = [None] * len(leaves)
     units = []
     for i, ((path, g), d) in enumerate(zip(paths_leaves, dims)):
-        if own and path_name(path) in own:  # stored split over dp: already its own sum
-            out[i] = g
+        if own and path_name(path) in own:  # stored split over dp: summed over dcn only
+            out[i] = slow_axis.over_dcn(g)
             continue
         units.append(Unit(i, str(i), None, tuple(g.shape), g.size * 4, (axis,), i, d,
                           group=tuple(sorted(varying_axes(g) - {axis}))))

@@ -81,6 +81,12 @@ def crosses_dcn(x: jax.Array) -> bool:
     return DCN in varying_axes(x) and not deferring()
 
 
+def over_dcn(x: jax.Array) -> jax.Array:
+    """A gradient already summed over the fast axes (rows stored split over dp: the
+    experts), summed over dcn where it still crosses it (`crosses_dcn`)."""
+    return _over_dcn(x) if crosses_dcn(x) else x
+
+
 def reduce(x: jax.Array, axes, scatter: bool) -> jax.Array:
     """The sum of `x` over the fast `axes` (and dcn where `crosses_dcn`), hierarchically.
 

@@ -170,6 +170,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
                 leaves[i] = g
+            for i in own:  # stored split over dp, summed there by the model
+                leaves[i] = slow_axis.over_dcn(leaves[i])
             return jax.lax.psum(loss, data), jax.tree.unflatten(treedef, leaves)
 
         earlier = jax.tree.map(lambda x: x[:-1], mbs)
@@ -201,6 +203,11 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
             for i, g in zip(whole, buckets.reduce_gradients(
                     [leaves[i] for i in whole], ov.grad_bucket_bytes, ov.grad_comm_dtype, DP)):
                 leaves[i] = g
+            grads = jax.tree.unflatten(treedef, leaves)
+        if own:  # stored split over dp, summed there by the model
+            leaves, treedef = jax.tree.flatten(grads)
+            for i in own:
+                leaves[i] = slow_axis.over_dcn(leaves[i])
             grads = jax.tree.unflatten(treedef, leaves)
         return jax.lax.psum(loss + loss_last, data), grads
 
