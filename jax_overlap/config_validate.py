@@ -360,7 +360,7 @@ def _check_moe(cfg: Config, p: list[str]) -> None:
     if cfg.train.precision == "fp16":
         p.append("train.precision: fp16's loss scaling would rescale the router losses of "
                  "model.experts > 0; use bf16")
-    if m.dcn > 1 and cfg.overlap.dcn_delay_mode == "local":
+    if m.dcn > 1 and cfg.overlap.dcn_delay == 1 and cfg.overlap.dcn_delay_mode == "local":
         p.append("overlap.dcn_delay_mode: local keeps its own gradients, which would not "
                  "carry the MoE router statistics; use gradient with model.experts > 0")
 

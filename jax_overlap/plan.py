@@ -1430,6 +1430,11 @@ def _resolve_slow(cfg: Config, plan: "ParallelPlan", choices: dict[str, Choice]
             key, why = line.split(": ", 1)
             choices[f"overlap.{key.split('=')[0]}"] = Choice(
                 dtype if key.startswith("dcn_comm") else delay, why)
+        if delay and delay_knob == "auto" and cfg.model.experts and ov.dcn_delay_mode == "local":
+            delay = 0
+            choices["overlap.dcn_delay"] = Choice(0, (
+                "model.experts > 0: dcn_delay_mode local would keep each host's MoE router "
+                "statistics apart; set overlap.dcn_delay_mode: gradient to delay the gradient"))
     overlap = dataclasses.replace(plan.overlap, dcn_comm_dtype=dtype, dcn_delay=delay)
     return dataclasses.replace(plan, overlap=overlap, choices=choices,
                                slow_decisions=tuple(lines))

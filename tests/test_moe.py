@@ -91,7 +91,6 @@ def pipeline_extra(name, chunks=1, paired=False):
 
 
 PAIRED = ["overlap.pair_microbatches=true"]
-DCN_SYNC = ["overlap.dcn_delay_mode=gradient"]  # `local` would keep the statistics per host
 DEFAULT = [
     # ep2 over dp4: each rank stores 1 of the 4 experts, the two replicas of an ep slot
     # all-gather the slot's 2 and reduce-scatter their gradients. 3 chunks: the middle
@@ -111,9 +110,9 @@ DEFAULT = [
     # the in-backward buckets' after the FSDP stack (`fsdp.BlockLayout.replicated`).
     ("drops", 4, 2, 1, ["overlap.tp_comm=sequence_parallel", "overlap.param_sharding=fsdp",
                         "overlap.grad_bucket_mb=0.01"]),
-    # Two hosts (the slow axis): the experts each rank stores are the same on both, their
-    # gradients summed over dcn as well as in their ep slot.
-    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2", *DCN_SYNC]),
+    # Two hosts (the slow axis), nothing but the mesh set: the experts each rank stores are
+    # the same on both, their gradients summed over dcn as well as in their ep slot.
+    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2"]),
 ]
 
 
@@ -222,6 +221,8 @@ def test_step_reports_tokens_per_expert_and_drops():
     (["mesh.dp=8", "mesh.tp=1", "mesh.ep=2"], "model.experts: 4 experts cannot be stored split"),
     (["mesh.dp=2", "mesh.tp=1", "mesh.pp=2", "mesh.ep=2", "overlap.grad_bucket_mb=1"],
      "overlap.grad_bucket_mb: in-loop buckets under a pipeline"),
+    (["mesh.dcn=2", "mesh.dp=2", "mesh.tp=1", "overlap.dcn_delay=1"],
+     "overlap.dcn_delay_mode: local keeps its own gradients"),
 ])
 def test_bad_moe_settings_are_one_line_each(override, message):
     with pytest.raises(config.ConfigError) as e:
@@ -237,9 +238,9 @@ SWEEP = [
                            "overlap.grad_bucket_mb=0.01", *PAIRED]),
     ("drops", 2, 2, 1, ["mesh.ep=2", "overlap.param_sharding=fsdp", "pipeline.microbatches=2",
                         *PAIRED]),
-    ("drops", 2, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.dcn=2", "mesh.ep=2",
-                                                               *DCN_SYNC]),
-    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2", "overlap.param_sharding=fsdp", *DCN_SYNC]),
+    ("drops", 2, 1, 2, pipeline_extra("1f1b", paired=True) + ["mesh.dcn=2", "mesh.ep=2"]),
+    ("drops", 2, 1, 1, ["mesh.dcn=2", "mesh.ep=2", "overlap.param_sharding=fsdp",
+                        "overlap.dcn_delay_mode=gradient"]),
     ("dropless", 2, 2, 2, pipeline_extra("1f1b")),
     ("dropless", 8, 1, 1, []),
     ("dropless", 4, 1, 1, ["mesh.ep=4", "overlap.moe_chunks=3"]),

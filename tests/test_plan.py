@@ -545,3 +545,21 @@ def test_auto_pair_microbatches_where_expert_all_to_alls_can_hide():
                                            ["overlap.pair_microbatches=true",
                                             "pipeline.microbatches=2"]), target=H100)
     assert given.overlap.pair_microbatches and "overlap.pair_microbatches" not in given.choices
+
+
+def test_auto_dcn_delay_keeps_moe_router_statistics_whole():
+    """On slow links the plan delays the dcn reduction of an MoE model only as a whole
+    gradient: `dcn_delay_mode: local` would keep each host's router statistics apart."""
+    from models.moe import MoeLlama
+
+    sets = ["model.layers=2", "mesh.dcn=2", "mesh.dp=4", "mesh.ep=4", "overlap.dcn_delay=auto",
+            "mesh.dcn_gbps=10"]
+    for mode, delay in (("local", 0), ("gradient", 1)):
+        cfg = config.load(f"{REPO}/configs/mixtral_8x7b.yaml",
+                          [*sets, f"overlap.dcn_delay_mode={mode}"])
+        plan = ParallelPlan.build(cfg, MoeLlama.from_config(cfg), target=H100)
+        assert plan.overlap.dcn_delay == delay, mode
+    assert plan.slow_mode == "delay"
+    assert "router statistics" in ParallelPlan.build(
+        cfg := config.load(f"{REPO}/configs/mixtral_8x7b.yaml", sets),
+        MoeLlama.from_config(cfg), target=H100).choices["overlap.dcn_delay"].why
