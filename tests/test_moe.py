@@ -259,6 +259,9 @@ SWEEP = [
     ("dropless", 2, 2, 2, pipeline_extra("zb-v", chunks=2)),
     ("dropless", 2, 2, 2, pipeline_extra("zb-v", chunks=2) + ["overlap.param_sharding=fsdp"]),
     ("drops", 1, 2, 2, pipeline_extra("zb-h1") + ["model.remat=save_dots"]),
+    ("dropless", 2, 1, 2, pipeline_extra("interleaved", chunks=2) + ["mesh.ep=2"]),
+    ("dropless", 2, 2, 2, pipeline_extra("interleaved", chunks=2, paired=True)
+     + ["mesh.ep=2", "pipeline.fused_pairs=true"]),
 ]
 
 
