@@ -978,7 +978,14 @@ def _resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) ->
                 two = dataclasses.replace(cfg, pipeline=dataclasses.replace(
                     pl, transfer_latency=2, paired=False))
                 need = estimated_step_bytes(two, 1, OverlapPlan(), "full")
-                if fits_memory(need, target):
+                group = 2 * m.pp
+                if (pl.schedule == "interleaved" and pl.microbatches != "auto"
+                        and pl.microbatches % group):
+                    why = (f"a transfer (~{transfer * 1e3:.3g} ms) outlasts a tick's GEMMs "
+                           f"(~{tick * 1e3:.3g} ms), but interleaved at latency 2 takes "
+                           f"microbatches in groups of 2 x pp = {group}, and "
+                           f"pipeline.microbatches is {pl.microbatches}: kept at 1")
+                elif fits_memory(need, target):
                     latency = 2
                     why = (f"the transfer of a microbatch's activations (~{transfer * 1e3:.3g} "
                            f"ms over {link}) outlasts a tick's GEMMs (~{tick * 1e3:.3g} ms): "

@@ -224,6 +224,14 @@ def test_auto_transfer_latency_is_two_only_where_a_transfer_outlasts_a_tick():
         for explicit in (["pipeline.transfer_latency=1"], ["pipeline.paired=true"]):
             given = ParallelPlan.build(config.load(TINY, narrow + explicit), target=H100)
             assert given.transfer_latency == 1 and given.schedule.paired
+        # Interleaved (auto, 8 layers in 2 x pp chunks) at latency 2 takes microbatches in
+        # groups of 2 x pp: a count given outside them keeps latency 1 instead of failing.
+        odd = ParallelPlan.build(config.load(TINY, ["mesh.pp=4", "mesh.tp=1", "model.layers=8",
+                                                    "pipeline.schedule=auto",
+                                                    "pipeline.virtual_stages=auto",
+                                                    "pipeline.microbatches=4"]), target=H100)
+        assert odd.schedule.name == "interleaved" and odd.transfer_latency == 1
+        assert "groups of 2 x pp = 8" in odd.choices["pipeline.transfer_latency"].why
     cpu = ParallelPlan.build(config.load(TINY, narrow))
     assert cpu.transfer_latency == 1
     assert cpu.choices["pipeline.transfer_latency"].why.startswith("CPU")
