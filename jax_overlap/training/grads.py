@@ -153,6 +153,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
 
         zero = (to_varying(jnp.zeros((), jnp.float32), data), tree_zeros_like(local_params))
         mbs = microbatched(batch, microbatches)
+
         def loss_of(p, mb):
             return loss_sum(model, p, mb, par, layers) / count
 
