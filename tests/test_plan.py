@@ -458,6 +458,12 @@ def test_analyze_names_the_knobs_that_would_hide_more():
     (tp_hint,) = [h for h in overlap_hints(piped, ParallelPlan.build(piped, target=H100), 0.28)
                   if h.startswith("overlap.tp_comm")]
     assert "grouped steps" in tp_hint and "estimated step" in tp_hint
+    # Expert parallelism: the chunks, and at pp = 1 the paired microbatches.
+    moe = config.load(f"{REPO}/configs/mixtral_8x7b.yaml", ["model.layers=2",
+                                                           "overlap.moe_chunks=1"])
+    keys = [h.split(":")[0].split(" ")[0]
+            for h in overlap_hints(moe, ParallelPlan.build(moe, target=H100), 0.46)]
+    assert keys[:2] == ["overlap.moe_chunks=6", "overlap.pair_microbatches=true"]
 
 
 def test_collective_matmul_under_a_pipeline_runs_grouped_steps():

@@ -137,6 +137,17 @@ def overlap_hints(cfg, plan, fraction: float) -> list[str]:
                      "last microbatch's backward instead of after it")
     if ov.xla_preset == "none":
         hints.append("overlap.xla_preset=gpu_overlap: XLA's latency-hiding scheduler flags")
+    if plan.ep > 1:  # the expert all-to-alls: (a) chunks, (b) another microbatch's GEMMs
+        paired = ov.pair_microbatches or plan.fused_pairs
+        if ov.moe_chunks == 1:
+            hints.append("overlap.moe_chunks=6: each MoE layer's all-to-alls in chunks, each "
+                         "one under another chunk's expert GEMMs"
+                         + (" (with the paired microbatches: the most hidden, at a longer "
+                            "estimated step)" if paired else ""))
+        if plan.pp == 1 and not paired:
+            hints.append("overlap.pair_microbatches=true with pipeline.microbatches >= 2 and "
+                         "no FSDP: a microbatch's forward beside the previous one's backward, "
+                         "each one's all-to-alls under the other's GEMMs")
     from jax_overlap.plan import microbatch_fits
 
     seq = cfg.model.seq_len
