@@ -701,10 +701,10 @@ def _resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan
         micro_batch = cfg.train.global_batch // (m.dcn * m.dp * microbatches)
         paired = dataclasses.replace(overlap, pair_microbatches=True)
         need = estimated_step_bytes(cfg, micro_batch, paired, remat, attention)
-        budget = MEMORY_BUDGET * target.memory_bytes if target.memory_bytes else None
-        if budget is not None and need > budget:
+        if not fits_memory(need, target):
             why = (f"a second microbatch's residuals: ~{need / 1e9:.0f} GB per device "
-                   f"estimated, over the budget of {budget / 1e9:.0f} GB")
+                   f"estimated, over the budget of "
+                   f"{MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB")
     on = why is None
     choices["overlap.pair_microbatches"] = Choice(on, PAIR_MICROBATCHES_WHY.format(
         ep=m.ep, m=microbatches) if on else why)

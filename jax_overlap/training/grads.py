@@ -116,7 +116,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
     layout = plan.layout
     layers = _scan_layers(model, par, plan.remat)
     block = remat_block(lambda p, x: model.block(p, x, par), plan.remat)
-    paired = ov.pair_microbatches and microbatches > 1
+    paired = ov.pair_microbatches  # the plan pairs only two microbatches or more
     if paired:
         # Unrolled: a scan over layers is one loop op, which XLA cannot interleave with the
         # other microbatch's loop.
@@ -160,7 +160,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
         if layout.plan is None:
             if paired:
                 loss, grads, pending = _paired_microbatches(loss_of, local_params, zero, mbs)
-                grads = tree_add(grads, pending())
+                grads = tree_add(grads, pending.backward(pending.stash))
             else:
                 (loss, grads), _ = jax.lax.scan(microbatch_step, zero, mbs)
             leaves, treedef = jax.tree.flatten(grads)
@@ -171,9 +171,8 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                                                 ov.grad_comm_dtype, DP, [dims[i] for i in todo])
             for i, g in zip(todo, reduced):
                 leaves[i] = g
-            for i in own:  # stored split over dp, summed there by the model
-                leaves[i] = slow_axis.over_dcn(leaves[i])
-            return jax.lax.psum(loss, data), jax.tree.unflatten(treedef, leaves)
+            grads = _own_over_dcn(jax.tree.unflatten(treedef, leaves), own)
+            return jax.lax.psum(loss, data), grads
 
         earlier = jax.tree.map(lambda x: x[:-1], mbs)
         last = jax.tree.map(lambda x: x[-1], mbs)
@@ -205,12 +204,7 @@ def make_loss_and_grads(model, plan, mesh) -> Callable:
                     [leaves[i] for i in whole], ov.grad_bucket_bytes, ov.grad_comm_dtype, DP)):
                 leaves[i] = g
             grads = jax.tree.unflatten(treedef, leaves)
-        if own:  # stored split over dp, summed there by the model
-            leaves, treedef = jax.tree.flatten(grads)
-            for i in own:
-                leaves[i] = slow_axis.over_dcn(leaves[i])
-            grads = jax.tree.unflatten(treedef, leaves)
-        return jax.lax.psum(loss + loss_last, data), grads
+        return jax.lax.psum(loss + loss_last, data), _own_over_dcn(grads, own)
 
     batch_in = {"inputs": data_spec(axis_sizes), "targets": data_spec(axis_sizes)}
     return slow_axis.wrap_step(per_device, mesh, layout.param_specs, layout.grad_specs,
@@ -228,15 +222,23 @@ def _unrolled_layers(block: Callable, num_layers: int) -> Callable:
     return run
 
 
+def _own_over_dcn(grads, own: frozenset[int]):
+    """`grads` with the leaves `own` (stored split over dp, their gradients summed there by
+    the model: the experts) summed over dcn too (`slow_axis.over_dcn`)."""
+    if not own:
+        return grads
+    leaves, treedef = jax.tree.flatten(grads)
+    for i in own:
+        leaves[i] = slow_axis.over_dcn(leaves[i])
+    return jax.tree.unflatten(treedef, leaves)
+
+
 class _Pending(NamedTuple):
     """A forward's residuals whose backward is still to run (`_paired_microbatches`):
-    calling it runs that backward."""
+    `backward(stash)` runs it."""
 
     stash: list
     backward: Callable
-
-    def __call__(self):
-        return self.backward(self.stash)
 
 
 def _paired_microbatches(loss_of: Callable, params, zero, mbs):
