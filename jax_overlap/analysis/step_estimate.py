@@ -71,11 +71,13 @@ _FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
     "after-all", "partition-id", "replica-id", "add-dependency", "domain", "async-done",
     "fusion-done", "copy-done", "all-reduce-done", "all-gather-done",
-    "collective-permute-done", "send-done", "recv-done", "async-update",
+    "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "send-done",
+    "recv-done", "async-update",
 })
 _COLLECTIVES = frozenset({
     "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter",
-    "collective-permute", "collective-permute-start", "all-to-all", "ragged-all-to-all",
+    "reduce-scatter-start", "collective-permute", "collective-permute-start", "all-to-all",
+    "all-to-all-start", "ragged-all-to-all",
     "send", "recv", "collective-broadcast",
 })
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
