@@ -237,6 +237,12 @@ class OverlapConfig:
     tp_comm: Literal["auto", "plain", "sequence_parallel", "collective_matmul"] = "auto"
     # bi: a bidirectional ring (half the steps); auto: bi where seq_len / tp is even
     collective_matmul_direction: Literal["auto", "uni", "bi"] = "auto"
+    # Fused pipeline ticks (pipeline.fused_pairs) that run one action have no other lane to
+    # hide its sequence-parallel collectives: collective_matmul runs those actions' blocks
+    # as collective matmul (the gather under the own sequence chunk's GEMM); same keeps
+    # tp_comm. Needs model.remat: full (both then stash the same residuals). auto:
+    # collective_matmul on a GPU at tp = 2 under fused pairs and sequence parallelism.
+    lone_tp_comm: Literal["auto", "same", "collective_matmul"] = "auto"
     # XLA flag preset (overlap/xla_flags.py), applied before JAX starts. auto: gpu_overlap
     # when the step runs on (or is compiled for) a GPU, none on a CPU.
     xla_preset: str = "auto"

@@ -137,6 +137,8 @@ class OverlapPlan:
         in that many chunks, each one's all-to-all under another's expert GEMMs).
       pair_microbatches: pp = 1, the microbatch loop runs one microbatch's forward beside the
         previous one's backward (`training.grads`).
+      lone_tp_comm: "same", or "collective_matmul": a fused pipeline tick that runs one
+        action runs it with collective matmul (`pipeline.executor`).
     """
 
     grad_bucket_bytes: int = 0
@@ -156,6 +158,7 @@ class OverlapPlan:
     dcn_delay_mode: str = "local"
     moe_chunks: int = 1
     pair_microbatches: bool = False
+    lone_tp_comm: str = "same"
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -503,6 +506,8 @@ class ParallelPlan:
                                                               schedule.paired))
         if plan.overlap.moe_chunks > 1 and (plan.fused_pairs or plan.overlap.pair_microbatches):
             plan = dataclasses.replace(plan, overlap=_paired_moe_chunks(cfg, plan, choices))
+        plan = dataclasses.replace(plan, overlap=dataclasses.replace(
+            plan.overlap, lone_tp_comm=_resolve_lone_tp_comm(cfg, plan, choices)))
         if target.accelerator:
             plan = dataclasses.replace(plan, memory_estimate=estimated_step_bytes(
                 cfg, plan.micro_batch, overlap, remat, attention))
@@ -997,6 +1002,40 @@ def _resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) ->
     if why is not None:
         choices["pipeline.transfer_latency"] = Choice(latency, why)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, transfer_latency=latency))
+
+
+# Why `overlap.lone_tp_comm: auto` is collective matmul (measured; docs/results.md).
+LONE_TP_COMM_WHY = (
+    "GPU, fused pairs at tp = 2: a tick that runs one action has no other lane to hide its "
+    "sequence-parallel all-gathers and reduce-scatters, so its blocks run as collective "
+    "matmul, the gather under the own sequence chunk's GEMM (GPT-1.3B pp2 x dp2 x tp2, "
+    "deviceless 8 x H100: 0.72 -> 0.89 of the collective bytes under GEMMs, exposed 55 -> "
+    "30 ms, estimated step 1124 -> 1122 ms)")
+
+
+def _resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:
+    """`overlap.lone_tp_comm`, `auto` resolved: collective matmul for the lone actions of a
+    fused program on a GPU at tp = 2 under sequence parallelism and full remat."""
+    want, m = cfg.overlap.lone_tp_comm, cfg.mesh
+    if want == "same":
+        return "same"
+    fits = plan.fused_pairs and m.tp > 1 and plan.overlap.tp_comm == "sequence_parallel"
+    if want == "collective_matmul":
+        if not fits or plan.remat != "full":
+            raise ConfigError([
+                "overlap.lone_tp_comm=collective_matmul: needs fused pipeline ticks "
+                "(pipeline.fused_pairs), tp > 1, overlap.tp_comm=sequence_parallel and "
+                "model.remat=full; set it to same"])
+        return want
+    if not fits:
+        return "same"
+    if not plan.target.accelerator or m.tp != 2 or plan.remat != "full":
+        why = ("remat is not full: a lone action's residuals would differ from its pair's"
+               if plan.remat != "full" else "measured at tp = 2 only")
+        choices["overlap.lone_tp_comm"] = Choice("same", why)
+        return "same"
+    choices["overlap.lone_tp_comm"] = Choice("collective_matmul", LONE_TP_COMM_WHY)
+    return "collective_matmul"
 
 
 # Why `pipeline.fused_pairs: auto` is what it is (measured; docs/results.md).

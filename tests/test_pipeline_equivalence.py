@@ -585,7 +585,7 @@ GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
 
 
 @pytest.mark.parametrize("case", GPU_PLANNED)
-def test_a_gpu_planned_pipeline_matches_single_device(references, case):
+def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypatch):
     """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead),
     and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
     after it (`executor.DeferredEmbedding`)."""
@@ -602,12 +602,19 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case):
                                                                    not in extra)
     program = run.plan.program
     assert program.fused == (tp > 1 or "pipeline.fused_pairs=true" in extra)
+    # Sequence parallel at tp = 2: a tick with one action runs it as collective matmul.
+    lone = tp == 2 and run.plan.overlap.tp_comm == "sequence_parallel"
+    assert (run.plan.overlap.lone_tp_comm == "collective_matmul") == lone
+    contexts = []
+    monkeypatch.setattr(executor, "_lone_context", lambda *a, _f=executor._lone_context: (
+        contexts.append(_f(*a)) or contexts[-1]))
     deferred = executor.deferred_embedding(model, program, True,
                                            any(b.sync for b in program.branches),
                                            run.plan.overlap, dict(run.mesh.shape))
     assert (deferred is not None) == (name == "1f1b")
     loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
                                                 run.put_batch(batch))
+    assert [c is not None for c in contexts] == [lone]
     assert rel(float(loss), ref_loss) <= 1e-5, (float(loss), ref_loss)
     assert max_rel_err(layout.to_logical(grads, run.plan.layer_perm), ref_grads) <= 1e-5
 

@@ -525,6 +525,35 @@ def test_auto_fused_pairs_only_where_an_action_holds_collectives():
     assert not unpaired.fused_pairs and unpaired.program.lanes == 1
 
 
+def test_auto_lone_tp_comm_runs_lone_actions_as_collective_matmul():
+    """A fused tick that runs one action runs it as collective matmul on a GPU at tp = 2
+    under sequence parallelism and full remat; not without fused pairs, under another remat
+    or on a CPU. An explicit value wins, and one that cannot hold is refused in one line."""
+    gpu = f"{REPO}/configs/gpu/gpt_1p3b_pp2_dp2_tp2.yaml"
+    plan = ParallelPlan.build(config.load(gpu), target=H100)
+    assert plan.remat == "full" and plan.overlap.tp_comm == "sequence_parallel"
+    assert plan.overlap.lone_tp_comm == "collective_matmul"
+    assert plan.choices["overlap.lone_tp_comm"].why.startswith("GPU, fused pairs at tp = 2")
+    for sets, why in ((["model.remat=save_dots"], "remat is not full"),
+                      (["mesh.tp=4", "mesh.dp=1"], "tp = 2 only")):
+        other = ParallelPlan.build(config.load(gpu, sets), target=H100)
+        assert other.overlap.lone_tp_comm == "same"
+        assert why in other.choices["overlap.lone_tp_comm"].why
+    for sets in (["pipeline.fused_pairs=false"], ["overlap.lone_tp_comm=same"],
+                 ["overlap.tp_comm=collective_matmul"]):
+        other = ParallelPlan.build(config.load(gpu, sets), target=H100)
+        assert other.overlap.lone_tp_comm == "same"
+        assert "overlap.lone_tp_comm" not in other.choices
+    cpu = ParallelPlan.build(config.load(gpu, ["model.layers=4", "model.d_model=256"]))
+    assert cpu.overlap.lone_tp_comm == "same"
+    given = ParallelPlan.build(config.load(gpu, ["overlap.lone_tp_comm=collective_matmul",
+                                                 "mesh.tp=4", "mesh.dp=1"]), target=H100)
+    assert given.overlap.lone_tp_comm == "collective_matmul"
+    with pytest.raises(ConfigError, match="^overlap.lone_tp_comm=collective_matmul: needs "):
+        ParallelPlan.build(config.load(gpu, ["overlap.lone_tp_comm=collective_matmul",
+                                             "pipeline.fused_pairs=false"]), target=H100)
+
+
 def test_auto_pair_microbatches_where_expert_all_to_alls_can_hide():
     """At pp = 1 the microbatch loop pairs one microbatch's forward with the previous one's
     backward on a GPU with expert parallelism and two microbatches or more, without FSDP

@@ -881,7 +881,8 @@ def deferred_embedding(model, program: TickProgram, accelerator: bool, synced: b
 
 
 def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd, res0: dict,
-              accelerator: bool = True, deferred: DeferredEmbedding | None = None):
+              accelerator: bool = True, deferred: DeferredEmbedding | None = None,
+              lone_branches: list | None = None):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
     Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
@@ -907,7 +908,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
       (grads, loss, ends): grads and loss accumulated over the step on this device; `ends`
       None, or with `deferred` the embedding's and head's gradients summed over (pp, dp).
     """
-    return _TickLoop(ctx, program, branches, res0, accelerator, deferred).run(pool_sbtd)
+    return _TickLoop(ctx, program, branches, res0, accelerator, deferred,
+                     lone_branches).run(pool_sbtd)
 
 
 # A fused tick's vocabulary-parallel head at tp > 1 runs in this many parts of its
@@ -921,7 +923,8 @@ class _TickLoop:
     """`run_ticks`'s loop: the per-lane switches, built once, and one tick of each kind."""
 
     def __init__(self, ctx: StepContext, program: TickProgram, branches: list, res0: dict,
-                 accelerator: bool = True, deferred: DeferredEmbedding | None = None):
+                 accelerator: bool = True, deferred: DeferredEmbedding | None = None,
+                 lone_branches: list | None = None):
         self.ctx, self.program = ctx, program
         self.stage = jax.lax.axis_index(PP)
         self.zeros = ctx.zeros_btd
@@ -937,13 +940,13 @@ class _TickLoop:
         # in whichever lane its pair puts it: lane 0 of a zero-bubble table then adds too.
         fills = {name: program.fills(name) for name in res0}
         adds = [False] + [b.kind != "F" for b in program.branches]
-        def switches(branches_, rows):
+        def switches(branches_, rows, lone_=None):
             # Per lane, its switches over what `rows` of the table take; fused, one switch
             # over the (lane 0, lane 1) pairs they take.
             if program.fused:
                 pairs, index = program.lane_pairs
                 return [_pair_switch(ctx, branches_, fills, pairs,
-                                     set(index[rows].ravel().tolist()), adds)]
+                                     set(index[rows].ravel().tolist()), adds, lone_)]
             out = []
             for lane in range(program.lanes):
                 taken = set(np.unique(program.column("branch")[rows][..., lane]).tolist())
@@ -951,8 +954,10 @@ class _TickLoop:
                                           any(adds[b] for b in taken)))
             return out
 
-        self.lanes = switches(branches, slice(None))
-        # The last tick's switches, when it runs apart (`last_tick`): only its own branches.
+        self.lanes = switches(branches, slice(None), lone_branches)
+        # The last tick's switches, when it runs apart (`last_tick`): only its own branches,
+        # in the step's context (the lone context cost GPT-1.3B pp2 x dp2 x tp2 4 ms there:
+        # the embedding's reduction already runs under that tick).
         self.deferred = deferred
         self.last_lanes = (None if deferred is None
                            else switches(deferred.branches, slice(-1, None)))
@@ -1375,8 +1380,8 @@ class _PairSwitch(NamedTuple):
 
 
 def _pair_switch(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, ...]],
-                 pairs: tuple[tuple[int, int], ...], taken: set[int], adds: list[bool]
-                 ) -> _PairSwitch:
+                 pairs: tuple[tuple[int, int], ...], taken: set[int], adds: list[bool],
+                 lone_branches: list | None = None) -> _PairSwitch:
     """The one switch of a fused paired program over `pairs`, of which the table takes
     the indices `taken` (the others are no-ops).
 
@@ -1396,10 +1401,13 @@ def _pair_switch(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, 
             every = {**read_only, **kept}
             g, loss = carry if grads else (ctx.grads0, carry[0])
             filed = dict(kept)
+            # A lone action has no other lane to hide its collectives under: it runs in
+            # the lone context (`_lone_context`), if there is one.
+            run_ = branches if lone_branches is None or all(pair) else lone_branches
             for lane, b in enumerate(pair):
                 if not b:
                     continue
-                made, g_out, loss, outs[lane] = branches[b](
+                made, g_out, loss, outs[lane] = run_[b](
                     inboxes[lane], _slots_of(every, rows[lane]), g, loss, rows[lane])
                 # An action that adds nothing (F) hands back the accumulators recast: the
                 # other's additions must not take them from it, or they wait for the whole
@@ -1669,12 +1677,9 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
                       overlap=overlap, axis_sizes=axis_sizes, chunk_buckets=chunk_buckets,
                       tp_share=tp_share, chunk_split=found.chunk_split, z0=found.z0,
                       valid_vn=valid_vn)
-    if found.chunk_split is not None:
-        branches = [split_action_branch(ctx, b.kind, b.role, b.sync) for b in program.branches]
-    else:
-        branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
-                    action_branch(ctx, b.kind, b.role) for b in program.branches]
-    branches = [idle_branch(ctx)] + branches
+    branches = _branches(ctx, program)
+    lone = _lone_context(ctx, program, mbs, split_backward)
+    lone_branches = None if lone is None else _branches(lone, program)
     deferred = None
     last = deferred_embedding(model, program, accelerator, synced, overlap, axis_sizes)
     if last is not None:
@@ -1683,10 +1688,44 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
             [*branches[:b], sync_branch(ctx, "B", "first", defer_embed=True), *branches[b + 1:]],
             mb, embed_in)
     grads, loss, ends = run_ticks(ctx, program, branches, pool_sbtd, found.pools, accelerator,
-                                  deferred)
+                                  deferred, lone_branches)
     loss = jax.lax.psum(loss, (*data, PP))  # () per device, over (dcn,) dp and pp
     return loss, reduce_step_grads(grads, overlap, fsdp_layout, axis_sizes[DP], synced,
                                    own_rows, ends)
+
+
+def _branches(ctx: StepContext, program: TickProgram) -> list:
+    """The switch branches of `program`'s actions under `ctx`, idle first."""
+    if ctx.chunk_split is not None:
+        branches = [split_action_branch(ctx, b.kind, b.role, b.sync) for b in program.branches]
+    else:
+        branches = [sync_branch(ctx, b.kind, b.role) if b.sync else
+                    action_branch(ctx, b.kind, b.role) for b in program.branches]
+    return [idle_branch(ctx)] + branches
+
+
+def _lone_context(ctx: StepContext, program: TickProgram, mbs, split_backward: bool
+                  ) -> StepContext | None:
+    """The context a fused program's lone actions run in (`overlap.lone_tp_comm`): collective
+    matmul where the pairs run sequence parallelism, so a tick with one action still has its
+    TP collectives under GEMMs. None where the plan keeps one context, or (with a warning)
+    where collective matmul's residuals are not laid out as sequence parallelism's: an F
+    and its B may run in different kinds of tick, so they must stash the same residuals
+    (under full remat, the layers' inputs)."""
+    par = ctx.par
+    if ctx.overlap.lone_tp_comm != "collective_matmul" or not program.fused:
+        return None
+    lone_par = dataclasses.replace(par, tp_comm="collective_matmul", cm_grouped=True)
+    pieces = stage_pieces(ctx.model, lone_par, ctx.count, ctx.pieces.remat, program)
+    found = _residual_pools(pieces, ctx.params, ctx.blocks_vn, mbs, program, ctx.valid_vn,
+                            split_backward)
+    if any((found.layouts[k].kinds, found.layouts[k].avals)
+           != (ctx.layouts[k].kinds, ctx.layouts[k].avals) for k in ctx.layouts):
+        _log.warning("pipeline: lone actions keep %s: collective matmul stashes other "
+                     "residuals under remat %s", par.tp_comm, ctx.pieces.remat)
+        return None
+    return dataclasses.replace(ctx, par=lone_par, pieces=pieces, layouts=found.layouts,
+                               chunk_split=found.chunk_split)
 
 
 def make_pipeline_loss_and_grads(model, plan, mesh) -> Callable:
