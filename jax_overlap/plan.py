@@ -604,10 +604,11 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
             tp_comm, why = "sequence_parallel", (
                 "pp > 1: inside the pipeline's per-stage branches collective matmul runs as "
                 "grouped all-gather / reduce-scatter steps, whose chunk copies cost more than "
-                "the communication they hide (GPT-1.3B pp2 x dp2 x tp2, 16 microbatches, "
-                "deviceless 8 x H100: 1.38 s estimated step, 0.99 of the collective bytes "
-                "under GEMMs, 0.02 s exposed; sequence parallel 1.27 s, 0.31 under GEMMs, "
-                "0.12 s exposed)")
+                "the communication they hide beside another lane's GEMMs (GPT-1.3B pp2 x dp2 "
+                "x tp2, interleaved, 8 microbatches, deviceless 8 x H100: 1.19 s estimated "
+                "step, 0.97 of the collective bytes under GEMMs, 0.02 s exposed; sequence "
+                "parallel, its lone actions as collective matmul: 1.12 s, 0.89 under GEMMs, "
+                "0.03 s exposed)")
         elif mo.kind not in ("gpt", "bert", "llama") or mo.seq_len % m.tp:
             tp_comm, why = "plain", (f"collective matmul needs a transformer whose seq_len is a "
                                      f"multiple of tp={m.tp}")
@@ -616,7 +617,7 @@ def _resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tupl
                 f"tp={m.tp} on {target.name}: each block's all-gather and reduce-scatter run as "
                 f"ring steps under the partial matmuls (GPT-1.3B dp2 x tp4, deviceless 8 x "
                 f"H100: 1.31 s estimated step, 0.06 s of it exposed communication; sequence "
-                f"parallel 2.00 s, 0.48 s exposed)")
+                f"parallel 1.90 s, 0.48 s exposed)")
         choices["overlap.tp_comm"] = Choice(tp_comm, why)
     direction = ov.collective_matmul_direction
     if direction == "auto":
@@ -670,15 +671,15 @@ def _paired_moe_chunks(cfg: Config, plan, choices: dict[str, Choice]) -> Overlap
 PAIRED_MOE_CHUNKS_WHY = (
     "{where}: the other microbatch's GEMMs hide the all-to-alls without splitting the "
     "tokens; chunks would add more time than they hide (Mixtral-8x7B shape, 2 layers, "
-    "deviceless 8 x H100, estimated step: ep8, 4 microbatches paired 389 ms with 1 chunk, "
-    "409 ms with 6; ep4 x pp2 fused 442 ms, 474 ms)")
+    "deviceless 8 x H100, estimated step: ep8, 4 microbatches paired 374 ms with 1 chunk, "
+    "394 ms with 6; ep4 x pp2 fused 426 ms, 456 ms)")
 
 # Why `overlap.pair_microbatches: auto` is what it is (measured; docs/results.md).
 PAIR_MICROBATCHES_WHY = (
     "GPU, ep = {ep}, {m} microbatches: microbatch i+1's forward runs beside microbatch i's "
     "backward, so each one's all-to-alls run under the other's GEMMs (Mixtral-8x7B shape, 2 "
     "layers, ep8, 4 microbatches, deviceless 8 x H100, one chunk: all-to-all bytes under "
-    "GEMMs 0.38 -> 0.71, estimated step 397 -> 389 ms)")
+    "GEMMs 0.38 -> 0.71, estimated step 382 -> 374 ms)")
 
 
 def _resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,

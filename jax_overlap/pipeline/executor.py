@@ -903,6 +903,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     vocabulary-parallel head around its backward lane (`_TickLoop.paired_tick`).
     `deferred`: the last tick runs apart, its embedding's reduction deferred
     (`_TickLoop.last_tick`).
+    `lone_branches`: a fused program's branches for the ticks that run one action, in the
+    lone context (`_lone_context`, `overlap.lone_tp_comm`); None runs them as the pairs.
 
     Returns:
       (grads, loss, ends): grads and loss accumulated over the step on this device; `ends`
@@ -1383,7 +1385,8 @@ def _pair_switch(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, 
                  pairs: tuple[tuple[int, int], ...], taken: set[int], adds: list[bool],
                  lone_branches: list | None = None) -> _PairSwitch:
     """The one switch of a fused paired program over `pairs`, of which the table takes
-    the indices `taken` (the others are no-ops).
+    the indices `taken` (the others are no-ops). A pair with one action runs it from
+    `lone_branches` where given.
 
     Both actions read their slots of the pools as the tick got them: a slot one fills is
     never one the other reads (slots are allocated per tick), so XLA orders the reads before
