@@ -82,9 +82,10 @@ MESHES = {
         ["pipeline.paired=false"],
     ]),
 }
-# Estimates of this version include the communication no compute hides (`exposed_ms`);
+# Estimates of this version include the communication no compute hides (`exposed_ms`) and
+# count async reduce-scatters and all-to-alls as communication, not kernels;
 # cached ones without it are not reused.
-CACHE_VERSION = "+exposed"
+CACHE_VERSION = "+exposed+async-rs"
 # --quick: a small GPT on the same meshes, two candidates each (seconds a compile).
 QUICK_MODEL = ["model.layers=4", "model.d_model=128", "model.heads=4", "model.d_ff=512",
                "model.vocab=512", "model.seq_len=128", "train.global_batch=16"]
