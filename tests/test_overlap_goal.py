@@ -123,10 +123,12 @@ PLAIN = {
     "llama3_8b_fsdp8": 0.95,
     # Measured 0.988 (2026-12-04): collective matmul, bidirectional.
     "llama3_8b_dp2_tp4": 0.95,
-    # Below issue #27's 0.95: measured 0.721 (2026-12-06: fused pairs, the head in two
-    # halves; 0.292 with the lanes apart). What stays exposed: the ticks that run one action
-    # (docs/results.md). Guards what is hidden.
-    "gpt_1p3b_pp2_dp2_tp2": 0.70,
+    # Below issue #27's 0.95: measured 0.887 (2026-12-06: fused pairs, the head in two
+    # halves, the ticks that run one action as collective matmul; 0.721 with those ticks
+    # sequence parallel, 0.292 with the lanes apart). What stays exposed: partial overlap
+    # inside the pairs, the head's rest, the transfers (docs/results.md). Guards what is
+    # hidden.
+    "gpt_1p3b_pp2_dp2_tp2": 0.85,
 }
 
 
