@@ -388,32 +388,66 @@ def _fork_bwd(_, cts):
 _fork.defvjp(_fork_fwd, _fork_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _swap(x, axis: str):
+    """The other rank's `x` over a size-2 `axis`: an exchange, written as an all-gather (a
+    permute inside the pipeline's branches is not safe, see the module docstring) and a
+    read of the other half. Its own transpose: the backward swaps the cotangents back, one
+    all-gather again, where autodiff would reduce-scatter a zero-padded buffer."""
+    gathered = jax.lax.all_gather(x, axis)  # (2, ...), over axis
+    return jax.lax.dynamic_index_in_dim(gathered, 1 - jax.lax.axis_index(axis), axis=0,
+                                        keepdims=False)
+
+
+def _swap_fwd(x, axis):
+    return _swap(x, axis), None
+
+
+def _swap_bwd(axis, _, ct):
+    return (_swap(ct, axis),)
+
+
+_swap.defvjp(_swap_fwd, _swap_bwd)
+
+
 def _gather_under(x_btd, own_fn, axis: str, tp: int):
-    """All-gathers `x` over `axis` while `own_fn(x)` runs on the rank's own chunk.
+    """Gathers the other ranks' chunks of `x` over `axis` while `own_fn(x)` runs on the
+    rank's own chunk (at tp = 2 an exchange, `_swap`).
 
     Returns:
       (own_fn(x), [(chunk, rows)] for every other rank's chunk, rows (B, T/tp, D)).
     """
     rank = jax.lax.axis_index(axis)
     x_btd, x_sent = _fork(x_btd)
-    gathered = jax.lax.all_gather(x_sent, axis, axis=1)  # (B, tp, T/tp, D), over tp
+    if tp == 2:
+        others = [(1 - rank, _swap(x_sent, axis))]
+    else:
+        gathered = jax.lax.all_gather(x_sent, axis, axis=1)  # (B, tp, T/tp, D), over tp
+        others = [(c, jax.lax.dynamic_index_in_dim(gathered, c, axis=1, keepdims=False))
+                  for c in ((rank + i) % tp for i in range(1, tp))]
     # The barrier keeps the own work ahead of the gather's end: XLA would otherwise fuse the
     # own GEMM with the other chunks' (one GEMM of the concatenated rows, after the gather).
-    own, gathered = jax.lax.optimization_barrier((own_fn(x_btd), gathered))
-    chunks = [(rank + i) % tp for i in range(1, tp)]
-    return own, [(c, jax.lax.dynamic_index_in_dim(gathered, c, axis=1, keepdims=False))
-                 for c in chunks]
+    own, others = jax.lax.optimization_barrier((own_fn(x_btd), others))
+    return own, others
 
 
 def _scatter_under(others, own_in, own_fn, axis: str, tp: int, like):
     """This rank's rows of the sum over `axis`: the other ranks' partial products `others`
     ([(chunk, (B, T/tp, D))]) reduce-scattered while `own_fn(own_in)`, the own rows' partial
-    product, runs; `like`: the arrays the zero blocks take their varying axes from."""
-    parts = _placed(others, None, tp, like)
+    product, runs; `like`: the arrays the zero blocks take their varying axes from. At
+    tp = 2 the reduce-scatter is an exchange (`_swap`): the same bytes, without its
+    zero-padded input."""
+    if tp == 2:
+        sent = others[0][1]
+    else:
+        sent = _placed(others, None, tp, like)
     # The barrier puts the own GEMM after the others' (else XLA fuses them into one GEMM
     # that the reduce-scatter waits for).
-    parts, own_in = jax.lax.optimization_barrier((parts, own_in))
-    arrived = jax.lax.psum_scatter(parts, axis, scatter_dimension=1)  # (B, T/tp, D), over tp
+    sent, own_in = jax.lax.optimization_barrier((sent, own_in))
+    if tp == 2:
+        arrived = _swap(sent, axis)
+    else:
+        arrived = jax.lax.psum_scatter(sent, axis, scatter_dimension=1)  # (B, T/tp, D)
     # And the sum after a second one: fused into the GEMM's epilogue, the add would make the
     # own GEMM wait for the reduce-scatter.
     arrived, own = jax.lax.optimization_barrier((arrived, own_fn(own_in)))
