@@ -1208,18 +1208,20 @@ class _TickLoop:
         pool = self.file_all(pool, next_[0], arrival_f, 0)
         return (pool, res, out_b, pending_head, grads, loss), None
 
-    def fused_tick(self, carry, rows_pairs, lanes=None):
-        # Both lanes in one switch (`TickProgram.fused`): last tick's outputs are sent and
-        # filed first, then the tick's pair runs, its two actions in one computation, so the
+    def fused_tick(self, carry, rows_pairs, lanes=None, send=True):
+        # Both lanes in one switch (`TickProgram.fused`): last tick's arrivals are filed
+        # first, then the tick's pair runs, its two actions in one computation, so the
         # collectives of each (tensor-parallel all-gathers and reduce-scatters, expert
-        # all-to-alls) can run under the other's GEMMs. The transfers, read by the next
-        # tick's switch, run between ticks, as in the unpaired loop; the head phase runs
-        # whole after the switch (`head_phase`), its gradient filed before any B reads it.
-        pool, res, out_b, out_f, grads, loss = carry
+        # all-to-alls) can run under the other's GEMMs. Its outputs are sent right after
+        # the switch, so the transfers run under the head phase (`head_phase`, run whole
+        # after the switch, its gradient filed before any B reads it) and are read by the
+        # next tick's switch. `send=False` (the last tick run after the loop): the carry
+        # holds the tick's outputs instead of their arrivals.
+        pool, res, arrived_b, arrived_f, grads, loss = carry
         rows, pair_rows = rows_pairs
         now = _at(rows, self.stage)
-        pool = self.file_all(pool, now[0], self.send(out_f, 0), 0)
-        pool = self.file_all(pool, now[1], self.send(out_b, 1), 1)
+        pool = self.file_all(pool, now[0], arrived_f, 0)
+        pool = self.file_all(pool, now[1], arrived_b, 1)
         pool, inboxes = jax.lax.optimization_barrier(
             (pool, (self.slots(pool, now[0]), self.slots(pool, now[1]))))
         switch = (lanes or self.lanes)[0]
@@ -1232,7 +1234,12 @@ class _TickLoop:
                 (now[0], now[1]))
         res = {**res, **kept}
         grads, loss = step if switch.grads else (grads, step[0])
-        pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
+        if send:
+            out_f, out_b = self.send(out_f, 0), self.send(out_b, 1)
+            head_y = out_f[-1]  # the output itself (`send`'s same-stage hand-off)
+        else:
+            head_y = out_f
+        pool, grads, loss = self.head_phase(pool, grads, loss, head_y, rows, now[0])
         return (pool, res, out_b, out_f, grads, loss), None
 
     def run(self, pool_sbtd):
@@ -1241,7 +1248,8 @@ class _TickLoop:
         table = jnp.asarray(self.program.table)
         if self.program.fused:
             pair_rows = jnp.asarray(self.program.lane_pairs[1])
-            carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, *start)
+            nothing = (self.zeros,) * 3  # no arrivals before the first tick (`send`)
+            carry0 = (pool_sbtd, self.res0, nothing, nothing, *start)
             if self.deferred is not None:
                 carry, _ = jax.lax.scan(self.fused_tick, carry0, (table[:-1], pair_rows[:-1]))
                 return self.last_tick(carry, table[-1], pair_rows[-1])
@@ -1288,7 +1296,8 @@ class _TickLoop:
         grads = carry[-2]
         ends = jax.lax.psum({k: grads[k] for k in ("embed", "head")}, (PP, DP))
         # The scope tells `analysis.step_estimate` that these switches run the last row.
-        tick = self.fused_tick if self.program.fused else self.paired_tick
+        tick = (partial(self.fused_tick, send=False) if self.program.fused
+                else self.paired_tick)
         with jax.named_scope(LAST_TICK_SCOPE):
             (_, _, dx, _, grads, loss), _ = tick(carry, (rows, rows_next), lanes=self.last_lanes)
         dx = jax.lax.psum(dx, PP)  # virtual stage 0's, made on stage 0 only
