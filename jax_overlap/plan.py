@@ -1044,8 +1044,8 @@ FUSED_PAIRS_WHY = {
     True: ("GPU, {what}: a tick's forward and backward run as one computation, so each lane's "
            "collectives run under the other lane's GEMMs; the transfers between stages run "
            "between ticks (GPT-1.3B pp2 x dp2 x tp2 interleaved, deviceless 8 x H100: 0.29 -> "
-           "0.70 of the collective bytes under GEMMs, exposed 126 -> 60 ms, estimated step "
-           "1222 -> 1208 ms)"),
+           "0.72 of the collective bytes under GEMMs, exposed 127 -> 55 ms, estimated step "
+           "1188 -> 1124 ms)"),
     False: ("no collectives inside an action (tp = ep = 1) for the other lane to hide; each "
             "lane its own switch keeps every transfer under the other lane"),
 }

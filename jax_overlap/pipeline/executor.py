@@ -917,7 +917,8 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
 # A fused tick's vocabulary-parallel head at tp > 1 runs in this many parts of its
 # microbatch, so one part's all-gather / reduce-scatter over tp runs under another part's
 # GEMMs (GPT-1.3B pp2 x dp2 x tp2 interleaved fused, deviceless 8 x H100: collective bytes
-# under GEMMs 0.696 -> 0.721, estimated step 1208.0 -> 1205.8 ms; 4 parts: 0.721, 1210.1 ms).
+# under GEMMs 0.696 -> 0.721, estimated step 1208.0 -> 1205.8 ms; 4 parts: 0.721, 1210.1 ms;
+# steps from before the estimate counted async reduce-scatters as communication).
 HEAD_HALVES = 2
 
 
