@@ -1011,7 +1011,7 @@ LONE_TP_COMM_WHY = (
     "sequence-parallel all-gathers and reduce-scatters, so its blocks run as collective "
     "matmul, the gather under the own sequence chunk's GEMM (GPT-1.3B pp2 x dp2 x tp2, "
     "deviceless 8 x H100: 0.72 -> 0.89 of the collective bytes under GEMMs, exposed 55 -> "
-    "30 ms, estimated step 1124 -> 1116 ms; Llama-3-8B 0.79 -> 0.85, 5490 -> 5488 ms)")
+    "30 ms, estimated step 1124 -> 1115 ms; Llama-3-8B 0.79 -> 0.85, 5490 -> 5488 ms)")
 
 
 def _resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:
