@@ -1031,8 +1031,12 @@ def _resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:
     if not fits:
         return "same"
     if not plan.target.accelerator or m.tp != 2 or plan.remat != "full":
-        why = ("remat is not full: a lone action's residuals would differ from its pair's"
-               if plan.remat != "full" else "measured at tp = 2 only")
+        if not plan.target.accelerator:
+            why = "CPU: collectives are synchronous; the ring's extra work hides nothing"
+        elif plan.remat != "full":
+            why = "remat is not full: a lone action's residuals would differ from its pair's"
+        else:
+            why = "measured at tp = 2 only"
         choices["overlap.lone_tp_comm"] = Choice("same", why)
         return "same"
     choices["overlap.lone_tp_comm"] = Choice("collective_matmul", LONE_TP_COMM_WHY)

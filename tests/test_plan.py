@@ -546,6 +546,11 @@ def test_auto_lone_tp_comm_runs_lone_actions_as_collective_matmul():
         assert "overlap.lone_tp_comm" not in other.choices
     cpu = ParallelPlan.build(config.load(gpu, ["model.layers=4", "model.d_model=256"]))
     assert cpu.overlap.lone_tp_comm == "same"
+    fused_cpu = ParallelPlan.build(config.load(gpu, [
+        "model.layers=4", "model.d_model=256", "pipeline.paired=true",
+        "pipeline.fused_pairs=true", "overlap.tp_comm=sequence_parallel", "model.remat=full"]))
+    assert fused_cpu.overlap.lone_tp_comm == "same"
+    assert fused_cpu.choices["overlap.lone_tp_comm"].why.startswith("CPU")
     given = ParallelPlan.build(config.load(gpu, ["overlap.lone_tp_comm=collective_matmul",
                                                  "mesh.tp=4", "mesh.dp=1"]), target=H100)
     assert given.overlap.lone_tp_comm == "collective_matmul"

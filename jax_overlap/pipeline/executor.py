@@ -1235,11 +1235,9 @@ class _TickLoop:
                 (now[0], now[1]))
         res = {**res, **kept}
         grads, loss = step if switch.grads else (grads, step[0])
-        if send:
+        head_y = out_f
+        if send:  # issued before the head phase, so the transfers run under it
             out_f, out_b = self.send(out_f, 0), self.send(out_b, 1)
-            head_y = out_f[-1]  # the output itself (`send`'s same-stage hand-off)
-        else:
-            head_y = out_f
         pool, grads, loss = self.head_phase(pool, grads, loss, head_y, rows, now[0])
         return (pool, res, out_b, out_f, grads, loss), None
 
