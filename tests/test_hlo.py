@@ -302,3 +302,52 @@ def test_link_model_uses_ring_factors_and_axis_overrides(cpu_mixed_text):
     slow_d = LinkModel(bytes_per_s=100e9, axis_bytes_per_s={"d": 25e9})
     assert comm_seconds(op, slow_d) == pytest.approx(1.0 * BLOCK_BYTES / 25e9)
     assert comm_seconds(op, LinkModel(100e9)) == pytest.approx(1.0 * BLOCK_BYTES / 100e9)
+
+
+# A permute in flight around a two-branch `lax.cond` that XLA wrote as a predicate
+# conditional: its true branch holds a GEMM, its false branch nothing (the pipeline's head
+# phase on a tick without a head).
+AROUND_COND = """HloModule m, is_scheduled=true, num_partitions=2
+
+%head (p: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %p = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  %a = bf16[64,64]{1,0} get-tuple-element(%p), index=0
+  %b = bf16[64,64]{1,0} get-tuple-element(%p), index=1
+  ROOT %d = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a, bf16[64,64]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%no_head (q: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %q = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  ROOT %z = bf16[64,64]{1,0} get-tuple-element(%q), index=0
+}
+
+ENTRY %main (x: bf16[64,64], y: bf16[64,64], c: pred[]) -> (bf16[64,64], bf16[64,64]) {
+  %x = bf16[64,64]{1,0} parameter(0)
+  %y = bf16[64,64]{1,0} parameter(1)
+  %c = pred[] parameter(2)
+  %cps = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) collective-permute-start(bf16[64,64]{1,0} %x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %ops = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) tuple(%x, %y)
+  %cond = bf16[64,64]{1,0} conditional(pred[] %c, %ops, %ops), true_computation=%head, false_computation=%no_head
+  %cpd = bf16[64,64]{1,0} collective-permute-done((bf16[64,64]{1,0}, bf16[64,64]{1,0}) %cps)
+  ROOT %t = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) tuple(%cpd, %cond)
+}
+"""
+
+
+def test_a_collective_around_a_conditional_is_under_the_ticks_whose_branch_has_a_gemm():
+    """The head phase's cond runs its GEMMs on a share of the ticks only (the tick table's,
+    through `branch_frequencies`, index order: false, then true). A transfer in flight
+    around it is under GEMMs on that share of its executions, with that share of the
+    branch's FLOPs to hide under; before, the predicate conditional's branches were not
+    looked into (never under) and were counted as taken every time."""
+    link = LinkModel(bytes_per_s=1e9)
+    chip = chip_spec("h100")
+    report = analyze_hlo(AROUND_COND, target="h100", link=link, branch_frequencies=[0.75, 0.25])
+    (permute,) = report.ops
+    assert permute.under_share == pytest.approx(0.25)
+    assert permute.gemm_flops_between == pytest.approx(0.25 * 2 * 64 * 64 * 64)
+    assert report.collective_bytes_under_gemm_fraction == pytest.approx(0.25)
+    hidden = 0.25 * 2 * 64 * 64 * 64 / chip.peak_bf16_flops
+    assert report.exposed_comm_s_estimate == pytest.approx(64 * 64 * 2 / 1e9 - hidden)
+    # Without the table's shares, each branch counts as taken: an upper bound, under.
+    assert analyze_hlo(AROUND_COND, target="h100").ops[0].under_share == 1.0

@@ -232,7 +232,7 @@ def dcn_summary(plan, texts: list, frequencies=None, report=None) -> dict | None
         out.update(dcn_bytes(report.ops, group))
         slow = [op for op in report.ops if crosses(op, group)]
         total = sum(op.bytes_per_step for op in slow)
-        under = sum(op.bytes_per_step for op in slow if op.under_gemm)
+        under = sum(op.under_gemm_bytes for op in slow)
         out.update({"hosts": plan.dcn, "under_gemm_fraction": under / total if total else 0.0,
                     "async_fraction": (sum(op.bytes_per_step for op in slow if op.is_async)
                                        / total if total else 0.0)})

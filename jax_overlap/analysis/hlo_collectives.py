@@ -40,6 +40,7 @@ from jax_overlap.analysis.hlo_parse import (
     Computation,
     HloModule,
     Instruction,
+    branch_computations,
     called_computations,
     execution_counts,
     operand_shape,
@@ -262,6 +263,20 @@ class CollectiveOp:
         """Async with at least one GEMM between start and done."""
         return self.is_async and bool(self.gemms_between)
 
+    @property
+    def under_share(self) -> float:
+        """The share of its executions that run under a GEMM: 1 with a GEMM between start
+        and done; with only conditionals there, the share of their executions that take a
+        branch holding one (`GemmWork.share`); 0 when synchronous."""
+        if not self.under_gemm:
+            return 0.0
+        return max(g.share for g in self.gemms_between)
+
+    @property
+    def under_gemm_bytes(self) -> float:
+        """Bytes per step moved under GEMMs: `bytes_per_step` times `under_share`."""
+        return self.bytes_per_step * self.under_share
+
 
 def _is_sync_config(inst: Instruction) -> bool:
     return bool(re.search(r'is_sync\\?"\s*:\s*true', inst.attributes))
@@ -369,7 +384,7 @@ def find_collectives(module: HloModule, branch_frequencies: Sequence[float] | No
         comp = module.computations[comp_name]
         users = _users(comp)
         for inst in comp.instructions:
-            record = _classify(module, comp, users, inst, num_devices, counts[comp_name])
+            record = _classify(module, comp, users, inst, num_devices, counts)
             if record is None:
                 continue
             if not record.done_found:
@@ -381,8 +396,11 @@ def find_collectives(module: HloModule, branch_frequencies: Sequence[float] | No
 
 
 def _classify(module: HloModule, comp: Computation, users: Mapping[str, list[Instruction]],
-              inst: Instruction, num_devices: int, executions: int) -> CollectiveOp | None:
-    """A :class:`CollectiveOp` if ``inst`` starts (or is) a collective, else None."""
+              inst: Instruction, num_devices: int, counts: Mapping[str, float]
+              ) -> CollectiveOp | None:
+    """A :class:`CollectiveOp` if ``inst`` starts (or is) a collective, else None
+    (`counts`: each computation's executions per step, `execution_counts`)."""
+    executions = counts[comp.name]
     opcode = inst.opcode
     kind = _OPCODE_KIND.get(opcode)
     if kind is not None:
@@ -399,7 +417,7 @@ def _classify(module: HloModule, comp: Computation, users: Mapping[str, list[Ins
         result = done.shape if done is not None else (tuple_elements(inst.shape)[-1])
         return _async_record(module, comp, inst, done, kind, "start-done",
                              _collective_bytes(comp, inst, kind, result, num_devices),
-                             inst, num_devices, executions)
+                             inst, num_devices, counts)
     if opcode in ("async-start", "fusion-start", "fusion", "custom-call") or (
             base is not None and "calls=" in inst.attributes):
         inner = _collective_inside(module, called_computations(inst).get("calls", []))
@@ -417,25 +435,55 @@ def _classify(module: HloModule, comp: Computation, users: Mapping[str, list[Ins
         done_ops = ("async-done", "fusion-done") if base is None else (f"{base}-done",)
         done = _find_done(comp, users, inst, done_ops + ("async-done",))
         return _async_record(module, comp, inst, done, kind, "async-wrapper", size,
-                             inner_inst, num_devices, executions)
+                             inner_inst, num_devices, counts)
     if opcode == "recv" and "is_host_transfer=true" not in inst.attributes:
         done = _find_done(comp, users, inst, ("recv-done",))
         data = tuple_elements(inst.shape)[0]
         share = _permute_share(_source_target_pairs(inst.attributes), num_devices)
         return _async_record(module, comp, inst, done, "collective-permute", "send-recv",
                              math.ceil(shape_bytes(data) * share), inst, num_devices,
-                             executions)
+                             counts)
     return None
+
+
+def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
+                 counts: Mapping[str, float]) -> GemmWork | None:
+    """The GEMM work a `conditional` does per execution, or None if no branch has any: its
+    branches' FLOPs weighted by the share of its executions that take each (`counts`, from
+    the pipeline's tick table where it knows them), and the share that runs a GEMM at all.
+    A collective around the head phase's cond is under GEMMs only on the ticks that have a
+    head."""
+    runs = counts.get(comp.name, 0)
+    flops, share, dtype = 0.0, 0.0, ""
+    for branch in branch_computations(called_computations(inst)):
+        inner = module.computations.get(branch)
+        if inner is None:
+            continue
+        works = [w for w in (gemm_work(module, inner, i) for i in inner.instructions)
+                 if w is not None]
+        if not works:
+            continue
+        taken = min(1.0, counts.get(branch, 0) / runs) if runs else 1.0
+        flops += taken * sum(w.flops for w in works)
+        share += taken * max(w.share for w in works)
+        dtype = dtype or works[0].dtype
+    if not dtype:
+        return None
+    return GemmWork(inst.name, flops, dtype, share=min(1.0, share))
 
 
 def _async_record(module: HloModule, comp: Computation, start: Instruction,
                   done: Instruction | None, kind: str, form: str, size: int,
-                  described: Instruction, num_devices: int, executions: int) -> CollectiveOp:
+                  described: Instruction, num_devices: int, counts: Mapping[str, float]
+                  ) -> CollectiveOp:
     """Build the record of an async collective, with what is scheduled inside it."""
     between: tuple[Instruction, ...] = ()
     if done is not None:
         between = comp.instructions[start.position + 1 : done.position]
-    gemms = tuple(w for w in (gemm_work(module, comp, i) for i in between) if w is not None)
+    gemms = tuple(w for w in (_branch_work(module, comp, i, counts) if i.opcode == "conditional"
+                              else gemm_work(module, comp, i) for i in between)
+                  if w is not None)
+    executions = counts[comp.name]
     pairs = _source_target_pairs(described.attributes)
     return CollectiveOp(
         kind=kind, name=start.name, computation=comp.name, form=form,

@@ -19,6 +19,7 @@ from jax_overlap.analysis.hlo_parse import (
     HloModule,
     Instruction,
     array_shapes,
+    branch_computations,
     called_computations,
     operand_shape,
     tuple_elements,
@@ -39,12 +40,16 @@ class GemmWork:
       dtype: element type of the first matmul operand (picks the chip's rate).
       attention: a cuDNN fused attention call (its kernels reach a lower share of the peak
         than plain GEMMs: `ChipSpec.attention_flops_per_s`).
+      share: the share of the instruction's executions that run a GEMM: below 1 for a
+        `conditional` some of whose branches hold none (`flops` is then the branches'
+        FLOPs weighted by how often each is taken: `hlo_collectives`).
     """
 
     name: str
     flops: float
     dtype: str
     attention: bool = False
+    share: float = 1.0
 
 
 def _dims_attr(attributes: str, key: str) -> tuple[int, ...]:
@@ -161,7 +166,7 @@ def gemm_work(module: HloModule, comp: Computation, inst: Instruction,
     if inst.opcode in ("fusion", "call", "while", "conditional", "async-start", "fusion-start"):
         calls = called_computations(inst)
         names = calls.get("calls", []) + calls.get("to_apply", []) + calls.get("body", []) \
-            + calls.get("branch_computations", [])
+            + branch_computations(calls)
         trips = 1
         if inst.opcode == "while":
             trips = while_trip_count(module, comp, inst) or 1

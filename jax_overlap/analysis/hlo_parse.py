@@ -344,6 +344,14 @@ def called_computations(inst: Instruction) -> dict[str, list[str]]:
     return out
 
 
+def branch_computations(calls: Mapping[str, list[str]]) -> list[str]:
+    """A `conditional`'s branches in index order, from its `called_computations`: an index
+    conditional names them (`branch_computations`); a predicate one (XLA rewrites a
+    two-branch `lax.cond` so) has a false (index 0) and a true (index 1) computation."""
+    return (calls.get("branch_computations")
+            or calls.get("false_computation", []) + calls.get("true_computation", []))
+
+
 def _int_literal(inst: Instruction) -> int | None:
     """Value of a scalar integer ``constant``, else None."""
     if inst.opcode != "constant" or not inst.operands:
@@ -519,7 +527,7 @@ def execution_counts(module: HloModule, branch_frequencies: Sequence[float] | No
                 for cond in calls.get("condition", []):
                     order.append((cond, times * (trips + 1)))
                 continue
-            branches = calls.get("branch_computations", [])
+            branches = branch_computations(calls) if inst.opcode == "conditional" else []
             shares = (branch_frequencies(inst) if callable(branch_frequencies)
                       else branch_frequencies)
             if (inst.opcode == "conditional" and shares is not None

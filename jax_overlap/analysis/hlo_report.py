@@ -64,7 +64,9 @@ class KindSummary:
       bytes: bytes per step.
       async_bytes: bytes per step moved by async collectives.
       under_gemm_bytes: bytes per step of async collectives with at least one GEMM
-        scheduled between start and done (an MoE step's all-to-alls: what hides).
+        scheduled between start and done (an MoE step's all-to-alls: what hides); one
+        around a conditional, on the share of executions whose branch holds a GEMM
+        (`CollectiveOp.under_share`).
     """
 
     count: int | float
@@ -85,7 +87,8 @@ class HloReport:
       ops: every collective.
       async_fraction: async collective bytes / all collective bytes (per step).
       collective_bytes_under_gemm_fraction: bytes of async collectives with at least
-        one GEMM scheduled between start and done / all collective bytes.
+        one GEMM scheduled between start and done / all collective bytes (around a
+        conditional: the share of its executions that take a branch with a GEMM).
       exposed_comm_s_estimate: link time per step not hidden by GEMMs (None without a
         chip).
       total_comm_s_estimate: link time per step if nothing were hidden (None without a
@@ -141,6 +144,7 @@ class HloReport:
                     "scheduled_between": len(op.scheduled_between),
                     "gemms_between": [g.name for g in op.gemms_between],
                     "gemm_flops_between": op.gemm_flops_between,
+                    "under_share": op.under_share,
                 }
                 for op in self.ops
             ],
@@ -221,11 +225,10 @@ def analyze_module(module: HloModule, *, target: str = "cpu", chip: ChipSpec | N
                 count=_tidy(sum(op.executions_per_step for op in of_kind)),
                 bytes=_tidy(sum(op.bytes_per_step for op in of_kind)),
                 async_bytes=_tidy(sum(op.bytes_per_step for op in of_kind if op.is_async)),
-                under_gemm_bytes=_tidy(sum(op.bytes_per_step for op in of_kind
-                                           if op.under_gemm)))
+                under_gemm_bytes=_tidy(sum(op.under_gemm_bytes for op in of_kind)))
     total = sum(op.bytes_per_step for op in ops)
     async_bytes = sum(op.bytes_per_step for op in ops if op.is_async)
-    under = sum(op.bytes_per_step for op in ops if op.under_gemm)
+    under = sum(op.under_gemm_bytes for op in ops)
     exposed = total_time = None
     if chip is not None:
         link = link or LinkModel.from_chip(chip)
