@@ -349,5 +349,11 @@ def test_a_collective_around_a_conditional_is_under_the_ticks_whose_branch_has_a
     assert report.collective_bytes_under_gemm_fraction == pytest.approx(0.25)
     hidden = 0.25 * 2 * 64 * 64 * 64 / chip.peak_bf16_flops
     assert report.exposed_comm_s_estimate == pytest.approx(64 * 64 * 2 / 1e9 - hidden)
+    # A transfer shorter than the branch's GEMMs is hidden on the ticks that run them and
+    # exposed whole on the others (not hidden by the FLOPs' average).
+    fast = LinkModel(bytes_per_s=1e15)
+    assert 64 * 64 * 2 / 1e15 < 2 * 64 * 64 * 64 / chip.peak_bf16_flops
+    report = analyze_hlo(AROUND_COND, target="h100", link=fast, branch_frequencies=[0.75, 0.25])
+    assert report.exposed_comm_s_estimate == pytest.approx(0.75 * 64 * 64 * 2 / 1e15)
     # Without the table's shares, each branch counts as taken: an upper bound, under.
     assert analyze_hlo(AROUND_COND, target="h100").ops[0].under_share == 1.0

@@ -454,7 +454,7 @@ def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
     A collective around the head phase's cond is under GEMMs only on the ticks that have a
     head."""
     runs = counts.get(comp.name, 0)
-    flops, share, dtype = 0.0, 0.0, ""
+    flops, share, dtype, branches = 0.0, 0.0, "", []
     for branch in branch_computations(called_computations(inst)):
         inner = module.computations.get(branch)
         if inner is None:
@@ -464,12 +464,14 @@ def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
         if not works:
             continue
         taken = min(1.0, counts.get(branch, 0) / runs) if runs else 1.0
-        flops += taken * sum(w.flops for w in works)
+        work = sum(w.flops for w in works)
+        flops += taken * work
         share += taken * max(w.share for w in works)
         dtype = dtype or works[0].dtype
+        branches.append((taken, work))
     if not dtype:
         return None
-    return GemmWork(inst.name, flops, dtype, share=min(1.0, share))
+    return GemmWork(inst.name, flops, dtype, share=min(1.0, share), branches=tuple(branches))
 
 
 def _async_record(module: HloModule, comp: Computation, start: Instruction,

@@ -40,16 +40,30 @@ def comm_seconds(op: CollectiveOp, link: LinkModel) -> float:
 
 
 def exposed_seconds(op: CollectiveOp, link: LinkModel, chip: ChipSpec) -> float:
-    """Link time of one execution of ``op`` not hidden by the GEMMs under it.
+    """Link time of one execution of ``op`` not hidden by the GEMMs under it, on average.
 
     A synchronous collective is fully exposed. An async one is hidden by the time the
     GEMMs between its start and done take at the chip's peak rate; a GEMM under two
-    collectives is credited to both (optimistic), contention is ignored.
+    collectives is credited to both (optimistic), contention is ignored. Under a
+    conditional (a pipeline tick's switch) the time left is averaged over its branches
+    as often as each is taken: an idle tick hides nothing, however long the busy ones.
     """
     t = comm_seconds(op, link)
-    if op.is_async:
-        t -= sum(g.flops / chip.matmul_flops_per_s(g.dtype) for g in op.gemms_between)
-    return max(0.0, t)
+    if not op.is_async:
+        return t
+    # (probability, seconds of GEMMs) of what runs under one execution: the plain GEMMs
+    # always, each conditional's branches by their shares (taken independently).
+    cases = [(1.0, 0.0)]
+    for g in op.gemms_between:
+        rate = chip.matmul_flops_per_s(g.dtype)
+        options = ([(share, flops / rate) for share, flops in g.branches]
+                   + [(1.0 - sum(share for share, _ in g.branches), 0.0)]
+                   if g.branches else [(1.0, g.flops / rate)])
+        cases = [(p * q, s + u) for p, s in cases for q, u in options if p * q > 0]
+        if len(cases) > 4096:  # many conditionals: their average instead
+            mean = sum(p * s for p, s in cases)
+            cases = [(1.0, mean)]
+    return sum(p * max(0.0, t - s) for p, s in cases)
 
 
 # ----------------------------------------------------------------------------- report
