@@ -47,10 +47,12 @@ QUICK_ROWS = [("1f1b", 1, 2, 0, False), ("1f1b", 1, 1, 0, True)]
 
 
 def bytes_of(ops: list[dict], kind: str) -> tuple[int, float, float]:
-    """(ops, bytes per step, bytes per step with a GEMM between start and done) of a kind."""
+    """(ops, bytes per step, bytes per step with a GEMM between start and done) of a kind;
+    around a tick's switch, on the share of the ticks whose action runs one
+    (`under_share`)."""
     of_kind = [op for op in ops if op["kind"] == kind]
     moved = [op["bytes"] * op["executions_per_step"] for op in of_kind]
-    hidden = [b for op, b in zip(of_kind, moved) if op["async"] and op["gemms_between"]]
+    hidden = [b * op["under_share"] for op, b in zip(of_kind, moved)]
     return len(of_kind), sum(moved), sum(hidden)
 
 
