@@ -357,3 +357,57 @@ def test_a_collective_around_a_conditional_is_under_the_ticks_whose_branch_has_a
     assert report.exposed_comm_s_estimate == pytest.approx(0.75 * 64 * 64 * 2 / 1e15)
     # Without the table's shares, each branch counts as taken: an upper bound, under.
     assert analyze_hlo(AROUND_COND, target="h100").ops[0].under_share == 1.0
+
+
+# A lane's two switches on the same row of the tick table: an action runs in one (here: the
+# first switch's branch 0, the second's branch 1), the other skips.
+TWO_SWITCHES = """HloModule m, is_scheduled=true, num_partitions=2
+
+%gemm (p: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %p = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  %a = bf16[64,64]{1,0} get-tuple-element(%p), index=0
+  %b = bf16[64,64]{1,0} get-tuple-element(%p), index=1
+  ROOT %d = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a, bf16[64,64]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm2 (p2: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %p2 = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  %a2 = bf16[64,64]{1,0} get-tuple-element(%p2), index=0
+  %b2 = bf16[64,64]{1,0} get-tuple-element(%p2), index=1
+  ROOT %d2 = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a2, bf16[64,64]{1,0} %b2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%skip (q: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %q = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  ROOT %z = bf16[64,64]{1,0} get-tuple-element(%q), index=0
+}
+
+%skip2 (q2: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
+  %q2 = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
+  ROOT %z2 = bf16[64,64]{1,0} get-tuple-element(%q2), index=0
+}
+
+ENTRY %main (x: bf16[64,64], y: bf16[64,64], i: s32[]) -> (bf16[64,64], bf16[64,64], bf16[64,64]) {
+  %x = bf16[64,64]{1,0} parameter(0)
+  %y = bf16[64,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %cps = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) collective-permute-start(bf16[64,64]{1,0} %x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %ops = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) tuple(%x, %y)
+  %plain = bf16[64,64]{1,0} conditional(s32[] %i, %ops, %ops), branch_computations={%gemm, %skip}
+  %filing = bf16[64,64]{1,0} conditional(s32[] %i, %ops, %ops), branch_computations={%skip2, %gemm2}
+  %cpd = bf16[64,64]{1,0} collective-permute-done((bf16[64,64]{1,0}, bf16[64,64]{1,0}) %cps)
+  ROOT %t = (bf16[64,64]{1,0}, bf16[64,64]{1,0}, bf16[64,64]{1,0}) tuple(%cpd, %plain, %filing)
+}
+"""
+
+
+def test_a_collective_around_both_switches_of_a_lane_is_under_whichever_runs():
+    """Switches taken by the same shares run on the same row: each tick takes the same
+    index in both, so the cover is the union over indices (0.75 + 0.25 here), not the
+    larger share alone; switches taken by other shares are independent."""
+    report = analyze_hlo(TWO_SWITCHES, target="h100", branch_frequencies=[0.75, 0.25])
+    assert report.ops[0].under_share == pytest.approx(1.0)
+    shares = {"plain": [0.75, 0.25], "filing": [0.5, 0.5]}
+    report = analyze_hlo(TWO_SWITCHES, target="h100",
+                         branch_frequencies=lambda inst: shares.get(inst.name))
+    assert report.ops[0].under_share == pytest.approx(1 - (1 - 0.75) * (1 - 0.5))

@@ -266,11 +266,11 @@ class CollectiveOp:
     @property
     def under_share(self) -> float:
         """The share of its executions that run under a GEMM: 1 with a GEMM between start
-        and done; with only conditionals there, the share of their executions that take a
-        branch holding one (`GemmWork.share`); 0 when synchronous."""
+        and done; with only conditionals there, the share of executions in which one of
+        them takes a branch holding one (`cover_cases`); 0 when synchronous."""
         if not self.under_gemm:
             return 0.0
-        return max(g.share for g in self.gemms_between)
+        return sum(p for p, s in cover_cases(self.gemms_between, lambda g, f: f) if s > 0)
 
     @property
     def under_gemm_bytes(self) -> float:
@@ -450,28 +450,50 @@ def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
                  counts: Mapping[str, float]) -> GemmWork | None:
     """The GEMM work a `conditional` does per execution, or None if no branch has any: its
     branches' FLOPs weighted by the share of its executions that take each (`counts`, from
-    the pipeline's tick table where it knows them), and the share that runs a GEMM at all.
-    A collective around the head phase's cond is under GEMMs only on the ticks that have a
-    head."""
+    the pipeline's tick table where it knows them), the share that runs a GEMM at all, and
+    (share, FLOPs) of every branch in index order. A collective around the head phase's
+    cond is under GEMMs only on the ticks that have a head."""
     runs = counts.get(comp.name, 0)
     flops, share, dtype, branches = 0.0, 0.0, "", []
     for branch in branch_computations(called_computations(inst)):
         inner = module.computations.get(branch)
-        if inner is None:
-            continue
-        works = [w for w in (gemm_work(module, inner, i) for i in inner.instructions)
-                 if w is not None]
-        if not works:
-            continue
+        works = [] if inner is None else [
+            w for w in (gemm_work(module, inner, i) for i in inner.instructions)
+            if w is not None]
         taken = min(1.0, counts.get(branch, 0) / runs) if runs else 1.0
         work = sum(w.flops for w in works)
-        flops += taken * work
-        share += taken * max(w.share for w in works)
-        dtype = dtype or works[0].dtype
         branches.append((taken, work))
+        if works:
+            flops += taken * work
+            share += taken * max(w.share for w in works)
+            dtype = dtype or works[0].dtype
     if not dtype:
         return None
     return GemmWork(inst.name, flops, dtype, share=min(1.0, share), branches=tuple(branches))
+
+
+def cover_cases(gemms: Sequence[GemmWork], seconds) -> list[tuple[float, float]]:
+    """(probability, seconds of GEMMs) of what runs under one execution of a collective with
+    `gemms` between its start and done (`seconds(work, flops)`: a GEMM's time). Plain GEMMs
+    run every time. Conditionals taken by the same shares are switches on the same row of
+    the tick table (a lane's two switches: an action runs in one, the other skips), so a
+    tick takes the same branch index in each; conditionals taken otherwise are independent."""
+    fixed = sum(seconds(g, g.flops) for g in gemms if not g.branches)
+    groups: dict[tuple, list[GemmWork]] = {}
+    for g in gemms:
+        if g.branches:
+            groups.setdefault(tuple(round(p, 9) for p, _ in g.branches), []).append(g)
+    cases = [(1.0, fixed)]
+    for shares, members in groups.items():
+        options = [(p, sum(seconds(g, g.branches[i][1]) for g in members))
+                   for i, p in enumerate(shares)]
+        rest = 1.0 - sum(shares)
+        if rest > 1e-9:
+            options.append((rest, 0.0))
+        cases = [(p * q, s + u) for p, s in cases for q, u in options if p * q > 0]
+        if len(cases) > 4096:  # many independent conditionals: their average instead
+            cases = [(1.0, sum(p * s for p, s in cases))]
+    return cases
 
 
 def _async_record(module: HloModule, comp: Computation, start: Instruction,

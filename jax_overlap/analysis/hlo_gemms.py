@@ -43,8 +43,8 @@ class GemmWork:
       share: the share of the instruction's executions that run a GEMM: below 1 for a
         `conditional` some of whose branches hold none (`flops` is then the branches'
         FLOPs weighted by how often each is taken: `hlo_collectives`).
-      branches: for such a conditional, (share of executions, FLOPs) of each branch that
-        holds GEMMs.
+      branches: for a conditional, (share of executions, FLOPs) of each branch, in index
+        order.
     """
 
     name: str

@@ -25,6 +25,7 @@ from jax_overlap.analysis.hlo_collectives import (
     BYTES_CONVENTION,
     COLLECTIVE_KINDS,
     CollectiveOp,
+    cover_cases,
     find_collectives,
 )
 from jax_overlap.analysis.hlo_parse import HloModule, parse_module
@@ -51,18 +52,8 @@ def exposed_seconds(op: CollectiveOp, link: LinkModel, chip: ChipSpec) -> float:
     t = comm_seconds(op, link)
     if not op.is_async:
         return t
-    # (probability, seconds of GEMMs) of what runs under one execution: the plain GEMMs
-    # always, each conditional's branches by their shares (taken independently).
-    cases = [(1.0, 0.0)]
-    for g in op.gemms_between:
-        rate = chip.matmul_flops_per_s(g.dtype)
-        options = ([(share, flops / rate) for share, flops in g.branches]
-                   + [(1.0 - sum(share for share, _ in g.branches), 0.0)]
-                   if g.branches else [(1.0, g.flops / rate)])
-        cases = [(p * q, s + u) for p, s in cases for q, u in options if p * q > 0]
-        if len(cases) > 4096:  # many conditionals: their average instead
-            mean = sum(p * s for p, s in cases)
-            cases = [(1.0, mean)]
+    cases = cover_cases(op.gemms_between,
+                        lambda g, flops: flops / chip.matmul_flops_per_s(g.dtype))
     return sum(p * max(0.0, t - s) for p, s in cases)
 
 
