@@ -450,11 +450,11 @@ def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
                  counts: Mapping[str, float]) -> GemmWork | None:
     """The GEMM work a `conditional` does per execution, or None if no branch has any: its
     branches' FLOPs weighted by the share of its executions that take each (`counts`, from
-    the pipeline's tick table where it knows them), the share that runs a GEMM at all, and
-    (share, FLOPs) of every branch in index order. A collective around the head phase's
-    cond is under GEMMs only on the ticks that have a head."""
+    the pipeline's tick table where it knows them), and (share, FLOPs) of every branch in
+    index order. A collective around the head phase's cond is under GEMMs only on the
+    ticks that have a head."""
     runs = counts.get(comp.name, 0)
-    flops, share, dtype, branches = 0.0, 0.0, "", []
+    flops, dtype, branches = 0.0, "", []
     for branch in branch_computations(called_computations(inst)):
         inner = module.computations.get(branch)
         works = [] if inner is None else [
@@ -465,11 +465,10 @@ def _branch_work(module: HloModule, comp: Computation, inst: Instruction,
         branches.append((taken, work))
         if works:
             flops += taken * work
-            share += taken * max(w.share for w in works)
             dtype = dtype or works[0].dtype
     if not dtype:
         return None
-    return GemmWork(inst.name, flops, dtype, share=min(1.0, share), branches=tuple(branches))
+    return GemmWork(inst.name, flops, dtype, branches=tuple(branches))
 
 
 def cover_cases(gemms: Sequence[GemmWork], seconds) -> list[tuple[float, float]]:

@@ -40,18 +40,14 @@ class GemmWork:
       dtype: element type of the first matmul operand (picks the chip's rate).
       attention: a cuDNN fused attention call (its kernels reach a lower share of the peak
         than plain GEMMs: `ChipSpec.attention_flops_per_s`).
-      share: the share of the instruction's executions that run a GEMM: below 1 for a
-        `conditional` some of whose branches hold none (`flops` is then the branches'
-        FLOPs weighted by how often each is taken: `hlo_collectives`).
-      branches: for a conditional, (share of executions, FLOPs) of each branch, in index
-        order.
+      branches: for a conditional under a collective, (share of its executions, FLOPs) of
+        each branch in index order; `flops` is then their average (`hlo_collectives`).
     """
 
     name: str
     flops: float
     dtype: str
     attention: bool = False
-    share: float = 1.0
     branches: tuple[tuple[float, float], ...] = ()
 
 
