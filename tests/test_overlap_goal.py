@@ -127,9 +127,8 @@ PLAIN = {
     # Below issue #27's 0.95: measured 0.902 per tick (2026-12-06: fused pairs, the head in
     # two halves, the ticks that run one action as collective matmul; 0.887 with the head
     # phase counted on every tick, 0.721 with those ticks sequence parallel, 0.292 with the
-    # lanes apart). What stays exposed: partial overlap
-    # inside the pairs, the head's rest, the transfers (docs/results.md). Guards what is
-    # hidden.
+    # lanes apart). What stays exposed: partial overlap inside the pairs, the head's rest,
+    # the transfers (docs/results.md). Guards what is hidden.
     "gpt_1p3b_pp2_dp2_tp2": 0.85,
 }
 
