@@ -304,23 +304,27 @@ def test_link_model_uses_ring_factors_and_axis_overrides(cpu_mixed_text):
     assert comm_seconds(op, LinkModel(100e9)) == pytest.approx(1.0 * BLOCK_BYTES / 100e9)
 
 
+def _branch(name: str, gemm: bool) -> str:
+    """An HLO branch computation on a pair of (64, 64) operands: their product, or the first
+    one (a branch that skips)."""
+    if gemm:
+        body = (f"  %a_{name} = bf16[64,64]{{1,0}} get-tuple-element(%p_{name}), index=0\n"
+                f"  %b_{name} = bf16[64,64]{{1,0}} get-tuple-element(%p_{name}), index=1\n"
+                f"  ROOT %d_{name} = bf16[64,64]{{1,0}} dot(bf16[64,64]{{1,0}} %a_{name}, "
+                f"bf16[64,64]{{1,0}} %b_{name}), lhs_contracting_dims={{1}}, "
+                f"rhs_contracting_dims={{0}}\n")
+    else:
+        body = f"  ROOT %z_{name} = bf16[64,64]{{1,0}} get-tuple-element(%p_{name}), index=0\n"
+    return (f"%{name} (p_{name}: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {{\n"
+            f"  %p_{name} = (bf16[64,64]{{1,0}}, bf16[64,64]{{1,0}}) parameter(0)\n"
+            f"{body}}}\n\n")
+
+
 # A permute in flight around a two-branch `lax.cond` that XLA wrote as a predicate
 # conditional: its true branch holds a GEMM, its false branch nothing (the pipeline's head
 # phase on a tick without a head).
-AROUND_COND = """HloModule m, is_scheduled=true, num_partitions=2
-
-%head (p: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %p = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  %a = bf16[64,64]{1,0} get-tuple-element(%p), index=0
-  %b = bf16[64,64]{1,0} get-tuple-element(%p), index=1
-  ROOT %d = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a, bf16[64,64]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%no_head (q: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %q = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  ROOT %z = bf16[64,64]{1,0} get-tuple-element(%q), index=0
-}
-
+AROUND_COND = "HloModule m, is_scheduled=true, num_partitions=2\n\n" + _branch(
+    "head", True) + _branch("no_head", False) + """\
 ENTRY %main (x: bf16[64,64], y: bf16[64,64], c: pred[]) -> (bf16[64,64], bf16[64,64]) {
   %x = bf16[64,64]{1,0} parameter(0)
   %y = bf16[64,64]{1,0} parameter(1)
@@ -361,32 +365,9 @@ def test_a_collective_around_a_conditional_is_under_the_ticks_whose_branch_has_a
 
 # A lane's two switches on the same row of the tick table: an action runs in one (here: the
 # first switch's branch 0, the second's branch 1), the other skips.
-TWO_SWITCHES = """HloModule m, is_scheduled=true, num_partitions=2
-
-%gemm (p: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %p = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  %a = bf16[64,64]{1,0} get-tuple-element(%p), index=0
-  %b = bf16[64,64]{1,0} get-tuple-element(%p), index=1
-  ROOT %d = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a, bf16[64,64]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%gemm2 (p2: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %p2 = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  %a2 = bf16[64,64]{1,0} get-tuple-element(%p2), index=0
-  %b2 = bf16[64,64]{1,0} get-tuple-element(%p2), index=1
-  ROOT %d2 = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a2, bf16[64,64]{1,0} %b2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-%skip (q: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %q = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  ROOT %z = bf16[64,64]{1,0} get-tuple-element(%q), index=0
-}
-
-%skip2 (q2: (bf16[64,64], bf16[64,64])) -> bf16[64,64] {
-  %q2 = (bf16[64,64]{1,0}, bf16[64,64]{1,0}) parameter(0)
-  ROOT %z2 = bf16[64,64]{1,0} get-tuple-element(%q2), index=0
-}
-
+TWO_SWITCHES = "HloModule m, is_scheduled=true, num_partitions=2\n\n" + "".join(
+    _branch(name, gemm) for name, gemm in (("gemm", True), ("gemm2", True), ("skip", False),
+                                           ("skip2", False))) + """\
 ENTRY %main (x: bf16[64,64], y: bf16[64,64], i: s32[]) -> (bf16[64,64], bf16[64,64], bf16[64,64]) {
   %x = bf16[64,64]{1,0} parameter(0)
   %y = bf16[64,64]{1,0} parameter(1)
