@@ -1235,11 +1235,11 @@ class _TickLoop:
                 (now[0], now[1]))
         res = {**res, **kept}
         grads, loss = step if switch.grads else (grads, step[0])
-        head_y = out_f
+        sent_f, sent_b = out_f, out_b
         if send:  # issued before the head phase, so the transfers run under it
-            out_f, out_b = self.send(out_f, 0), self.send(out_b, 1)
-        pool, grads, loss = self.head_phase(pool, grads, loss, head_y, rows, now[0])
-        return (pool, res, out_b, out_f, grads, loss), None
+            sent_f, sent_b = self.send(out_f, 0), self.send(out_b, 1)
+        pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
+        return (pool, res, sent_b, sent_f, grads, loss), None
 
     def run(self, pool_sbtd):
         """(grads, loss) after scanning the table."""
