@@ -85,8 +85,8 @@ MESHES = {
 # Estimates of this version include the communication no compute hides (`exposed_ms`),
 # count async reduce-scatters and all-to-alls as communication, not kernels, and count a
 # collective around a pipeline tick's switches by the rows of its table (under GEMMs,
-# exposed); cached ones without it are not reused.
-CACHE_VERSION = "+exposed+async-rs+per-row"
+# exposed), with q, k and v as three GEMMs; cached ones without it are not reused.
+CACHE_VERSION = "+exposed+async-rs+per-row+qkv"
 # --quick: a small GPT on the same meshes, two candidates each (seconds a compile).
 QUICK_MODEL = ["model.layers=4", "model.d_model=128", "model.heads=4", "model.d_ff=512",
                "model.vocab=512", "model.seq_len=128", "train.global_batch=16"]

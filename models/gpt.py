@@ -25,6 +25,7 @@ from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
+    column_parallel_parts,
     position_wise,
     row_parallel,
     sequence_shard,
@@ -85,11 +86,18 @@ class Block(nn.Module):
 
         # Attention: column-parallel QKV (local heads), row-parallel output projection.
         y_btd = LayerNorm(name="ln_attn")(x_btd)
-        qkv_btn = column_parallel(y_btd.astype(dt), w_qkv_dh3.reshape(self.d_model, -1).astype(dt),
-                                  par)
-        b, t = qkv_btn.shape[:2]
-        qkv_bth3 = qkv_btn.reshape(b, t, h_local, 3 * hd) + b_qkv_h3.astype(dt)
-        q_bthe, k_bthe, v_bthe = jnp.split(qkv_bth3, 3, axis=-1)
+        # q, k and v as three GEMMs of one gathered input: each comes out whole, where one
+        # GEMM's per-head [q k v] output had to be split (copied) before attention.
+        w_qkv_dh3, b_qkv_h3 = w_qkv_dh3.astype(dt), b_qkv_h3.astype(dt)
+        parts = [slice(i * hd, (i + 1) * hd) for i in range(3)]
+        qkv = column_parallel_parts(
+            y_btd.astype(dt), [w_qkv_dh3[..., s].reshape(self.d_model, -1) for s in parts], par)
+        b, t = qkv[0].shape[:2]
+        # Three separate bias values: sharing one operand, XLA fuses the three additions
+        # into one pass over q, k and v instead of into each GEMM's epilogue.
+        biases = jax.lax.optimization_barrier([b_qkv_h3[:, s].reshape(-1) for s in parts])
+        q_bthe, k_bthe, v_bthe = ((p_btn + b_n).reshape(b, t, h_local, hd)
+                                  for p_btn, b_n in zip(qkv, biases))
         if cache is not None:  # decoding: attend over the cached positions and these
             cache = (write_cache(cache[0], k_bthe, pos), write_cache(cache[1], v_bthe, pos))
             ctx_bthe = cached_attention(q_bthe, cache[0], cache[1], pos, dt)

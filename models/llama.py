@@ -35,6 +35,7 @@ from jax_overlap.parallel.attention import fused_attention, use_fused
 from jax_overlap.parallel.collectives import (
     Parallel,
     column_parallel,
+    column_parallel_parts,
     position_wise,
     row_parallel,
     tp_index,
@@ -148,14 +149,17 @@ class Block(nn.Module):
             kv_local = 1
             first = tp_index(par) * self.kv_heads // self.tp
             w_kv_local = jax.lax.dynamic_slice_in_dim(w_kv_dk2e, first, 1, axis=1)
-        w_qkv_dn = jnp.concatenate([w_q_dhe.reshape(d, h_local * hd),
-                                    w_kv_local.reshape(d, kv_local * 2 * hd)], axis=1)
+        # One GEMM each (one gather of the input): q, k and v come out whole, not as slices
+        # of one output that attention would read through copies.
+        w_kv_local = w_kv_local.astype(dt)
         y_btd = RMSNorm(self.eps, name="attn_norm")(x_btd)
-        qkv_btn = column_parallel(y_btd.astype(dt), w_qkv_dn.astype(dt), par)
-        b, t = qkv_btn.shape[:2]
-        q_bthe = qkv_btn[..., :h_local * hd].reshape(b, t, h_local, hd)
-        kv_btk2e = qkv_btn[..., h_local * hd:].reshape(b, t, kv_local, 2, hd)
-        k_btke, v_btke = kv_btk2e[..., 0, :], kv_btk2e[..., 1, :]
+        q_btn, k_btn, v_btn = column_parallel_parts(
+            y_btd.astype(dt), [w_q_dhe.astype(dt).reshape(d, h_local * hd),
+                               w_kv_local[:, :, 0].reshape(d, kv_local * hd),
+                               w_kv_local[:, :, 1].reshape(d, kv_local * hd)], par)
+        b, t = q_btn.shape[:2]
+        q_bthe = q_btn.reshape(b, t, h_local, hd)
+        k_btke, v_btke = k_btn.reshape(b, t, kv_local, hd), v_btn.reshape(b, t, kv_local, hd)
         cos_te, sin_te = rope_cos_sin(t, hd, self.rope, 0 if pos is None else pos)
         q_bthe = apply_rope(q_bthe, cos_te, sin_te)
         k_btke = apply_rope(k_btke, cos_te, sin_te)

@@ -292,3 +292,42 @@ def test_gpu_schedule_hides_grouped_steps_at_tp2_in_a_pipeline():
     # measured 0.96 (0.73 before the own GEMM's input gradient was summed after a barrier,
     # `collective_matmul._fork`, and the head's gather went under its GEMM)
     assert tp_share("collective_matmul") >= 0.9
+
+
+@pytest.mark.parametrize("tp_comm", ["sequence_parallel", "collective_matmul"])
+def test_column_parallel_parts_is_one_gather_and_a_gemm_per_part(tp_comm):
+    """q, k and v (`collectives.column_parallel_parts`): the parts of one column-parallel
+    matmul against their concatenated weights, values and gradients. Sequence parallel, the
+    input is gathered once and each part is its own GEMM (no output to split); collective
+    matmul keeps one ring over the concatenation."""
+    from jax_overlap.parallel.collectives import Parallel, column_parallel, column_parallel_parts
+
+    tp, widths = 2, (8, 4, 4)
+    par = Parallel(tp_axis="tp", tp=tp, tp_comm=tp_comm, cm_direction="bi")
+    mesh = _tp_mesh(tp)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((16, tp * n)), jnp.float32) for n in widths]
+    specs = (P(None, "tp", None), [P(None, "tp")] * 3)
+
+    def loss(f):
+        g = compat.shard_map(f, mesh, in_specs=specs, out_specs=P())
+        return jax.jit(jax.value_and_grad(g, argnums=(0, 1)))
+
+    def parts(x_, ws_):
+        outs = column_parallel_parts(x_, ws_, par)
+        return jax.lax.psum(sum(jnp.sum(jnp.sin(o) * (i + 1)) for i, o in enumerate(outs)), "tp")
+
+    def concatenated(x_, ws_):
+        out = column_parallel(x_, jnp.concatenate(ws_, axis=-1), par)
+        outs = jnp.split(out, np.cumsum(widths)[:-1], axis=-1)
+        return jax.lax.psum(sum(jnp.sum(jnp.sin(o) * (i + 1)) for i, o in enumerate(outs)), "tp")
+
+    (v1, (dx1, dw1)), (v2, (dx2, dw2)) = loss(parts)(x, ws), loss(concatenated)(x, ws)
+    assert rel(float(v1), float(v2)) < 1e-6 and max_rel_err(dx1, dx2) < 1e-5
+    assert max(max_rel_err(a, b) for a, b in zip(dw1, dw2)) < 1e-5
+    if tp_comm == "sequence_parallel":
+        text = str(jax.make_jaxpr(compat.shard_map(
+            lambda x_, ws_: column_parallel_parts(x_, ws_, par), mesh, in_specs=specs,
+            out_specs=[P(None, None, "tp")] * 3))(x, ws))
+        assert text.count("all_gather[") == 1 and text.count("dot_general[") == 3

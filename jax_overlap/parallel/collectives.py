@@ -12,10 +12,11 @@ partial sums that one `psum` over TP completes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_overlap.parallel import collective_matmul as cm
 from jax_overlap.parallel.compat import (  # noqa: F401 - re-exported for models
@@ -144,6 +145,23 @@ def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Arr
         # (B, T/tp, D) -> (B, T, D) over tp
         x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
     return local_matmul(x_btd, w_dn, par)
+
+
+def column_parallel_parts(x_btd: jax.Array, ws_dn: Sequence[jax.Array], par: Parallel
+                          ) -> list[jax.Array]:
+    """`column_parallel` of x against several weights (q, k and v): one all-gather of x,
+    then one GEMM per weight, so each output is its own array. One GEMM against their
+    concatenation would need its output split, which is a copy of every part (for GPT's QKV
+    a third of the block's non-GEMM memory traffic). With collective matmul, whose partial
+    products are placed chunk by chunk, the weights are concatenated and the output split.
+    """
+    if par.sequence_sharded and par.tp_comm == "collective_matmul":
+        out = column_parallel(x_btd, jnp.concatenate(ws_dn, axis=-1), par)
+        ends = np.cumsum([w.shape[-1] for w in ws_dn])[:-1]
+        return jnp.split(out, ends, axis=-1)
+    if par.sequence_sharded:
+        x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
+    return [local_matmul(x_btd, w_dn, par) for w_dn in ws_dn]
 
 
 def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
