@@ -162,6 +162,9 @@ def column_parallel_parts(x_btd: jax.Array, ws_dn: Sequence[jax.Array], par: Par
         return jnp.split(out, ends, axis=-1)
     if par.sequence_sharded:
         x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
+    # Marked varying like the weights once, not by each GEMM: one input for their backward
+    # to keep (and for a split backward's W to stash), not one per part.
+    x_btd = vary_like(x_btd, *ws_dn)
     return [local_matmul(x_btd, w_dn, par) for w_dn in ws_dn]
 
 

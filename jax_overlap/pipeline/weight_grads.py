@@ -47,8 +47,11 @@ class SplitBlock(NamedTuple):
     """A block's B/W split (see the module docstring).
 
     Attributes:
-      forward: `(p, x, z) -> (y, acts)`; `z`, `acts`: one array per weight matmul.
-      weight_matmuls: `(p, acts) -> outs`: the weight matmuls only, in the same order.
+      forward: `(p, x, z) -> (y, acts)`; `z`: one array per weight matmul; `acts`: one per
+        distinct activation operand (matmuls of one input, q, k and v, share its entry: W's
+        stash holds it once).
+      weight_matmuls: `(p, acts) -> outs`: the weight matmuls only, one output each, in
+        `z`'s order.
       dot_leaves: indices (in `jax.tree.leaves(p)` order) of W's parameters: used only as
         matmul weights.
       z_avals: per weight matmul, (shape, dtype, varying axes) of its output.
@@ -161,13 +164,26 @@ class _Graph:
                 other |= origins.get(k, set())
         self.dot_leaves = tuple(i for i in range(n_params) if i not in other)
         self.weight_only = weight_only
+        # Weight matmul k reads activation operand `act_of[k]`: one per distinct input. A
+        # `pvary` is the identity on values: the same input marked alike by several matmuls
+        # (q, k and v each mark the norm's output varying like their weight) is one input.
+        same: dict = {}
+        for step in self.steps:
+            if step.eqn.primitive.name == "pvary":
+                axes = tuple(step.eqn.params["axes"])
+                for i, o in zip(step.ins, step.outs):
+                    if not _is_lit(i):
+                        same[o] = ("pvary", same.get(i, i), axes)
+        inputs = [same.get(k, k) for k in (self.steps[n].ins[pos] for n, pos in self.weight_dots)]
+        firsts = list(dict.fromkeys(inputs))
+        self.act_of = tuple(firsts.index(k) for k in inputs)
 
     def run(self, params, x, *, z=None, acts=None):
         """Evaluates the block. `z`: add `z[k]` to the k-th weight matmul's output and record
         its activation operand. `acts`: weight part only, weight matmuls fed `acts[k]`.
 
         Returns:
-          (outputs, recorded activation operands, weight matmul outputs).
+          (outputs, the distinct activation operands recorded, weight matmul outputs).
         """
         env = dict(self.consts)
         env.update(zip(self.param_keys, params))
@@ -184,8 +200,8 @@ class _Graph:
                 operands = [None if (acts is not None and i == pos) else read(a)
                             for i, a in enumerate(step.ins)]
                 if acts is not None:
-                    operands[pos] = acts[k]
-                else:
+                    operands[pos] = acts[self.act_of[k]]
+                elif self.act_of[k] == len(found):  # the first matmul of this input
                     found.append(operands[pos])
                 (out,) = _bind(step.eqn, operands)
                 outs_k.append(out)
