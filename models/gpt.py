@@ -90,11 +90,8 @@ class Block(nn.Module):
         # GEMM's per-head [q k v] output had to be split (copied) before attention.
         w_qkv_dh3, b_qkv_h3 = w_qkv_dh3.astype(dt), b_qkv_h3.astype(dt)
         parts = [slice(i * hd, (i + 1) * hd) for i in range(3)]
-        # Rematerialised: the backward slices the weight again instead of keeping three
-        # slices of it per microbatch (under `remat: none` they were residuals).
-        w_parts = jax.checkpoint(
-            lambda w: [w[..., s].reshape(self.d_model, -1) for s in parts])(w_qkv_dh3)
-        qkv = column_parallel_parts(y_btd.astype(dt), w_parts, par)
+        qkv = column_parallel_parts(
+            y_btd.astype(dt), [w_qkv_dh3[..., s].reshape(self.d_model, -1) for s in parts], par)
         b, t = qkv[0].shape[:2]
         # Three separate bias values: sharing one operand, XLA fuses the three additions
         # into one pass over q, k and v instead of into each GEMM's epilogue.

@@ -153,12 +153,10 @@ class Block(nn.Module):
         # of one output that attention would read through copies.
         w_kv_local = w_kv_local.astype(dt)
         y_btd = RMSNorm(self.eps, name="attn_norm")(x_btd)
-        # Rematerialised: the backward slices k's and v's weights again instead of keeping
-        # the slices per microbatch (under `remat: none` they were residuals).
-        w_k, w_v = jax.checkpoint(
-            lambda w: [w[:, :, i].reshape(d, kv_local * hd) for i in (0, 1)])(w_kv_local)
         q_btn, k_btn, v_btn = column_parallel_parts(
-            y_btd.astype(dt), [w_q_dhe.astype(dt).reshape(d, h_local * hd), w_k, w_v], par)
+            y_btd.astype(dt), [w_q_dhe.astype(dt).reshape(d, h_local * hd),
+                               w_kv_local[:, :, 0].reshape(d, kv_local * hd),
+                               w_kv_local[:, :, 1].reshape(d, kv_local * hd)], par)
         b, t = q_btn.shape[:2]
         q_bthe = q_btn.reshape(b, t, h_local, hd)
         k_btke, v_btke = k_btn.reshape(b, t, kv_local, hd), v_btn.reshape(b, t, kv_local, hd)
