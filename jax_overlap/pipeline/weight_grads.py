@@ -164,17 +164,9 @@ class _Graph:
                 other |= origins.get(k, set())
         self.dot_leaves = tuple(i for i in range(n_params) if i not in other)
         self.weight_only = weight_only
-        # Weight matmul k reads activation operand `act_of[k]`: one per distinct input. A
-        # `pvary` is the identity on values: the same input marked alike by several matmuls
-        # (q, k and v each mark the norm's output varying like their weight) is one input.
-        same: dict = {}
-        for step in self.steps:
-            if step.eqn.primitive.name == "pvary":
-                axes = tuple(step.eqn.params["axes"])
-                for i, o in zip(step.ins, step.outs):
-                    if not _is_lit(i):
-                        same[o] = ("pvary", same.get(i, i), axes)
-        inputs = [same.get(k, k) for k in (self.steps[n].ins[pos] for n, pos in self.weight_dots)]
+        # Weight matmul k reads activation operand `act_of[k]`: one per distinct input (q, k
+        # and v read the norm's output: `collectives.column_parallel_parts`).
+        inputs = [self.steps[n].ins[pos] for n, pos in self.weight_dots]
         firsts = list(dict.fromkeys(inputs))
         self.act_of = tuple(firsts.index(k) for k in inputs)
 
