@@ -77,33 +77,44 @@ def test_functions_match_plain_collectives(tp, direction, t_local):
     assert max_rel_err(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_gather_map_scatter_matches_plain_collectives(tp):
-    """An MLP carried chunk by chunk (the pipeline's tp = 2 path) gives the plain
-    all-gather / reduce-scatter MLP's output and gradients."""
+@pytest.mark.parametrize("tp,how", [(2, "chunked"), (4, "chunked"), (4, "uni"), (4, "bi"),
+                                    (2, "bi")])
+def test_mlp_rings_match_plain_collectives(tp, how):
+    """An MLP carried chunk by chunk (`gather_map_scatter`, the pipeline's tp = 2 path) or as
+    the two rings handing their pieces over (`position_wise_ring`) gives the plain
+    all-gather / reduce-scatter MLP's output and gradients, its bias's included."""
     rng = np.random.default_rng(tp)
     b, t, d, n = 2, 4 * tp, 8, 6 * tp
-    x, w_in, w_out, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-                          for s in ((b, t, d), (d, n), (n, d), (b, t, d)))
+    x, w_in, bias, w_out, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                                for s in ((b, t, d), (d, n), (n,), (n, d), (b, t, d)))
     mesh = _tp_mesh(tp)
-    specs = (P(None, "tp", None), P(None, "tp"), P("tp", None))
+    specs = (P(None, "tp", None), P(None, "tp"), P("tp"), P("tp", None))
 
-    def plain(x, wi, wo):
-        h = jnp.tanh(jax.lax.all_gather(x, "tp", axis=1, tiled=True) @ wi)
+    def plain(x, wi, bi, wo):
+        h = jnp.tanh(jax.lax.all_gather(x, "tp", axis=1, tiled=True) @ wi + bi)
         return jax.lax.psum_scatter(h @ wo, "tp", scatter_dimension=1, tiled=True)
 
-    def chunked(x, wi, wo):
-        return cm.gather_map_scatter(x, wi, jnp.tanh, wo, "tp", tp)
+    def chunked(x, wi, bi, wo):
+        fn = lambda h: jnp.tanh(h + bi)  # noqa: E731 - closes over the bias, as models do
+        if how == "chunked":
+            return cm.gather_map_scatter(x, wi, fn, wo, "tp", tp)
+        return cm.position_wise_ring(x, wi, fn, wo, "tp", tp, how)
 
     def value_and_grads(f):
         g = compat.shard_map(f, mesh, in_specs=specs, out_specs=P(None, "tp", None))
-        out, vjp = jax.vjp(g, x, w_in, w_out)
+        out, vjp = jax.vjp(g, x, w_in, bias, w_out)
         return out, vjp(ct)
 
     want, got = value_and_grads(plain), jax.jit(lambda: value_and_grads(chunked))()
-    np.testing.assert_allclose(np.asarray(want[0]), np.tanh(np.asarray(x) @ np.asarray(w_in))
+    np.testing.assert_allclose(np.asarray(want[0]), np.tanh(np.asarray(x) @ np.asarray(w_in)
+                                                            + np.asarray(bias))
                                @ np.asarray(w_out), rtol=1e-5, atol=1e-5)
     assert max_rel_err(got, want) <= 1e-5
+    if how != "chunked":
+        # The hidden pieces go from ring to ring as they are: no rank-dependent slice or
+        # update of a whole-sequence buffer, forward or backward.
+        jaxpr = str(jax.make_jaxpr(lambda: value_and_grads(chunked))())
+        assert "dynamic_slice" not in jaxpr and "dynamic_update_slice" not in jaxpr
 
 
 def test_ring_is_ppermutes_not_gathers():

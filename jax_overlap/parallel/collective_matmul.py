@@ -112,6 +112,35 @@ def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
                                         size or t_local, axis=1)
 
 
+# ------------------------------------------------------------------------- pieces by step
+# Step i of the all-gather ring brings rank r the rows of sequence chunk (r - i) (lane 0: the
+# whole chunk under `uni`, its first half under `bi`) and, under `bi`, the second half of
+# chunk (r + i) (lane 1). The reduce-scatter ring and both backwards read their operands'
+# chunks by the same step numbers, so an operand is read through `of(i, lane)`, from either
+# of two holdings:
+#   * the whole sequence `(B, T, N)`, in order (`_by_step`): each read is a rank-dependent
+#     slice, a copy;
+#   * its pieces in step order, `pieces[lane][i]` (`_in_pieces`): each read is the piece
+#     itself. Between the two rings of an MLP (`position_wise_ring`) the hidden activations
+#     stay so: never written into a whole-sequence buffer and never sliced back out.
+
+
+def _by_step(a_btn: jax.Array, axis: str, tp: int, direction: str):
+    """`of(i, lane)`: the rows step i reads of a whole-sequence operand (see above)."""
+    t_local = a_btn.shape[1] // tp
+    rank = jax.lax.axis_index(axis)
+    if direction == "uni":
+        return lambda i, lane: _rows(a_btn, rank - i, t_local, tp)
+    half = _halves(t_local)
+    return lambda i, lane: (_rows(a_btn, rank - i, t_local, tp, 0, half) if lane == 0
+                            else _rows(a_btn, rank + i, t_local, tp, half, half))
+
+
+def _in_pieces(pieces):
+    """`of(i, lane)` of an operand held as `pieces[lane][i]` (step i mod tp)."""
+    return lambda i, lane: pieces[lane][i % len(pieces[lane])]
+
+
 # --------------------------------------------------------------------------- the two rings
 # Each op is a custom VJP whose backward is the other ring, with the weight gradient's GEMMs
 # in the same steps: the all-gather ring's input gradient is a reduce-scatter ring of
@@ -124,30 +153,42 @@ def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
 # dp2 x tp4 no longer fit 80 GB).
 
 
-def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=None):
-    """`all_gather(x) @ w` by ring steps; with `rows_of(row, size)` (the rows of another
-    `(B, T, K)` operand) also `sum over chunks of rows_of(chunk)^T @ x_chunk`, `(K, D)` fp32.
+def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=None,
+                     pieces: bool = False):
+    """`all_gather(x) @ w` by ring steps; with `rows_of(i, lane)` (the rows step i reads of
+    another `(B, T, K)` operand, `_by_step` / `_in_pieces`) also `sum over chunks of
+    rows_of^T @ x_chunk`, `(K, D)` fp32.
 
-    Each step writes its matmul into a whole-sequence buffer carried through the steps at the
-    chunk's rows: XLA:GPU updates it in place. (Stacked as a scan's per-step outputs
-    instead, the writes became async fusions that XLA scheduled under the transfers,
-    leaving the matmuls outside them.)
+    Each step's matmul is written into a whole-sequence buffer carried through the steps at
+    the chunk's rows (XLA:GPU updates it in place; stacked as a scan's per-step outputs
+    instead, the writes became async fusions that XLA scheduled under the transfers, leaving
+    the matmuls outside them); with `pieces`, it is kept as it is, in step order: the result
+    is then `pieces[lane][i]` (`_in_pieces`).
     """
     b, t_local, d = x_btd.shape
     rank = jax.lax.axis_index(axis)
+    lanes = 1 if direction == "uni" else 2
+    half = t_local if direction == "uni" else _halves(t_local)
     out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
-    out_btn = vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn)
+    out = (((),) * lanes if pieces else
+           vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn))
     dw = None
     if rows_of is not None:
-        probe = rows_of(0, 1)
-        dw = vary_like(jnp.zeros((probe.shape[2], d), jnp.float32), x_btd, probe)
+        dw = vary_like(jnp.zeros((rows_of(0, 0).shape[2], d), jnp.float32), x_btd,
+                       rows_of(0, 0))
 
-    def place(bufs, piece_btd, row):
-        out_btn, dw = bufs
-        out_btn = jax.lax.dynamic_update_slice_in_dim(out_btn, _mm(piece_btd, w_dn), row, axis=1)
+    def place(bufs, piece_btd, i, lane=0):
+        out, dw = bufs
+        y_btn = _mm(piece_btd, w_dn)
+        if pieces:
+            out = tuple(o + (y_btn,) if k == lane else o for k, o in enumerate(out))
+        else:
+            row = (((rank - i) % tp) * t_local if lane == 0
+                   else ((rank + i) % tp) * t_local + half)
+            out = jax.lax.dynamic_update_slice_in_dim(out, y_btn, row, axis=1)
         if dw is not None:
-            dw = dw + _wgrad(rows_of(row, piece_btd.shape[1]), piece_btd)
-        return out_btn, dw
+            dw = dw + _wgrad(rows_of(i, lane), piece_btd)
+        return out, dw
 
     if direction == "uni":
         def step(carry, i):
@@ -155,17 +196,15 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
             # on this chunk's matmul: it runs under it.
             bufs, chunk_btd = carry
             nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
-            return place(bufs, chunk_btd, ((rank - i) % tp) * t_local), nxt_btd
+            return place(bufs, chunk_btd, i), nxt_btd
 
-        bufs, chunk_btd = _steps(step, ((out_btn, dw), x_btd), 0, tp - 1)
+        bufs, chunk_btd = _steps(step, ((out, dw), x_btd), 0, tp - 1)
         # The last chunk arrives with no transfer left to hide: its matmul ends the op.
-        return place(bufs, chunk_btd, ((rank - (tp - 1)) % tp) * t_local)
-    half = _halves(t_local)
+        return place(bufs, chunk_btd, tp - 1)
 
     def both(bufs, fwd_btd, bwd_btd, i):
         # Step i: first half of chunk (r - i), second half of chunk (r + i).
-        bufs = place(bufs, fwd_btd, ((rank - i) % tp) * t_local)
-        return place(bufs, bwd_btd, ((rank + i) % tp) * t_local + half)
+        return place(place(bufs, fwd_btd, i, 0), bwd_btd, i, 1)
 
     def step_bi(carry, i):
         bufs, fwd_btd, bwd_btd = carry
@@ -173,129 +212,124 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
         nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
         return both(bufs, fwd_btd, bwd_btd, i), nxt_fwd, nxt_bwd
 
-    carry = ((out_btn, dw), x_btd[:, :half], x_btd[:, half:])  # halves go +1 and -1
+    carry = ((out, dw), x_btd[:, :half], x_btd[:, half:])  # halves go +1 and -1
     bufs, fwd_btd, bwd_btd = _steps(step_bi, carry, 0, tp - 1)
     return both(bufs, fwd_btd, bwd_btd, tp - 1)
 
 
-def _reduce_scatter_ring(h_btn, w_nd, axis: str, tp: int, direction: str):
-    """`psum_scatter(h @ w)` by ring steps."""
-    t_local = h_btn.shape[1] // tp
-    rank = jax.lax.axis_index(axis)
-
-    def part(chunk, offset=0, size=None):
-        return _mm(_rows(h_btn, chunk, t_local, tp, offset, size), w_nd)
+def _reduce_scatter_ring(h_of, w_nd, axis: str, tp: int, direction: str):
+    """`psum_scatter(h @ w)` by ring steps, `h` read through `h_of(i, lane)`."""
+    def part(i, lane=0):
+        return _mm(h_of(i, lane), w_nd)
 
     if direction == "uni":
         # The accumulator on rank r at step i is for chunk (r - 1 - i) mod tp; after tp - 1
         # moves to r + 1 it lands on its owner with every rank's term added.
         def step(acc_btd, i):
-            own_btd = part(rank - 1 - i)
+            own_btd = part(1 + i)
             acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             return acc_btd + own_btd
 
         # Every move is a step with a GEMM beside it, the last (own chunk) too.
-        return _steps(step, part(rank - 1), 1, tp)
-    half = _halves(t_local)
+        return _steps(step, part(1), 1, tp)
 
     # First halves accumulate along +1 (chunk (r - 1 - i)), second halves along -1
     # (chunk (r + 1 + i)); both end on their owner after tp - 1 moves.
     def step_bi(carry, i):
         acc_fwd, acc_bwd = carry
-        own_fwd = part(rank - 1 - i, 0, half)
-        own_bwd = part(rank + 1 + i, half, half)
+        own_fwd, own_bwd = part(1 + i, 0), part(1 + i, 1)
         acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
         acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
         return acc_fwd + own_fwd, acc_bwd + own_bwd
 
-    first = (part(rank - 1, 0, half), part(rank + 1, half, half))
-    acc_fwd, acc_bwd = _steps(step_bi, first, 1, tp)
+    acc_fwd, acc_bwd = _steps(step_bi, (part(1, 0), part(1, 1)), 1, tp)
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1)
 
 
-def _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis: str, tp: int, direction: str):
-    """`(dx, dw)` of `all_gather(x) @ w`: a reduce-scatter ring of dy @ w^T for dx, and in the
-    same steps x's chunks travelling the ring again, each giving its GEMM of dw (fp32)."""
-    t_local = x_btd.shape[1]
-    rank = jax.lax.axis_index(axis)
+def _all_gather_matmul_grads(x_btd, w_dn, dy_of, axis: str, tp: int, direction: str):
+    """`(dx, dw)` of `all_gather(x) @ w` (dy read through `dy_of(i, lane)`): a reduce-scatter
+    ring of dy @ w^T for dx, and in the same steps x's chunks travelling the ring again, each
+    giving its GEMM of dw (fp32)."""
     w_nd = w_dn.T
-    dw = vary_like(jnp.zeros(w_dn.shape, jnp.float32), x_btd, dy_btn)
-
-    def dy_rows(chunk, offset=0, size=None):
-        return _rows(dy_btn, chunk, t_local, tp, offset, size)
+    dw = vary_like(jnp.zeros(w_dn.shape, jnp.float32), x_btd, dy_of(0, 0))
 
     if direction == "uni":
         def step(carry, k):
             # Reduce-scatter step k + 1: the accumulator for chunk (r - 2 - k) arrives while
             # this rank's term for it is computed; gather step k: chunk (r - k) of x.
             acc_btd, chunk_btd, dw = carry
-            own_btd = _mm(dy_rows(rank - 2 - k), w_nd)
+            own_btd = _mm(dy_of(2 + k, 0), w_nd)
             acc_btd = jax.lax.ppermute(acc_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
             nxt_btd = jax.lax.ppermute(chunk_btd, axis, _ring(tp, 1))  # (B, T/tp, D), over tp
-            dw = dw + _wgrad(chunk_btd, dy_rows(rank - k))
+            dw = dw + _wgrad(chunk_btd, dy_of(k, 0))
             return acc_btd + own_btd, nxt_btd, dw
 
-        first = _mm(dy_rows(rank - 1), w_nd)
+        first = _mm(dy_of(1, 0), w_nd)
         dx_btd, chunk_btd, dw = _steps(step, (first, x_btd, dw), 0, tp - 1)
-        return dx_btd, dw + _wgrad(chunk_btd, dy_rows(rank + 1))  # chunk (r - (tp - 1))
-    half = _halves(t_local)
+        return dx_btd, dw + _wgrad(chunk_btd, dy_of(tp - 1, 0))  # chunk (r - (tp - 1))
+    half = _halves(x_btd.shape[1])
 
     def step_bi(carry, k):
         acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw = carry
-        own_fwd = _mm(dy_rows(rank - 2 - k, 0, half), w_nd)
-        own_bwd = _mm(dy_rows(rank + 2 + k, half, half), w_nd)
+        own_fwd = _mm(dy_of(2 + k, 0), w_nd)
+        own_bwd = _mm(dy_of(2 + k, 1), w_nd)
         acc_fwd = jax.lax.ppermute(acc_fwd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
         acc_bwd = jax.lax.ppermute(acc_bwd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
         nxt_fwd = jax.lax.ppermute(fwd_btd, axis, _ring(tp, 1))  # (B, T/2tp, D), over tp
         nxt_bwd = jax.lax.ppermute(bwd_btd, axis, _ring(tp, -1))  # (B, T/2tp, D), over tp
-        dw = (dw + _wgrad(fwd_btd, dy_rows(rank - k, 0, half))
-              + _wgrad(bwd_btd, dy_rows(rank + k, half, half)))
+        dw = dw + _wgrad(fwd_btd, dy_of(k, 0)) + _wgrad(bwd_btd, dy_of(k, 1))
         return acc_fwd + own_fwd, acc_bwd + own_bwd, nxt_fwd, nxt_bwd, dw
 
-    carry = (_mm(dy_rows(rank - 1, 0, half), w_nd), _mm(dy_rows(rank + 1, half, half), w_nd),
-             x_btd[:, :half], x_btd[:, half:], dw)
+    carry = (_mm(dy_of(1, 0), w_nd), _mm(dy_of(1, 1), w_nd), x_btd[:, :half],
+             x_btd[:, half:], dw)
     acc_fwd, acc_bwd, fwd_btd, bwd_btd, dw = _steps(step_bi, carry, 0, tp - 1)
-    dw = (dw + _wgrad(fwd_btd, dy_rows(rank + 1, 0, half))
-          + _wgrad(bwd_btd, dy_rows(rank - 1, half, half)))
+    # The last chunks: (r - (tp - 1)) = (r + 1)'s first half, (r + (tp - 1))'s second.
+    dw = dw + _wgrad(fwd_btd, dy_of(tp - 1, 0)) + _wgrad(bwd_btd, dy_of(tp - 1, 1))
     return jnp.concatenate([acc_fwd, acc_bwd], axis=1), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ring_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, direction: str):
-    return _all_gather_ring(x_btd, w_dn, axis, tp, direction)[0]
+def _typed(grads, primals):
+    """Each gradient in its primal's dtype, summed over the axes the primal does not vary
+    over (`sum_to_type`)."""
+    return jax.tree.map(lambda g, p: sum_to_type(g.astype(p.dtype), p), grads, primals)
 
 
-def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction):
-    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction), (x_btd, w_dn)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ring_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, direction: str, pieces: bool):
+    return _all_gather_ring(x_btd, w_dn, axis, tp, direction, pieces=pieces)[0]
 
 
-def _ring_all_gather_matmul_bwd(axis, tp, direction, residuals, dy_btn):
+def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction, pieces):
+    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction, pieces), (x_btd, w_dn)
+
+
+def _ring_all_gather_matmul_bwd(axis, tp, direction, pieces, residuals, dy):
     x_btd, w_dn = residuals
-    dx_btd, dw_dn = _all_gather_matmul_grads(x_btd, w_dn, dy_btn, axis, tp, direction)
-    return (sum_to_type(dx_btd.astype(x_btd.dtype), x_btd),
-            sum_to_type(dw_dn.astype(w_dn.dtype), w_dn))
+    dy_of = _in_pieces(dy) if pieces else _by_step(dy, axis, tp, direction)
+    return _typed(_all_gather_matmul_grads(x_btd, w_dn, dy_of, axis, tp, direction),
+                  (x_btd, w_dn))
 
 
 _ring_all_gather_matmul.defvjp(_ring_all_gather_matmul_fwd, _ring_all_gather_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ring_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int, direction: str):
-    return _reduce_scatter_ring(h_btn, w_nd, axis, tp, direction)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ring_matmul_reduce_scatter(h, w_nd, axis: str, tp: int, direction: str, pieces: bool):
+    h_of = _in_pieces(h) if pieces else _by_step(h, axis, tp, direction)
+    return _reduce_scatter_ring(h_of, w_nd, axis, tp, direction)
 
 
-def _ring_matmul_reduce_scatter_fwd(h_btn, w_nd, axis, tp, direction):
-    return _reduce_scatter_ring(h_btn, w_nd, axis, tp, direction), (h_btn, w_nd)
+def _ring_matmul_reduce_scatter_fwd(h, w_nd, axis, tp, direction, pieces):
+    return _ring_matmul_reduce_scatter(h, w_nd, axis, tp, direction, pieces), (h, w_nd)
 
 
-def _ring_matmul_reduce_scatter_bwd(axis, tp, direction, residuals, dz_btd):
+def _ring_matmul_reduce_scatter_bwd(axis, tp, direction, pieces, residuals, dz_btd):
     # dh = all_gather(dz) @ w^T, and each arriving chunk of dz gives its GEMM of dw = h^T dz.
-    h_btn, w_nd = residuals
-    dh_btn, dw_nd = _all_gather_ring(
-        dz_btd, w_nd.T, axis, tp, direction,
-        rows_of=lambda row, size: jax.lax.dynamic_slice_in_dim(h_btn, row, size, axis=1))
-    return (sum_to_type(dh_btn.astype(h_btn.dtype), h_btn),
-            sum_to_type(dw_nd.astype(w_nd.dtype), w_nd))
+    h, w_nd = residuals
+    h_of = _in_pieces(h) if pieces else _by_step(h, axis, tp, direction)
+    dh, dw_nd = _all_gather_ring(dz_btd, w_nd.T, axis, tp, direction, rows_of=h_of,
+                                 pieces=pieces)
+    return _typed((dh, dw_nd), (h, w_nd))
 
 
 _ring_matmul_reduce_scatter.defvjp(_ring_matmul_reduce_scatter_fwd,
@@ -327,7 +361,7 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
         return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp)
     if direction == "bi":
         _halves(x_btd.shape[1])
-    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction)
+    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction, False)
 
 
 def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
@@ -356,7 +390,38 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
         return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
     if direction == "bi":
         _halves(h_btn.shape[1] // tp)
-    return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction)
+    return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction, False)
+
+
+def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
+                       axis: str, tp: int, direction: str = "uni") -> jax.Array:
+    """`psum_scatter(fn(all_gather(x) @ w_in) @ w_out)` for a position-wise `fn` (an MLP) by
+    the two rings, the hidden activations kept as the all-gather ring's pieces.
+
+    The same steps, transfers and GEMMs as `all_gather_matmul` then `matmul_reduce_scatter`,
+    but the reduce-scatter ring reads step i's piece where the all-gather ring left it, so the
+    `(B, T, N)` hidden is never written into sequence order nor sliced back out by rank; `fn`
+    runs on each piece. The backward likewise hands the pieces' gradients from one ring to
+    the other.
+
+    Args:
+      x_btd: (B, T/tp, D) this rank's sequence chunk.
+      w_in_dn: (D, N) this rank's columns of the first matmul.
+      fn: position-wise `(B, t, N) -> (B, t, N')` (bias, activation, gating).
+      w_out_nd: (N', D) this rank's rows of the second matmul.
+      axis, tp: the TP mesh axis and its size.
+      direction: 'uni' or 'bi' (see the module docstring).
+
+    Returns:
+      (B, T/tp, D): this rank's chunk of the sum over ranks.
+    """
+    if tp == 1:
+        return _mm(fn(_mm(x_btd, w_in_dn)), w_out_nd)
+    if direction == "bi":
+        _halves(x_btd.shape[1])
+    hidden = _ring_all_gather_matmul(x_btd, w_in_dn, axis, tp, direction, True)
+    return _ring_matmul_reduce_scatter(jax.tree.map(fn, hidden), w_out_nd, axis, tp,
+                                       direction, True)
 
 
 def own_chunk_first(tp: int) -> bool:

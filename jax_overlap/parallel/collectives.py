@@ -188,14 +188,18 @@ def position_wise(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
                   par: Parallel) -> jax.Array:
     """`row_parallel(fn(column_parallel(x, w_in)), w_out)` for a position-wise `fn`: an MLP.
 
-    Inside a pipeline at tp = 2 with collective matmul, each sequence chunk goes through
-    both matmuls on its own (`collective_matmul.gather_map_scatter`): the hidden activations
-    are then never put in sequence order, and the gather and the scatter each run under a
-    GEMM of the rank's own chunk.
+    With collective matmul the hidden activations are never put in sequence order: the ring
+    steps hand their pieces from one ring to the other (`collective_matmul.
+    position_wise_ring`), and inside a pipeline at tp = 2 each sequence chunk goes through
+    both matmuls on its own (`collective_matmul.gather_map_scatter`), the gather and the
+    scatter each under a GEMM of the rank's own chunk.
     """
-    if (par.sequence_sharded and par.tp_comm == "collective_matmul" and par.cm_grouped
-            and cm.own_chunk_first(par.tp)):
-        return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp)
+    if par.sequence_sharded and par.tp_comm == "collective_matmul":
+        if not par.cm_grouped:
+            return cm.position_wise_ring(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp,
+                                         par.cm_direction)
+        if cm.own_chunk_first(par.tp):
+            return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp)
     return row_parallel(fn(column_parallel(x_btd, w_in_dn, par)), w_out_nd, par)
 
 
