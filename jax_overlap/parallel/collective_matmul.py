@@ -160,6 +160,8 @@ def _in_pieces(pieces):
 # the loop, updated at a dynamic slice each step, and XLA:GPU copied that buffer at every
 # step; keeping the gathered input instead cost a whole sequence per layer (Llama-3-8B
 # dp2 x tp4 no longer fit 80 GB).
+# Operands are named for the usual `(B, t, .)`; an MLP's pieces run positions-major,
+# `(t, B, .)`, with `seq = 0` (`_seq`).
 
 
 def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=None,
