@@ -437,8 +437,8 @@ def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
     Args:
       x_btd: (B, T/tp, D) this rank's sequence chunk.
       w_in_dn: (D, N) this rank's columns of the first matmul.
-      fn: position-wise `(..., N) -> (..., N')` (bias, activation, gating); it gets each
-        piece positions-major, `(t, B, N)`.
+      fn: position-wise `(B, t, N) -> (B, t, N')` (bias, activation, gating), run on each
+        piece.
       w_out_nd: (N', D) this rank's rows of the second matmul.
       axis, tp: the TP mesh axis and its size.
       direction: 'uni' or 'bi' (see the module docstring).
@@ -452,7 +452,10 @@ def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
         _halves(x_btd.shape[1])
     x_tbd = jnp.swapaxes(x_btd, 0, 1)
     hidden = _ring_all_gather_matmul(x_tbd, w_in_dn, axis, tp, direction, True)
-    out_tbd = _ring_matmul_reduce_scatter(jax.tree.map(fn, hidden), w_out_nd, axis, tp,
+    def fn_tbn(h_tbn):  # `fn` sees (B, t, N), as documented; XLA fuses the transposes
+        return jnp.swapaxes(fn(jnp.swapaxes(h_tbn, 0, 1)), 0, 1)
+
+    out_tbd = _ring_matmul_reduce_scatter(jax.tree.map(fn_tbn, hidden), w_out_nd, axis, tp,
                                           direction, True)
     return jnp.swapaxes(out_tbd, 0, 1)
 
