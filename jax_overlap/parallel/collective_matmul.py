@@ -452,6 +452,7 @@ def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
         _halves(x_btd.shape[1])
     x_tbd = jnp.swapaxes(x_btd, 0, 1)
     hidden = _ring_all_gather_matmul(x_tbd, w_in_dn, axis, tp, direction, True)
+
     def fn_tbn(h_tbn):  # `fn` sees (B, t, N), as documented; XLA fuses the transposes
         return jnp.swapaxes(fn(jnp.swapaxes(h_tbn, 0, 1)), 0, 1)
 
