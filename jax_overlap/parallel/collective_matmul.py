@@ -105,13 +105,6 @@ def _wgrad(a_btk: jax.Array, g_btn: jax.Array) -> jax.Array:
                                preferred_element_type=jnp.float32)
 
 
-def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
-          size: int | None = None) -> jax.Array:
-    """Positions [offset, offset + size) of sequence chunk `chunk` (mod tp) of `a`."""
-    return jax.lax.dynamic_slice_in_dim(a_btn, (chunk % tp) * t_local + offset,
-                                        size or t_local, axis=1)
-
-
 # ------------------------------------------------------------------------- pieces by step
 # Step i of the all-gather ring brings rank r the rows of sequence chunk (r - i) (lane 0: the
 # whole chunk under `uni`, its first half under `bi`) and, under `bi`, the second half of
@@ -128,15 +121,19 @@ def _rows(a_btn: jax.Array, chunk, t_local: int, tp: int, offset: int = 0,
 #     (GPT-1.3B dp2 x tp4, deviceless H100: 1250 -> 1208 ms a step).
 
 
+def _step_row(rank, i: int, lane: int, t_local: int, tp: int, half: int):
+    """The first sequence position of what step i brings on `lane` (see above; `half` is
+    `t_local` under `uni`, whose steps have lane 0 only)."""
+    return ((rank - i) % tp) * t_local if lane == 0 else ((rank + i) % tp) * t_local + half
+
+
 def _by_step(a_btn: jax.Array, axis: str, tp: int, direction: str):
     """`of(i, lane)`: the rows step i reads of a whole-sequence operand (see above)."""
     t_local = a_btn.shape[1] // tp
     rank = jax.lax.axis_index(axis)
-    if direction == "uni":
-        return lambda i, lane: _rows(a_btn, rank - i, t_local, tp)
-    half = _halves(t_local)
-    return lambda i, lane: (_rows(a_btn, rank - i, t_local, tp, 0, half) if lane == 0
-                            else _rows(a_btn, rank + i, t_local, tp, half, half))
+    size = t_local if direction == "uni" else _halves(t_local)
+    return lambda i, lane: jax.lax.dynamic_slice_in_dim(
+        a_btn, _step_row(rank, i, lane, t_local, tp, size), size, axis=1)
 
 
 def _split(a, half: int, seq: int):
@@ -148,6 +145,11 @@ def _split(a, half: int, seq: int):
 def _in_pieces(pieces):
     """`of(i, lane)` of an operand held as `pieces[lane][i]` (step i mod tp)."""
     return lambda i, lane: pieces[lane][i % len(pieces[lane])]
+
+
+def _reader(a, pieces: bool, axis: str, tp: int, direction: str):
+    """`of(i, lane)` of `a`, held as pieces or as the whole sequence."""
+    return _in_pieces(a) if pieces else _by_step(a, axis, tp, direction)
 
 
 # --------------------------------------------------------------------------- the two rings
@@ -165,7 +167,7 @@ def _in_pieces(pieces):
 
 
 def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=None,
-                     pieces: bool = False, seq: int = 1):
+                     pieces: bool = False):
     """`all_gather(x) @ w` by ring steps; with `rows_of(i, lane)` (the rows step i reads of
     another `(B, T, K)` operand, `_by_step` / `_in_pieces`) also `sum over chunks of
     rows_of^T @ x_chunk`, `(K, D)` fp32.
@@ -176,14 +178,15 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
     the matmuls outside them); with `pieces`, it is kept as it is, in step order: the result
     is then `pieces[lane][i]` (`_in_pieces`).
     """
+    seq = _seq(pieces)
     t_local, d = x_btd.shape[seq], x_btd.shape[2]
-    b = x_btd.shape[1 - seq]
     rank = jax.lax.axis_index(axis)
     lanes = 1 if direction == "uni" else 2
     half = t_local if direction == "uni" else _halves(t_local)
     out_dtype = jnp.result_type(x_btd.dtype, w_dn.dtype)
     out = (((),) * lanes if pieces else
-           vary_like(jnp.zeros((b, t_local * tp, w_dn.shape[1]), out_dtype), x_btd, w_dn))
+           vary_like(jnp.zeros((x_btd.shape[0], t_local * tp, w_dn.shape[1]), out_dtype),
+                     x_btd, w_dn))
     dw = None
     if rows_of is not None:
         dw = vary_like(jnp.zeros((rows_of(0, 0).shape[2], d), jnp.float32), x_btd,
@@ -195,9 +198,8 @@ def _all_gather_ring(x_btd, w_dn, axis: str, tp: int, direction: str, rows_of=No
         if pieces:
             out = tuple(o + (y_btn,) if k == lane else o for k, o in enumerate(out))
         else:
-            row = (((rank - i) % tp) * t_local if lane == 0
-                   else ((rank + i) % tp) * t_local + half)
-            out = jax.lax.dynamic_update_slice_in_dim(out, y_btn, row, axis=1)
+            out = jax.lax.dynamic_update_slice_in_dim(
+                out, y_btn, _step_row(rank, i, lane, t_local, tp, half), axis=1)
         if dw is not None:
             dw = dw + _wgrad(rows_of(i, lane), piece_btd)
         return out, dw
@@ -324,8 +326,7 @@ def _typed(grads, primals):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _ring_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, direction: str, pieces: bool):
-    return _all_gather_ring(x_btd, w_dn, axis, tp, direction, pieces=pieces,
-                            seq=_seq(pieces))[0]
+    return _all_gather_ring(x_btd, w_dn, axis, tp, direction, pieces=pieces)[0]
 
 
 def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction, pieces):
@@ -334,7 +335,7 @@ def _ring_all_gather_matmul_fwd(x_btd, w_dn, axis, tp, direction, pieces):
 
 def _ring_all_gather_matmul_bwd(axis, tp, direction, pieces, residuals, dy):
     x_btd, w_dn = residuals
-    dy_of = _in_pieces(dy) if pieces else _by_step(dy, axis, tp, direction)
+    dy_of = _reader(dy, pieces, axis, tp, direction)
     return _typed(_all_gather_matmul_grads(x_btd, w_dn, dy_of, axis, tp, direction,
                                            _seq(pieces)),
                   (x_btd, w_dn))
@@ -345,8 +346,8 @@ _ring_all_gather_matmul.defvjp(_ring_all_gather_matmul_fwd, _ring_all_gather_mat
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _ring_matmul_reduce_scatter(h, w_nd, axis: str, tp: int, direction: str, pieces: bool):
-    h_of = _in_pieces(h) if pieces else _by_step(h, axis, tp, direction)
-    return _reduce_scatter_ring(h_of, w_nd, axis, tp, direction, _seq(pieces))
+    return _reduce_scatter_ring(_reader(h, pieces, axis, tp, direction), w_nd, axis, tp,
+                                direction, _seq(pieces))
 
 
 def _ring_matmul_reduce_scatter_fwd(h, w_nd, axis, tp, direction, pieces):
@@ -356,9 +357,9 @@ def _ring_matmul_reduce_scatter_fwd(h, w_nd, axis, tp, direction, pieces):
 def _ring_matmul_reduce_scatter_bwd(axis, tp, direction, pieces, residuals, dz_btd):
     # dh = all_gather(dz) @ w^T, and each arriving chunk of dz gives its GEMM of dw = h^T dz.
     h, w_nd = residuals
-    h_of = _in_pieces(h) if pieces else _by_step(h, axis, tp, direction)
-    dh, dw_nd = _all_gather_ring(dz_btd, w_nd.T, axis, tp, direction, rows_of=h_of,
-                                 pieces=pieces, seq=_seq(pieces))
+    dh, dw_nd = _all_gather_ring(dz_btd, w_nd.T, axis, tp, direction,
+                                 rows_of=_reader(h, pieces, axis, tp, direction),
+                                 pieces=pieces)
     return _typed((dh, dw_nd), (h, w_nd))
 
 
