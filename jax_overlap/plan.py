@@ -1273,8 +1273,8 @@ def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
     estimated bytes (the last one's when none fits), and the estimate of each policy tried.
 
     A policy estimated to keep no less than one that recomputes less is passed over; one
-    estimated to keep exactly what the next does is named as the next (at pp = 1 the
-    projections are custom-vjp matmuls no policy sees, so `minimal` keeps what `full` does).
+    estimated to keep exactly what the next does is named as the next (with the fused
+    attention kernel, which is no dot, `save_dots` keeps what `minimal` does).
     """
     @functools.cache
     def bytes_of(remat: str) -> float:

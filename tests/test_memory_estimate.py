@@ -100,14 +100,54 @@ def test_attention_term_is_one_function_of_the_kernel():
         == plain.layer - fused.layer
 
 
-def test_pp1_minimal_keeps_what_full_keeps():
-    """At pp = 1 the projections are custom-vjp matmuls no checkpoint policy sees as dots."""
-    mo = config.load(GPT_1P3B).model
-    assert memory.layer_token_bytes(mo, 1, "bf16", "minimal") == \
-        memory.layer_token_bytes(mo, 1, "bf16", "full")
-    assert memory.layer_token_bytes(mo, 1, "bf16", "minimal", pipelined=True) > \
-        memory.layer_token_bytes(mo, 1, "bf16", "full", pipelined=True)
+@pytest.mark.parametrize("tp_comm", ["plain", "collective_matmul"])
+def test_pp1_policies_keep_the_projections(tp_comm):
+    """At pp = 1 the projections are custom-vjp matmuls (`local_matmul`, the collective-matmul
+    rings), which no policy sees as dots: `remat.kept_matmul` names their outputs, so
+    `minimal` keeps q/k/v, the attention output and the MLP input (before the names,
+    silently nothing more than `full`). What one block keeps is the estimate's per-token
+    difference between the two policies, traced (no compile)."""
+    import contextlib
+    import io
+    import re
 
+    from jax.ad_checkpoint import print_saved_residuals
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jax_overlap.parallel.collectives import Parallel
+    from jax_overlap.parallel.compat import shard_map
+    from jax_overlap.parallel.remat import remat_block
+
+    tp = 1 if tp_comm == "plain" else 4
+    cfg = config.load(TINY, SMALL + [f"mesh.tp={tp}", f"overlap.tp_comm={tp_comm}",
+                                     "overlap.collective_matmul_direction=bi"])
+    model, mo = an.build_plan(cfg, "cpu").model, cfg.model
+    t = mo.seq_len // tp  # split over the sequence between blocks at tp > 1
+    x = jax.numpy.ones((2, t, mo.d_model))
+    params = model._block(tp).init(jax.random.PRNGKey(0), x, Parallel())["params"]
+
+    def named(remat):
+        par = an.build_plan(config.load(TINY, SMALL + [
+            f"mesh.tp={tp}", f"overlap.tp_comm={tp_comm}", f"model.remat={remat}",
+            "overlap.collective_matmul_direction=bi"]), "cpu").plan.parallel()
+        block = remat_block(lambda p, x: model.block(p, x, par), remat)
+        out = io.StringIO()
+
+        def trace(p, x):
+            with contextlib.redirect_stdout(out):  # one "f32[2,128,48] named '...'" a line
+                print_saved_residuals(lambda p, x: block(p, x).sum(), p, x)
+            return x
+
+        specs = (jax.tree.map(lambda _: P(), params), P())
+        jax.eval_shape(shard_map(trace, Mesh(np.array(jax.devices()[:tp]), ("tp",)),
+                                 specs, P()), params, x)
+        shapes = re.findall(r"f32\[([\d,]+)\]\S* named 'weight_matmul'", out.getvalue())
+        return sum(4 * np.prod([int(n) for n in dims.split(",")]) for dims in shapes)
+
+    assert named("full") == 0
+    per_token = (memory.layer_token_bytes(mo, tp, "fp32", "minimal", ring_steps=tp > 1)
+                 - memory.layer_token_bytes(mo, tp, "fp32", "full"))
+    assert named("minimal") == 2 * mo.seq_len * per_token > 0
 
 
 def test_unrolled_last_microbatch_term():

@@ -135,7 +135,8 @@ def attention_token_bytes(model, tp: int, precision: str, *, fused, remat: str =
 
 def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
                       attention="plain", sequence_parallel: bool = False,
-                      pipelined: bool = False, split_backward: bool = False) -> float:
+                      pipelined: bool = False, split_backward: bool = False,
+                      ring_steps: bool = False) -> float:
     """Bytes per token one transformer layer keeps between its forward and its backward under
     a remat policy (`parallel/remat.py`), on one TP rank.
 
@@ -143,11 +144,11 @@ def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
     sequence parallelism) and its output as the next matmul's input (gathered: full length);
     q, k, v and the context; tanh-GELU's input and intermediates (`GELU_TENSORS`, d_ff split);
     attention's part (`attention_token_bytes`). `full`: the block's input. `save_dots` /
-    `minimal`: the block's input and the matmul outputs the policy sees as dots -- in the
-    pipeline the projections' (q/k/v, attention output partial sums, MLP input), at pp = 1
-    none of them (the step runs them as custom-vjp matmuls, `collectives.local_matmul`, so
-    `minimal` keeps what `full` does and `save_dots` only attention's dots). A split backward
-    (ZB schedules) also keeps each weight matmul's input for W when a policy recomputes.
+    `minimal`: the block's input and the projections' outputs (q/k/v, the attention output's
+    partial sums, the MLP input; a custom-vjp matmul's named by `remat.kept_matmul`); with
+    collective matmul's `ring_steps` the attention output is kept after the ring's
+    reduce-scatter, the rank's chunk. A split backward (ZB schedules) also keeps each weight
+    matmul's input for W when a policy recomputes.
     """
     a = dtype_bytes(precision)
     d, f = model.d_model, model.d_ff
@@ -160,8 +161,9 @@ def layer_token_bytes(model, tp: int, precision: str, remat: str = "none", *,
         mlp = GELU_TENSORS * a * f / tp
         return norms + projections + mlp + att.layer
     kept = a * d / s  # the block's input
-    if pipelined and remat in ("save_dots", "minimal"):
-        kept += a * (3 * d / tp + d + f / tp)  # q/k/v, attention-out partial sums, MLP input
+    if remat in ("save_dots", "minimal"):
+        # q/k/v, the attention output (partial sums, or the ring's reduced chunk), MLP input
+        kept += a * (3 * d / tp + (d / tp if ring_steps else d) + f / tp)
     if remat == "save_dots":
         kept += att.layer
     if split_backward:
@@ -315,7 +317,8 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     pipelined = pp > 1
     per_token = layer_token_bytes(model, tp, precision, remat, attention=attention,
                                   sequence_parallel=s > 1, pipelined=pipelined,
-                                  split_backward=split_backward and pipelined)
+                                  split_backward=split_backward and pipelined,
+                                  ring_steps=ring_steps and tp > 1 and not pipelined)
     att = attention_token_bytes(model, tp, precision, fused=attention, remat=remat,
                                 pipelined=pipelined)
     # A recomputing policy rebuilds one layer's residuals at a time in the backward.

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap.parallel.compat import sum_to_type, vary_like
+from jax_overlap.parallel.remat import kept_matmul
 
 
 def _ring(tp: int, shift: int) -> list[tuple[int, int]]:
@@ -392,7 +393,7 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
         return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp)
     if direction == "bi":
         _halves(x_btd.shape[1])
-    return _ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction, False)
+    return kept_matmul(_ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction, False))
 
 
 def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
@@ -421,7 +422,7 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
         return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
     if direction == "bi":
         _halves(h_btn.shape[1] // tp)
-    return _ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction, False)
+    return kept_matmul(_ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction, False))
 
 
 def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
@@ -452,13 +453,13 @@ def position_wise_ring(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
     if direction == "bi":
         _halves(x_btd.shape[1])
     x_tbd = jnp.swapaxes(x_btd, 0, 1)
-    hidden = _ring_all_gather_matmul(x_tbd, w_in_dn, axis, tp, direction, True)
+    hidden = kept_matmul(_ring_all_gather_matmul(x_tbd, w_in_dn, axis, tp, direction, True))
 
     def fn_tbn(h_tbn):  # `fn` sees (B, t, N), as documented; XLA fuses the transposes
         return jnp.swapaxes(fn(jnp.swapaxes(h_tbn, 0, 1)), 0, 1)
 
-    out_tbd = _ring_matmul_reduce_scatter(jax.tree.map(fn_tbn, hidden), w_out_nd, axis, tp,
-                                          direction, True)
+    out_tbd = kept_matmul(_ring_matmul_reduce_scatter(jax.tree.map(fn_tbn, hidden), w_out_nd,
+                                                      axis, tp, direction, True))
     return jnp.swapaxes(out_tbd, 0, 1)
 
 

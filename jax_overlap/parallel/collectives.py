@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap.parallel import collective_matmul as cm
+from jax_overlap.parallel.remat import kept_matmul
 from jax_overlap.parallel.compat import (  # noqa: F401 - re-exported for models
     sum_to_type, to_varying, vary_like, varying_axes)
 
@@ -109,7 +110,7 @@ def local_matmul(x_bk: jax.Array, w_kn: jax.Array, par: Parallel) -> jax.Array:
         return jnp.einsum("...k,kn->...n", x_bk, w_kn)
     if not par.explicit_wgrad:
         return jnp.einsum("...k,kn->...n", x_bk, w_kn)
-    return _matmul(x_bk, w_kn)
+    return kept_matmul(_matmul(x_bk, w_kn))  # a custom VJP: named for `save_dots`, `minimal`
 
 
 @jax.custom_vjp

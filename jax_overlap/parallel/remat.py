@@ -10,6 +10,10 @@ which is what the pipeline executor stashes between a microbatch's F and its bac
              work between them
   minimal    keep the matmul outputs without batch dimensions (the weight matmuls'), recompute
              attention scores and the elementwise work
+
+A weight matmul whose backward is written out (`collectives.local_matmul`, the collective-matmul
+rings) is a custom VJP, which no policy sees as a dot: its output is named with `kept_matmul`,
+and `save_dots` / `minimal` keep what is so named as well.
 """
 
 from __future__ import annotations
@@ -17,15 +21,28 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 POLICIES = ("none", "full", "save_dots", "minimal")
+
+
+# The name a custom-VJP weight matmul's output carries (`kept_matmul`).
+WEIGHT_MATMUL = "weight_matmul"
+
+
+def kept_matmul(y):
+    """A weight matmul's output `y` (array or pytree), named so that the policies that keep
+    matmul outputs keep it though it comes out of a custom VJP (see the module docstring)."""
+    return jax.tree.map(lambda a: checkpoint_name(a, WEIGHT_MATMUL), y)
 
 
 def checkpoint_policy(name: str):
     """The `jax.checkpoint` policy of a remat name (None for `none`: no checkpoint at all)."""
     cp = jax.checkpoint_policies
-    table = {"none": None, "full": cp.nothing_saveable, "save_dots": cp.dots_saveable,
-             "minimal": cp.dots_with_no_batch_dims_saveable}
+    named = cp.save_only_these_names(WEIGHT_MATMUL)
+    table = {"none": None, "full": cp.nothing_saveable,
+             "save_dots": cp.save_from_both_policies(cp.dots_saveable, named),
+             "minimal": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, named)}
     if name not in table:
         raise ValueError(f"model.remat: unknown policy {name!r}; use one of {', '.join(POLICIES)}")
     return table[name]
