@@ -52,6 +52,7 @@ MESHES = {
         ["model.remat=full", "pipeline.microbatches=4"],
         ["model.remat=full", "pipeline.microbatches=2"],
         ["model.remat=save_dots", "pipeline.microbatches=8"],
+        ["model.remat=minimal", "pipeline.microbatches=2"],
     ]),
     "pp4_dp2": ("gpt_1p3b_pp4_dp2.yaml", [
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=32"],
@@ -70,6 +71,7 @@ MESHES = {
     "dp2_tp4": ("gpt_1p3b_dp2_tp4.yaml", [
         ["overlap.tp_comm=sequence_parallel"],
         ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=2"],
+        ["model.remat=full", "pipeline.microbatches=2"],
         ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=4"],
         ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=8"],
         ["overlap.tp_comm=collective_matmul", "pipeline.microbatches=16"],

@@ -278,6 +278,16 @@ def test_auto_remat_recomputes_on_a_gpu():
                                                      "model.remat=none"]), target=H100)
     assert none.remat == "none" and "model.remat" not in none.choices
     assert none.microbatches == 32  # 2 x 2048 tokens need ~64 GB under none (XLA: 64.2)
+    # Collective-matmul rings at pp = 1: a recomputed forward would run the rings again, so
+    # auto keeps the projections (minimal) where they fit (GPT-1.3B dp2 x tp4, deviceless:
+    # 1.11 s a step against 1.21 s under full), else full, naming what minimal needed.
+    tp4 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]), target=H100)
+    assert (tp4.overlap.tp_comm, tp4.microbatches, tp4.remat) == ("collective_matmul", 2,
+                                                                  "minimal")
+    assert tp4.choices["model.remat"].why.startswith(plan_lib.RING_REMAT_WHY)
+    small = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"]),
+                               target=Target("h100-40", True, 40e9))
+    assert small.remat == "full" and "over it: minimal" in small.choices["model.remat"].why
 
 
 def test_auto_remat_with_explicit_microbatches_and_pipelines():
