@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_overlap.parallel import collective_matmul as cm
-from jax_overlap.parallel.remat import kept_matmul
 from jax_overlap.parallel.compat import (  # noqa: F401 - re-exported for models
     sum_to_type, to_varying, vary_like, varying_axes)
+from jax_overlap.parallel.remat import kept_matmul
 
 
 @dataclass(frozen=True)
