@@ -315,10 +315,11 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     # The compute-dtype copy of a layer's weights (none keeps it; fp32 needs no copy).
     copies = (a * (block - routed + routed / ep) / tp) if a < 4 else 0.0
     pipelined = pp > 1
+    rings = ring_steps and tp > 1 and not pipelined
     per_token = layer_token_bytes(model, tp, precision, remat, attention=attention,
                                   sequence_parallel=s > 1, pipelined=pipelined,
                                   split_backward=split_backward and pipelined,
-                                  ring_steps=ring_steps and tp > 1 and not pipelined)
+                                  ring_steps=rings)
     att = attention_token_bytes(model, tp, precision, fused=attention, remat=remat,
                                 pipelined=pipelined)
     # A recomputing policy rebuilds one layer's residuals at a time in the backward.
@@ -329,7 +330,7 @@ def step_memory(model, micro_batch: int, tp: int, pp: int, dp: int, precision: s
     # The fp32 logits of one microbatch (the head's peak, when no layer is being rebuilt).
     logits = tokens * 4 * model.vocab / tp / (pp if vocab_parallel else 1)
     work = max(redo, logits)
-    if ring_steps and tp > 1 and not pipelined:  # beside a layer's and the head's GEMMs alike
+    if rings:  # beside a layer's and the head's GEMMs alike
         work += RING_STEP_SEQUENCES * tokens * a * d
     if not pipelined:
         kept = layers * (tokens * per_token + (copies if remat == "none" else 0.0))

@@ -137,6 +137,11 @@ def _by_step(a_btn: jax.Array, axis: str, tp: int, direction: str):
         a_btn, _step_row(rank, i, lane, t_local, tp, size), size, axis=1)
 
 
+def _seq(pieces: bool) -> int:
+    """The sequence axis of a ring's operands: 0 for pieces (`(t, B, N)`), else 1."""
+    return 0 if pieces else 1
+
+
 def _split(a, half: int, seq: int):
     """`a`'s first `half` positions and the rest, along its sequence axis `seq`."""
     return (jax.lax.slice_in_dim(a, 0, half, axis=seq),
@@ -312,11 +317,6 @@ def _all_gather_matmul_grads(x_btd, w_dn, dy_of, axis: str, tp: int, direction: 
     # The last chunks: (r - (tp - 1)) = (r + 1)'s first half, (r + (tp - 1))'s second.
     dw = dw + _wgrad(fwd_btd, dy_of(tp - 1, 0)) + _wgrad(bwd_btd, dy_of(tp - 1, 1))
     return jnp.concatenate([acc_fwd, acc_bwd], axis=seq), dw
-
-
-def _seq(pieces: bool) -> int:
-    """The sequence axis of a ring's operands: 0 for pieces (`(t, B, N)`), else 1."""
-    return 0 if pieces else 1
 
 
 def _typed(grads, primals):
