@@ -59,8 +59,10 @@ class ModelConfig:
     tied_embeddings: bool = True  # output layer reuses the token embedding
     # What each block keeps for its backward (jax_overlap/parallel/remat.py): none keeps
     # everything; full keeps only the block input and recomputes; save_dots / minimal keep
-    # (weight) matmul outputs; auto: full on a GPU (moving kept residuals through memory costs
-    # more than the recompute: plan.GPU_REMAT_WHY), none on a CPU but full in a pipeline.
+    # (weight) matmul outputs; auto on a GPU: minimal where it fits at pp = 1 with
+    # collective-matmul rings and in a pipeline at tp = 1 (plan.RING_REMAT_WHY,
+    # PIPELINE_REMAT_WHY), else full (moving kept residuals through memory costs more than the
+    # recompute: plan.GPU_REMAT_WHY); none on a CPU but full in a pipeline.
     remat: Literal["auto", "none", "full", "save_dots", "minimal"] = "auto"
     # Attention kernel (jax_overlap/parallel/attention.py): fused is cuDNN flash attention
     # (GPU, bf16/fp16, head dim a multiple of 8 up to 128); plain the einsum path that

@@ -72,13 +72,18 @@ GPU_REMAT_WHY = ("GPU: stashing only each block's input and recomputing is faste
                  "every residual through memory (traced on one H200: GPT-1.3B 1.28 s a step "
                  "under full, 1.48 s under none; deviceless 8 x H100, estimated: pp4 x dp2 "
                  "paired 1F1B 3.24 -> 1.43 s)")
-# `model.remat` policies `auto` tries on a GPU at pp = 1 with collective-matmul ring steps, first
-# the one that fits, and why the projections are kept there.
-RING_REMATS = ("minimal", "full")
+# `model.remat` policies `auto` tries on a GPU, first the one that fits, where keeping the
+# projections' outputs beats recomputing them (`_keeps_projections`), and why.
+KEPT_REMATS = ("minimal", "full")
 RING_REMAT_WHY = ("collective-matmul rings: recomputing a block's forward would run its ring "
                   "steps again; keeping the projections' outputs recomputes only the "
                   "elementwise work and attention (GPT-1.3B dp2 x tp4, deviceless 8 x H100, "
-                  "estimated: 1.21 s under full, 1.11 s under minimal, 1.73 s under none)")
+                  "estimated: 1.21 s under full, 1.09 s under minimal, 1.73 s under none)")
+PIPELINE_REMAT_WHY = ("pipeline at tp = 1: B reads the projections' outputs from the F's "
+                      "stash slot instead of recomputing the block's GEMMs (GPT-1.3B pp4 x dp2, "
+                      "deviceless 8 x H100, estimated: interleaved 1.05 -> 1.01 s, ZB-V "
+                      "1.28 -> 1.18 s; at tp = 2 under sequence parallelism no faster: B "
+                      "gathers the inputs again for the weight gradients)")
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
 XLA_REMAT_PASS = "rematerialization"
 # Copy insertion's region-based interference analysis, for a pipeline's step
@@ -1244,14 +1249,26 @@ def fits_memory(need: float, target: Target) -> bool:
     return not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
 
 
+def _keeps_projections(cfg: Config, tp_comm: str) -> str | None:
+    """Why `auto` remat on a GPU tries `minimal` before `full`, or None where recomputing the
+    projections costs less than keeping them: at pp = 1 with collective-matmul rings (the
+    recompute would run the rings again: `RING_REMAT_WHY`), and in a pipeline at tp = 1
+    without experts (B reads them from the stash slot: `PIPELINE_REMAT_WHY`)."""
+    if _ring_steps(cfg, tp_comm):
+        return RING_REMAT_WHY
+    if cfg.mesh.pp > 1 and cfg.mesh.tp == 1 and not cfg.model.experts:
+        return PIPELINE_REMAT_WHY
+    return None
+
+
 def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False,
-                      rings: bool = False) -> tuple[str, ...]:
+                      kept: str | None = None) -> tuple[str, ...]:
     """The policies `model.remat` may take: the explicit one; `auto` on a CPU `none` (there
     recomputing only adds work) but `full` for a pipeline; on a GPU `full` (`GPU_REMAT_WHY`),
     but every policy, least recompute first, for a step whose one microbatch runs `unrolled`
     (`_unrolled`: no layer scan stacks its residuals), and `minimal` before `full` where
-    the blocks run collective-matmul `rings` (`RING_REMAT_WHY`); `none` for a model the
-    memory estimate does not describe (`ESTIMATED_KINDS`)."""
+    keeping the projections pays (`kept`: `_keeps_projections`'s reason); `none` for a model
+    the memory estimate does not describe (`ESTIMATED_KINDS`)."""
     if cfg.model.remat != "auto":
         return (cfg.model.remat,)
     if not target.accelerator and cfg.mesh.pp > 1:
@@ -1263,7 +1280,7 @@ def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False,
         # costs less on both (GPU_REMAT_WHY).
         if unrolled:
             return REMAT_ORDER
-        return RING_REMATS if rings else ("full",)
+        return KEPT_REMATS if kept else ("full",)
     return ("none",)
 
 
@@ -1340,7 +1357,8 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
         attention = _resolve_attention(cfg, target, {})
     per_replica = cfg.train.global_batch // (cfg.mesh.dcn * cfg.mesh.dp)
     unrolled = _unrolled(cfg, overlap, max(1, per_replica // max(micro_batch, 1)))
-    remats = (_remat_candidates(cfg, target, unrolled, _ring_steps(cfg, overlap.tp_comm))
+    remats = (_remat_candidates(cfg, target, unrolled,
+                                _keeps_projections(cfg, overlap.tp_comm))
               if remat == "auto" else (remat,))
     chosen, need, _ = _cheapest_remat(cfg, micro_batch, overlap, target, attention, remats)
     return (micro_batch * cfg.model.seq_len <= gemm_tokens(cfg, overlap.tp_comm)
@@ -1348,14 +1366,14 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
 
 
 def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target,
-               rings: bool = False) -> str:
+               kept: str | None = None) -> str:
     """Why auto took `remat`: its estimate against the budget, and what the policies that
-    recompute less were estimated to need."""
+    recompute less were estimated to need (`kept`: why `minimal` was tried first)."""
     budget = (f" (budget {MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB)"
               if target.memory_bytes else "")
     lead = ("nothing recomputed" if remat == "none" else "the least recompute that fits")
-    if remat == "minimal" and rings and "none" not in tried:
-        lead = RING_REMAT_WHY
+    if remat == "minimal" and kept and "none" not in tried:
+        lead = kept
     elif remat == "full" and target.accelerator and "none" not in tried:
         lead = GPU_REMAT_WHY
     why = f"{lead}: ~{need / 1e9:.0f} GB per device estimated{budget}"
@@ -1375,10 +1393,10 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
     auto_remat = mo.remat == "auto"
     per_replica = cfg.train.global_batch // (m.dcn * m.dp)
 
-    rings = _ring_steps(cfg, overlap.tp_comm)
+    kept = _keeps_projections(cfg, overlap.tp_comm)
 
     def remats(n: int) -> tuple[str, ...]:
-        return _remat_candidates(cfg, target, _unrolled(cfg, overlap, n), rings)
+        return _remat_candidates(cfg, target, _unrolled(cfg, overlap, n), kept)
 
     def pick_remat(n: int) -> str:
         """The remat policy for an explicit (or CPU) microbatch count."""
@@ -1403,7 +1421,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                                                     f"still not fit the device's memory")
             return "full"
         choices["model.remat"] = Choice(remat,
-                                        _remat_why(remat, need, tried, target, rings))
+                                        _remat_why(remat, need, tried, target, kept))
         return remat
 
     if pl.microbatches != "auto":
@@ -1447,7 +1465,7 @@ def _resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                 return n, pick_remat(n)
             if auto_remat:
                 choices["model.remat"] = Choice(
-                    remat, _remat_why(remat, need, tried, target, rings))
+                    remat, _remat_why(remat, need, tried, target, kept))
             return n, remat
     n = valid[-1]
     choices["pipeline.microbatches"] = Choice(n, "the most microbatches the batch allows; the "

@@ -294,10 +294,20 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
     cfg = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4", "model.attention=plain",
                                  "pipeline.microbatches=32"])
     plan = ParallelPlan.build(cfg, target=H100)
-    # Pipelined on a GPU: every tick moves the stash, so auto stashes only block inputs.
-    assert plan.microbatches == 32 and plan.remat == "full"
-    assert plan.choices["model.remat"].why.startswith(plan_lib.GPU_REMAT_WHY)
+    # Pipelined on a GPU at tp = 1: B reads the projections from the stash slot rather than
+    # recomputing the block's GEMMs (minimal) where that fits, else only block inputs (full).
+    assert plan.microbatches == 32 and plan.remat == "minimal"
+    assert plan.choices["model.remat"].why.startswith(plan_lib.PIPELINE_REMAT_WHY)
     assert plan.schedule.paired and "pipeline.paired" in plan.choices
+    small = ParallelPlan.build(cfg, target=Target("h100-30", True, 30e9))
+    assert small.remat == "full" and small.memory_estimate <= 0.8 * 30e9
+    assert small.choices["model.remat"].why.startswith(plan_lib.GPU_REMAT_WHY)
+    assert "over it: minimal" in small.choices["model.remat"].why
+    # At tp = 2 (sequence parallel) B would gather the inputs again: full.
+    tp2 = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]),
+                             target=H100)
+    assert tp2.remat == "full" and tp2.choices["model.remat"].why.startswith(
+        plan_lib.GPU_REMAT_WHY)
     cpu = ParallelPlan.build(cfg)  # a CPU: unpaired; recomputing beats moving the stash
     assert cpu.remat == "full" and not cpu.schedule.paired
     assert cpu.choices["model.remat"].why.startswith("CPU pipeline")
@@ -305,11 +315,11 @@ def test_auto_remat_with_explicit_microbatches_and_pipelines():
     latency2 = ParallelPlan.build(config.load(GPT_1P3B, [
         "mesh.dp=2", "mesh.pp=4", "pipeline.transfer_latency=2"]), target=H100)
     assert not latency2.schedule.paired
-    # ZB-V: W as only the weight GEMMs on every target (under full remat on a GPU too: B
-    # keeps W's operands); the head split over the stages on a GPU only; explicit values win.
+    # ZB-V: W as only the weight GEMMs on every target (B keeps W's operands); the head
+    # split over the stages on a GPU only; explicit values win.
     zbv = ["mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb-v", "pipeline.virtual_stages=2"]
     gpu = ParallelPlan.build(config.load(GPT_1P3B, zbv), target=H100)
-    assert gpu.remat == "full" and gpu.split_backward and gpu.vocab_parallel
+    assert gpu.remat == "minimal" and gpu.split_backward and gpu.vocab_parallel
     assert gpu.choices["pipeline.split_backward"].value is True
     assert gpu.choices["pipeline.vocab_parallel"].why.startswith("GPU")
     cpu = ParallelPlan.build(config.load(GPT_1P3B, zbv))

@@ -39,8 +39,8 @@ def tree_add(a, b):
 
 def _scan_layers(model, par: Parallel, remat: str = "none") -> Callable:
     """The plain layer stack: one scan over the stacked 'blocks' parameters, each block under
-    the remat policy."""
-    block = remat_block(lambda p, x: model.block(p, x, par), remat)
+    the remat policy (no CSE barrier: the scan keeps the recompute apart from the forward)."""
+    block = remat_block(lambda p, x: model.block(p, x, par), remat, prevent_cse=False)
 
     def run(blocks, x):
         def layer(x, p_layer):
