@@ -361,10 +361,18 @@ def test_a_pipeline_compiles_with_copy_insertion_region_analysis():
     # synchronous, so only pipelines get it.
     from jax_overlap.plan import PIPELINE_COPY_ANALYSIS
 
+    from jax_overlap.plan import PIPELINE_SCHEDULER_SLOP, SCHEDULER_SLOP_FLAG
+
     pipe = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4"]), target=H100)
     assert pipe.compiler_options({}).items() >= PIPELINE_COPY_ANALYSIS.items()
+    # A fitting pipeline also gives XLA's scheduler more memory to overlap in, unless the
+    # user's XLA_FLAGS set it.
+    assert pipe.compiler_options({})[SCHEDULER_SLOP_FLAG] == PIPELINE_SCHEDULER_SLOP
+    own = {"XLA_FLAGS": f"--{SCHEDULER_SLOP_FLAG}=120"}
+    assert SCHEDULER_SLOP_FLAG not in pipe.compiler_options(own)
     flat = ParallelPlan.build(config.load(GPT_1P3B), target=H100)
     assert flat.pp == 1 and not set(flat.compiler_options({})) & set(PIPELINE_COPY_ANALYSIS)
+    assert SCHEDULER_SLOP_FLAG not in flat.compiler_options({})
     cpu = ParallelPlan.build(config.load(TINY, ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2"]))
     assert cpu.compiler_options({}) == PIPELINE_COPY_ANALYSIS
 
