@@ -892,10 +892,10 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 INTERLEAVED_WHY = ("GPU: interleaved 1F1B, two chunks per stage, paired: half of 1F1B's bubble "
                    "at the same microbatches for twice the transfers, all under GEMMs -- the "
                    "fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-                   "interleaved m 16 1072 ms, MFU 0.56; 1F1B m 32 1134 ms; ZB-V 1236 ms)")
+                   "interleaved m 16 1006 ms, MFU 0.60; 1F1B m 32 1057 ms; ZB-V 1180 ms)")
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: 1F1B paired ({why}; GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved "
-           "1072 ms, 1F1B 1134 ms, ZB-V 1236 ms, whose extra ticks and W actions cost more than "
+           "1006 ms, 1F1B 1057 ms, ZB-V 1180 ms, whose extra ticks and W actions cost more than "
            "its smaller bubble saves)"),
     False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.09-1.29x a pp = 1 "
             "step's, ZB-V 1.35-1.47x)"),

@@ -124,6 +124,10 @@ PLAIN = {
     # lane idles (the ramp) nothing is under them; counted on every tick, as before that
     # day, it was 0.963 (0.915 with the embedding's sum after the last tick).
     "gpt_1p3b_pp4_dp2": 0.72,
+    # Not one of issue #27's meshes for Llama; measured 0.534 (2026-12-07) with XLA's
+    # scheduler given more memory for a fitting pipeline (`plan.PIPELINE_SCHEDULER_SLOP`),
+    # 0.041 with its default, under which the tick transfers overlapped nothing.
+    "llama3_8b_pp4_dp2": 0.5,
     # Measured 0.951 (2026-12-04): FSDP chosen by the plan, a replica needs ~146 GB.
     "llama3_8b_fsdp8": 0.95,
     # Measured 0.988 (2026-12-04): collective matmul, bidirectional.
