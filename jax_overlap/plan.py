@@ -388,8 +388,8 @@ class ParallelPlan:
         overlapping anything. Llama-3-8B pp4 x dp2 (deviceless 8 x H100, 62 GiB): the tick
         transfers ran with nothing between their start and done, 0.04 of the collective
         bytes under GEMMs; 0.53 with the higher limit, 5611 -> 5553 ms, the same peak. The
-        GPT-1.3B pipelines and every pp = 1 step compile the same either way, but Llama-3-8B
-        FSDP dp8, 5 ms slower with it, so the steps at pp = 1 keep XLA's default.
+        GPT-1.3B pipelines compile to the same step either way; Llama-3-8B FSDP dp8 (pp = 1)
+        was 5 ms slower with it, so steps at pp = 1 keep XLA's default.
         """
         import os
 
