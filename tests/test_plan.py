@@ -359,9 +359,11 @@ def test_a_pipeline_compiles_with_copy_insertion_region_analysis():
     # Without it the tick switch copied the stage's gradient accumulators (GPU) and residual
     # pools (CPU) every tick; at pp = 1 on a GPU it left dp8's bucket all-reduces
     # synchronous, so only pipelines get it.
-    from jax_overlap.plan import PIPELINE_COPY_ANALYSIS
-
-    from jax_overlap.plan import PIPELINE_SCHEDULER_SLOP, SCHEDULER_SLOP_FLAG
+    from jax_overlap.plan import (
+        PIPELINE_COPY_ANALYSIS,
+        PIPELINE_SCHEDULER_SLOP,
+        SCHEDULER_SLOP_FLAG,
+    )
 
     pipe = ParallelPlan.build(config.load(GPT_1P3B, ["mesh.dp=2", "mesh.pp=4"]), target=H100)
     assert pipe.compiler_options({}).items() >= PIPELINE_COPY_ANALYSIS.items()
