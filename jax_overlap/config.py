@@ -145,16 +145,18 @@ class TrainConfig:
 
 @dataclass
 class PipelineConfig:
-    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): on a GPU interleaved 1F1B with two chunks
-    # per stage for a decoder whose layers split evenly into them (virtual_stages auto), else
-    # 1f1b (paired on a GPU); interleaved where virtual_stages > 1 is given.
+    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): on a GPU interleaved 1F1B for a decoder
+    # whose layers split evenly into two chunks per stage (virtual_stages auto: 3 or 4 chunks
+    # of >= 2 layers where the layers split so, else 2), else 1f1b (paired on a GPU);
+    # interleaved where virtual_stages > 1 is given.
     schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "auto"
     # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
     # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
     microbatches: int | Literal["auto"] = "auto"
     # Chunks per pipeline stage. auto follows the schedule when the config is loaded
     # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1 (which
-    # the plan may raise to 2 with schedule auto: `PlanDecides`).
+    # the plan may raise to 2, 3 or 4 with schedule auto on a GPU: `PlanDecides`,
+    # plan.INTERLEAVED_CHUNKS).
     virtual_stages: int | Literal["auto"] = "auto"
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,

@@ -889,13 +889,28 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 
 
 # Why `pipeline.schedule: auto` runs what it runs, on each target (measured; docs/results.md).
-INTERLEAVED_WHY = ("GPU: interleaved 1F1B, two chunks per stage, paired: half of 1F1B's bubble "
-                   "at the same microbatches for twice the transfers, all under GEMMs -- the "
-                   "fastest compiled step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: "
-                   "interleaved m 16 1006 ms, MFU 0.60; 1F1B m 32 1057 ms; ZB-V 1180 ms)")
+INTERLEAVED_WHY = ("GPU: interleaved 1F1B, paired: less bubble than 1F1B at the same "
+                   "microbatches for more transfers, all under GEMMs -- the fastest compiled "
+                   "step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved m 16 "
+                   "992 ms, MFU 0.61; 1F1B m 32 1057 ms; ZB-V 1180 ms)")
+# How many chunks `auto` cuts each stage into, in order of preference: three or four, where
+# each keeps at least `INTERLEAVED_MIN_LAYERS` layers, else two (deviceless 8 x H100, plain
+# configs: GPT-1.3B pp4 x dp2 v 2 / 3 / 6: 1006 / 992 / 1027 ms; pp2 x dp2 x tp2 v 2 / 3 / 4 / 6:
+# 1083 / 1065 / 1068 / 1066 ms; Llama-3-8B pp4 x dp2 v 2 / 4: 5553 / 5450 ms). Past three or
+# four, each tick's fixed costs (filing arrivals, launches) and its transfers, now under fewer
+# GEMMs, outweigh the bubble it saves.
+INTERLEAVED_CHUNKS = (3, 4)
+INTERLEAVED_MIN_LAYERS = 2
+INTERLEAVED_CHUNKS_WHY = ("{v} chunks of {n} layers per stage: bubble (p - 1) / (v m + p - 1) "
+                          "a third to a half below two chunks', each tick's transfers still "
+                          "under its GEMMs (GPT-1.3B pp4 x dp2, deviceless 8 x H100: v 2 / 3 / "
+                          "6 1006 / 992 / 1027 ms; Llama-3-8B pp4 x dp2: v 2 / 4 5553 / "
+                          "5450 ms)")
+INTERLEAVED_TWO_WHY = ("two chunks of {n} layers per stage: model.layers {layers} does not split "
+                       "into 3 or 4 x pp chunks of at least {least} layers")
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: 1F1B paired ({why}; GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved "
-           "1006 ms, 1F1B 1057 ms, ZB-V 1180 ms, whose extra ticks and W actions cost more than "
+           "992 ms, 1F1B 1057 ms, ZB-V 1180 ms, whose extra ticks and W actions cost more than "
            "its smaller bubble saves)"),
     False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.09-1.29x a pp = 1 "
             "step's, ZB-V 1.35-1.47x)"),
@@ -931,6 +946,18 @@ def schedule_name(cfg: Config) -> str:
     return "interleaved" if pl.virtual_stages > 1 else "1f1b"
 
 
+def _interleaved_chunks(cfg: Config) -> Choice:
+    """How many chunks per stage `auto` runs interleaved 1F1B with on a GPU (the layers split
+    evenly into 2 x pp chunks: `_no_interleaving`): the first of `INTERLEAVED_CHUNKS` whose
+    chunks split the layers evenly and keep at least `INTERLEAVED_MIN_LAYERS` each, else 2."""
+    layers, pp = cfg.model.layers, cfg.mesh.pp
+    for v in INTERLEAVED_CHUNKS:
+        if layers % (v * pp) == 0 and layers // (v * pp) >= INTERLEAVED_MIN_LAYERS:
+            return Choice(v, INTERLEAVED_CHUNKS_WHY.format(v=v, n=layers // (v * pp)))
+    return Choice(2, INTERLEAVED_TWO_WHY.format(n=layers // (2 * pp), layers=layers,
+                                                least=INTERLEAVED_MIN_LAYERS))
+
+
 def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
     """`cfg` with `pipeline.schedule: auto` resolved (a choice only where there is a
     pipeline)."""
@@ -942,9 +969,9 @@ def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -
             blocked = _no_interleaving(cfg)
             if blocked is None:
                 name, why = "interleaved", INTERLEAVED_WHY
-                pl = dataclasses.replace(pl, virtual_stages=2)
-                choices["pipeline.virtual_stages"] = Choice(2, "interleaved 1F1B's fewest "
-                                                               "chunks per stage")
+                chunks = _interleaved_chunks(cfg)
+                pl = dataclasses.replace(pl, virtual_stages=chunks.value)
+                choices["pipeline.virtual_stages"] = chunks
             else:
                 why = AUTO_SCHEDULE_WHY[True].format(why=blocked)
         choices["pipeline.schedule"] = Choice(name, why)

@@ -137,11 +137,22 @@ def test_auto_schedule_is_printed_and_an_explicit_one_wins():
         assert reason in plan.choices["pipeline.schedule"].why
         assert "pipeline.virtual_stages" not in plan.choices
     # The microbatch rule counts the interleaved bubble (p - 1) / (v m + p - 1): GPT-1.3B
-    # pp4 x dp2 takes 16 (bubble 0.086) where 1F1B needs 32.
+    # pp4 x dp2 takes three chunks of two layers per stage and 16 microbatches (bubble 0.059)
+    # where 1F1B needs 32.
     gpt = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml"),
                              target=H100)
-    assert (gpt.schedule.name, gpt.virtual_stages, gpt.microbatches) == ("interleaved", 2, 16)
-    assert "bubble 0.086" in gpt.choices["pipeline.microbatches"].why
+    assert (gpt.schedule.name, gpt.virtual_stages, gpt.microbatches) == ("interleaved", 3, 16)
+    assert "bubble 0.059" in gpt.choices["pipeline.microbatches"].why
+    assert gpt.choices["pipeline.virtual_stages"].why.startswith("3 chunks of 2 layers")
+    # Three or four chunks of at least two layers where the layers split so, else two.
+    for layers, pp, v in ((32, 4, 4), (24, 2, 3), (16, 4, 2), (40, 4, 2)):
+        plan = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml",
+                                              [f"model.layers={layers}", f"mesh.pp={pp}"]),
+                                  target=H100)
+        assert plan.virtual_stages == v and len(plan.stage_layers) == pp * v
+        assert sum(plan.stage_layers) == layers
+        why = plan.choices["pipeline.virtual_stages"].why
+        assert why.startswith("two chunks" if v == 2 else f"{v} chunks of {layers // (pp * v)}")
     one = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml",
                                          ["pipeline.schedule=1f1b"]), target=H100)
     assert (one.schedule.name, one.virtual_stages, one.microbatches) == ("1f1b", 1, 32)
