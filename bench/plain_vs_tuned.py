@@ -64,7 +64,7 @@ MESHES = {
         ["pipeline.schedule=1f1b", "pipeline.paired=true", "pipeline.microbatches=32",
          "model.remat=save_dots"],
         ["pipeline.microbatches=32"],
-        ["pipeline.virtual_stages=3", "pipeline.schedule=interleaved",
+        ["pipeline.virtual_stages=2", "pipeline.schedule=interleaved",
          "pipeline.microbatches=16"],
         ["model.remat=save_dots"],
         ["model.remat=full"],
@@ -81,6 +81,7 @@ MESHES = {
     ]),
     "pp2_dp2_tp2": ("gpt_1p3b_pp2_dp2_tp2.yaml", [
         ["pipeline.schedule=1f1b", "pipeline.virtual_stages=1"],
+        ["pipeline.virtual_stages=2", "pipeline.schedule=interleaved"],
         ["overlap.tp_comm=collective_matmul"],
         ["pipeline.microbatches=8"],
         ["pipeline.microbatches=16"],
@@ -92,8 +93,9 @@ MESHES = {
 # count async reduce-scatters and all-to-alls as communication, not kernels, and count a
 # collective around a pipeline tick's switches by the rows of its table (under GEMMs,
 # exposed), with q, k and v as three GEMMs, and the remat checkpoints without a CSE barrier
-# where they need none; cached ones without it are not reused.
-CACHE_VERSION = "+exposed+async-rs+per-row+qkv+nocse"
+# where they need none, and the plan's 3 or 4 chunks per stage; cached ones without it are
+# not reused.
+CACHE_VERSION = "+exposed+async-rs+per-row+qkv+nocse+chunks"
 # --quick: a small GPT on the same meshes, two candidates each (seconds a compile).
 QUICK_MODEL = ["model.layers=4", "model.d_model=128", "model.heads=4", "model.d_ff=512",
                "model.vocab=512", "model.seq_len=128", "train.global_batch=16"]

@@ -154,9 +154,9 @@ class PipelineConfig:
     # picks (1 on CPU at pp=1; on a GPU the microbatch that keeps GEMMs large and fits memory).
     microbatches: int | Literal["auto"] = "auto"
     # Chunks per pipeline stage. auto follows the schedule when the config is loaded
-    # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1 (which
-    # the plan may raise to 2, 3 or 4 with schedule auto on a GPU: `PlanDecides`,
-    # plan.INTERLEAVED_CHUNKS).
+    # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1; on a GPU
+    # the plan may make it 3 or 4 for interleaved (2 from 1 where it picks interleaved under
+    # schedule auto): `PlanDecides`, plan.INTERLEAVED_CHUNKS.
     virtual_stages: int | Literal["auto"] = "auto"
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
@@ -507,12 +507,12 @@ class PlanDecides(int):
 def resolve_virtual_stages(cfg: Config) -> Config:
     """`pipeline.virtual_stages: auto` -> what the schedule places per stage: 2 for zb-v (its
     only value) and interleaved (the fewest it runs) at mesh.pp > 1, else 1 (a `PlanDecides`
-    under `schedule: auto`)."""
+    under `schedule: auto` and `interleaved`, whose chunks the plan picks on a GPU)."""
     pl = cfg.pipeline
     if pl.virtual_stages != "auto":
         return cfg
     v = 2 if cfg.mesh.pp > 1 and pl.schedule in ("interleaved", "zb-v") else 1
-    if pl.schedule == "auto":
+    if pl.schedule in ("auto", "interleaved"):
         v = PlanDecides(v)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, virtual_stages=v))
 

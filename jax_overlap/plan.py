@@ -962,6 +962,11 @@ def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -
     """`cfg` with `pipeline.schedule: auto` resolved (a choice only where there is a
     pipeline)."""
     name, pl = schedule_name(cfg), cfg.pipeline
+    if (pl.schedule == "interleaved" and cfg.mesh.pp > 1 and target.accelerator
+            and _no_interleaving(cfg) is None):  # named, its chunks left to the plan
+        chunks = _interleaved_chunks(cfg)
+        pl = dataclasses.replace(pl, virtual_stages=chunks.value)
+        choices["pipeline.virtual_stages"] = chunks
     if pl.schedule == "auto" and cfg.mesh.pp > 1:
         why = (f"virtual_stages = {pl.virtual_stages}: the schedule that runs several chunks "
                f"per stage") if name == "interleaved" else AUTO_SCHEDULE_WHY[False]

@@ -153,6 +153,15 @@ def test_auto_schedule_is_printed_and_an_explicit_one_wins():
         assert sum(plan.stage_layers) == layers
         why = plan.choices["pipeline.virtual_stages"].why
         assert why.startswith("two chunks" if v == 2 else f"{v} chunks of {layers // (pp * v)}")
+    # A named `interleaved` leaves its chunks to the plan too (2 on CPU); a count wins.
+    for extra, target, v in ((["pipeline.schedule=interleaved"], H100, 3),
+                             (["pipeline.schedule=interleaved"], Target(), 2),
+                             (["pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+                              H100, 2)):
+        plan = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml",
+                                              extra), target=target)
+        assert (plan.schedule.name, plan.virtual_stages) == ("interleaved", v)
+        assert ("pipeline.virtual_stages" in plan.choices) == (v == 3)
     one = ParallelPlan.build(config.load(f"{REPO}/configs/gpu/gpt_1p3b_pp4_dp2.yaml",
                                          ["pipeline.schedule=1f1b"]), target=H100)
     assert (one.schedule.name, one.virtual_stages, one.microbatches) == ("1f1b", 1, 32)
