@@ -93,9 +93,9 @@ MESHES = {
 # count async reduce-scatters and all-to-alls as communication, not kernels, and count a
 # collective around a pipeline tick's switches by the rows of its table (under GEMMs,
 # exposed), with q, k and v as three GEMMs, and the remat checkpoints without a CSE barrier
-# where they need none, and the plan's 3 or 4 chunks per stage; cached ones without it are
-# not reused.
-CACHE_VERSION = "+exposed+async-rs+per-row+qkv+nocse+chunks"
+# where they need none; cached ones without it are not reused. (A key also holds the plan's
+# resolved choices, so an estimate is not reused once the plan picks otherwise.)
+CACHE_VERSION = "+exposed+async-rs+per-row+qkv+nocse"
 # --quick: a small GPT on the same meshes, two candidates each (seconds a compile).
 QUICK_MODEL = ["model.layers=4", "model.d_model=128", "model.heads=4", "model.d_ff=512",
                "model.vocab=512", "model.seq_len=128", "train.global_batch=16"]
