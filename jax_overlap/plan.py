@@ -959,8 +959,9 @@ def _interleaved_chunks(cfg: Config) -> Choice:
 
 
 def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
-    """`cfg` with `pipeline.schedule: auto` resolved (a choice only where there is a
-    pipeline)."""
+    """`cfg` with `pipeline.schedule: auto` resolved, and on a GPU the chunks per stage of an
+    interleaved schedule whose `virtual_stages` is left to the plan (choices only where there
+    is a pipeline)."""
     name, pl = schedule_name(cfg), cfg.pipeline
     if (pl.schedule == "interleaved" and cfg.mesh.pp > 1 and target.accelerator
             and _no_interleaving(cfg) is None):  # named, its chunks left to the plan
