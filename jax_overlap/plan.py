@@ -907,7 +907,8 @@ INTERLEAVED_CHUNKS_WHY = ("{v} chunks of {n} layers per stage: bubble (p - 1) / 
                           "6 1006 / 992 / 1027 ms; Llama-3-8B pp4 x dp2: v 2 / 4 5553 / "
                           "5450 ms)")
 INTERLEAVED_TWO_WHY = ("two chunks of {n} layers per stage: model.layers {layers} does not split "
-                       "into 3 or 4 x pp chunks of at least {least} layers")
+                       "into " + " or ".join(map(str, INTERLEAVED_CHUNKS))
+                       + " x pp chunks of at least {least} layers")
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: 1F1B paired ({why}; GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved "
            "992 ms, 1F1B 1057 ms, ZB-V 1180 ms, whose extra ticks and W actions cost more than "
@@ -963,24 +964,21 @@ def _resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -
     interleaved schedule whose `virtual_stages` is left to the plan (choices only where there
     is a pipeline)."""
     name, pl = schedule_name(cfg), cfg.pipeline
-    if (pl.schedule == "interleaved" and cfg.mesh.pp > 1 and target.accelerator
-            and _no_interleaving(cfg) is None):  # named, its chunks left to the plan
-        chunks = _interleaved_chunks(cfg)
-        pl = dataclasses.replace(pl, virtual_stages=chunks.value)
-        choices["pipeline.virtual_stages"] = chunks
+    gpu_pipeline = target.accelerator and cfg.mesh.pp > 1
+    blocked = _no_interleaving(cfg) if gpu_pipeline else None
     if pl.schedule == "auto" and cfg.mesh.pp > 1:
         why = (f"virtual_stages = {pl.virtual_stages}: the schedule that runs several chunks "
                f"per stage") if name == "interleaved" else AUTO_SCHEDULE_WHY[False]
         if target.accelerator and name == "1f1b":
-            blocked = _no_interleaving(cfg)
             if blocked is None:
                 name, why = "interleaved", INTERLEAVED_WHY
-                chunks = _interleaved_chunks(cfg)
-                pl = dataclasses.replace(pl, virtual_stages=chunks.value)
-                choices["pipeline.virtual_stages"] = chunks
             else:
                 why = AUTO_SCHEDULE_WHY[True].format(why=blocked)
         choices["pipeline.schedule"] = Choice(name, why)
+    if gpu_pipeline and name == "interleaved" and blocked is None:  # chunks left to the plan
+        chunks = _interleaved_chunks(cfg)
+        pl = dataclasses.replace(pl, virtual_stages=chunks.value)
+        choices["pipeline.virtual_stages"] = chunks
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(pl, schedule=name))
 
 
