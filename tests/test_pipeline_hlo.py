@@ -16,7 +16,7 @@ import pytest
 from helpers import TINY, np_batch
 
 from jax_overlap import config
-from jax_overlap.pipeline.program import LANE_SCOPE
+from jax_overlap.pipeline.program import LANE_SCOPE, TickSpan
 from jax_overlap.training.assemble import assemble
 from models.gpt import GPT
 
@@ -202,11 +202,21 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
 
 
 @pytest.mark.slow
+def _by_loop(ops: list[dict]) -> dict[str, list[dict]]:
+    """`analyze --json` ops grouped by the computation they run in."""
+    out: dict[str, list[dict]] = {}
+    for op in ops:
+        out.setdefault(op["computation"], []).append(op)
+    return out
+
+
 def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
-    """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: both lanes send on both rings,
-    four permutes a tick, and each runs beside the other lane's `conditional` (its GEMMs), not
-    beside the slot writes after it (the executor ties each lane's arrivals to its results).
-    With the vocabulary-parallel head: the next test."""
+    """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: in the steady state both lanes
+    send on both rings, four permutes a tick, and each runs beside the other lane's
+    `conditional` (its GEMMs), not beside the slot writes after it (the executor ties each
+    lane's arrivals to its results). The fill's loop sends only the forward lane's two rings,
+    the drain's only the backward lane's (`TickProgram.spans`). With the vocabulary-parallel
+    head: the next test."""
     from helpers import last_json_line, run_cli
 
     from jax_overlap.analysis import deviceless
@@ -223,8 +233,9 @@ def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
     assert proc.returncode == 0, proc.stderr[-2000:]
     permutes = [op for op in last_json_line(proc.stdout)["ops"]
                 if op["kind"] == "collective-permute"]
-    assert len(permutes) == 4
-    assert all(op["async"] and op["gemms_between"] for op in permutes), permutes
+    loops = sorted(_by_loop(permutes).values(), key=len)
+    assert [len(ops) for ops in loops] == [2, 2, 4], permutes
+    assert all(op["async"] and op["gemms_between"] for op in loops[-1]), loops[-1]
 
 
 @pytest.mark.slow
@@ -253,10 +264,39 @@ def test_paired_vocab_parallel_head_runs_its_all_reduces_under_the_lanes():
     heads = [op for op in in_loop if op["kind"] == "all-reduce" and op["mesh_axes"] == ["pp"]
              and op["bytes"] in (b * t * d * 2, b * t * d * 4)]  # bf16 or fp32 compute
     permutes = [op for op in in_loop if op["kind"] == "collective-permute"]
-    assert len(heads) == 2 and len(permutes) == 4, in_loop
-    # All in the tick loop's body, once a tick (the head's whether or not the tick has one).
-    assert len({op["executions_per_step"] for op in heads + permutes}) == 1
-    assert all(op["async"] and op["gemms_between"] for op in heads + permutes), heads + permutes
+    # All the head's in the steady state's loop, once a tick there (whether or not the tick
+    # has a head), with its four permutes; the fill's and the drain's loops have no head.
+    (steady,) = {op["computation"] for op in heads}
+    steady_permutes = [op for op in permutes if op["computation"] == steady]
+    assert len(heads) == 2 and len(steady_permutes) == 4, in_loop
+    assert len({op["executions_per_step"] for op in heads + steady_permutes}) == 1
+    assert all(op["async"] and op["gemms_between"] for op in heads + steady_permutes), (
+        heads + steady_permutes)
+    assert sorted(len(ops) for ops in _by_loop(permutes).values()) == [2, 2, 4], permutes
+
+
+def _tick_scan_bodies(jaxpr, lengths: list[int]) -> list:
+    """The bodies of the traced step's scans over ticks, one per span of the table
+    (`TickProgram.spans`), in order: the scans of `lengths` ticks, not those inside them."""
+
+    def subs(params):  # the jaxprs an equation's params hold (cond branches, scan body...)
+        for v in params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                x = getattr(x, "jaxpr", x)
+                if hasattr(x, "eqns"):
+                    yield x
+
+    def find(j):
+        for e in j.eqns:
+            if e.primitive.name == "scan" and e.params["length"] in lengths:
+                yield e.params["jaxpr"].jaxpr
+                continue
+            for sub in subs(e.params):
+                yield from find(sub)
+
+    bodies = list(find(jaxpr))
+    assert [len(b.eqns) > 0 for b in bodies] == [True] * len(lengths), bodies
+    return bodies
 
 
 def _tick_scan_body(jaxpr, ticks: int):
@@ -310,10 +350,11 @@ def test_an_accelerator_tick_sends_on_two_permute_rings():
         [down, tuple((b_, a) for a, b_ in down)])
 
 
-def _tick_body_head_psums(paired: bool, accelerator: bool) -> tuple[int, int]:
-    """(psums over pp of one microbatch's activations at the top of the tick loop's body,
-    those inside a cond in it), from the traced step (no compile): pp2 x dp2, ZB-V,
-    vocabulary-parallel head."""
+def _tick_body_head_psums(paired: bool, accelerator: bool) -> list[tuple[int, int]]:
+    """Per loop over a span of ticks (one loop but for a paired tick on a GPU:
+    `TickProgram.spans`), (psums over pp of one microbatch's activations at the top of the
+    loop's body, those inside a cond in it), from the traced step (no compile): pp2 x dp2,
+    ZB-V, vocabulary-parallel head."""
     from jax_overlap.plan import Target
 
     cfg = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "model.layers=4",
@@ -332,20 +373,31 @@ def _tick_body_head_psums(paired: bool, accelerator: bool) -> tuple[int, int]:
         return [e for e in eqns if e.primitive.name.startswith("psum")
                 and e.params.get("axes") == ("pp",) and e.invars[0].aval.ndim == act_rank]
 
-    body = _tick_scan_body(jaxpr, run.plan.program.ticks)
-    in_conds = sum(len(head_psums(b.jaxpr.eqns)) for e in body.eqns if e.primitive.name == "cond"
-                   for b in e.params["branches"])
-    return len(head_psums(body.eqns)), in_conds
+    program = run.plan.program
+    spans = program.spans() if paired and accelerator else [
+        TickSpan.every(0, program.ticks, program.lanes)]
+    counts = []
+    for span, body in zip(spans, _tick_scan_bodies(jaxpr, [s.stop - s.start for s in spans])):
+        in_conds = sum(len(head_psums(b.jaxpr.eqns)) for e in body.eqns
+                       if e.primitive.name == "cond" for b in e.params["branches"])
+        counts.append((len(head_psums(body.eqns)), in_conds))
+    return spans, counts
 
 
-@pytest.mark.parametrize("paired,accelerator,expected", [
-    (True, True, (2, 0)), (True, False, (0, 2)), (False, True, (0, 2))])
-def test_vocab_parallel_head_all_reduces_run_every_tick_only_when_hidden(paired, accelerator,
-                                                                        expected):
+@pytest.mark.parametrize("paired,accelerator", [(True, True), (True, False), (False, True)])
+def test_vocab_parallel_head_all_reduces_run_every_tick_only_when_hidden(paired, accelerator):
     """A paired tick on a GPU runs the head's two all-reduces over pp in the tick body, every
-    tick, under its lanes; unpaired, or on CPU devices (synchronous collectives), they run
-    inside the head's cond: a tick without a head runs none."""
-    assert _tick_body_head_psums(paired, accelerator) == expected
+    tick of the steady state, under its lanes: the output's broadcast where a span has a
+    head, its gradient's sum where it has one the tick before (the fill and the drain have
+    fewer). Unpaired, or on CPU devices (synchronous collectives), one loop runs them inside
+    the head's cond: a tick without a head runs none."""
+    spans, counts = _tick_body_head_psums(paired, accelerator)
+    if not (paired and accelerator):
+        assert counts == [(0, 2)]
+        return
+    assert len(spans) == 3 and counts[1] == (2, 0)
+    assert counts == [(s.head + s.head_before, 0) for s in spans]
+    assert counts[0][0] < 2 and counts[2][0] < 2
 
 
 def test_paired_gpu_pipeline_copies_no_gradient_accumulators_per_tick():

@@ -148,3 +148,34 @@ def test_largest_tables_build_in_ten_seconds():
         s = make_schedule(name, 64, 1024, v)
         assert time.perf_counter() - start < 10, name
         assert s.ticks >= 3 * 1024 * v if s.split_backward else 2 * 1024 * v
+
+
+@pytest.mark.parametrize("name,p,m,v,paired", [c for c in CASES if c[4]]
+                         + [("interleaved", 4, 16, 3, True), ("1f1b", 4, 32, 1, True)])
+def test_spans_leave_out_only_what_their_ticks_do_not_use(name, p, m, v, paired):
+    """`TickProgram.spans` cuts the table into the fill, the steady state and the drain: each
+    tick's parts (a lane's action, what it sends, what arrives, the head) are all in its
+    span's loop, and the fill's loop runs no backward lane or ring, the drain's no forward
+    ring and no head."""
+    from jax_overlap.pipeline.program import MIN_SPAN_TICKS
+
+    program = compile_program(_table(name, p, m, v, paired), vocab_parallel=True)
+    for stop in (program.ticks, program.ticks - 1):  # the last tick run apart, or not
+        spans = program.spans(stop)
+        assert [s.start for s in spans] == [0] + [s.stop for s in spans[:-1]]
+        assert spans[-1].stop == stop and len(spans) == 3
+        assert all(s.stop - s.start >= MIN_SPAN_TICKS for s in spans)
+        for s in spans:
+            flags = [*s.acts, *s.sends, *s.receives, s.head, s.head_before]
+            assert (program.tick_parts[s.start:s.stop] <= flags).all(), s
+        fill, _, drain = spans
+        assert not (fill.acts[1] or fill.sends[1] or fill.receives[1] or fill.head_before)
+        assert not (drain.sends[0] or drain.head), drain
+
+
+def test_a_skewed_table_runs_as_one_span_of_every_part():
+    """At transfer latency 2 a tick sends the previous tick's output: one loop, every part."""
+    from jax_overlap.pipeline.program import TickSpan
+
+    program = compile_program(make_schedule("1f1b", 4, 8, 1, 2, False))
+    assert program.spans() == (TickSpan.every(0, program.ticks, 1),)

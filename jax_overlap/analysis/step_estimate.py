@@ -64,7 +64,7 @@ from jax_overlap.analysis.hlo_parse import (
 )
 from jax_overlap.hardware.machine import KERNEL_LAUNCH_S as LAUNCH_S  # seconds a launch
 from jax_overlap.hardware.machine import ChipSpec
-from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE
+from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE, SPAN_SCOPE
 
 
 _FREE = frozenset({
@@ -429,11 +429,15 @@ class Ticks:
 
 
 def _rows_of(inst: Instruction, last_apart: bool) -> slice:
-    """The table rows a tick switch runs: all; or, where the last tick runs after the loop
-    (`last_apart`), the last row for that tick's switches and the others for the loop's."""
-    if not last_apart:
-        return slice(None)
-    return slice(-1, None) if _in_last_tick(inst) else slice(0, -1)
+    """The table rows a tick switch runs: those of its loop's span (`SPAN_SCOPE`); the last
+    row for a last tick run after the loop (`last_apart`), the others for the loop's; else
+    all."""
+    if _in_last_tick(inst):
+        return slice(-1, None)
+    span = re.search(rf"/{SPAN_SCOPE}(\d+)_(\d+)/", _scope_of(inst) + "/")
+    if span:
+        return slice(int(span.group(1)), int(span.group(2)))
+    return slice(0, -1) if last_apart else slice(None)
 
 
 def tick_switch_shares(ticks: Ticks, last_apart: bool
@@ -539,8 +543,10 @@ class StepEstimate:
                 for total, k, runs, where in rows[:n]]
 
 
-def _tick_loop(module: HloModule) -> tuple[Computation, Instruction, list[Instruction]] | None:
-    """The ``while`` whose body holds the tick switches, with those switches."""
+def _tick_loops(module: HloModule) -> list[tuple[Computation, Instruction, list[Instruction]]]:
+    """Each ``while`` whose body holds tick switches (one per span of the table:
+    `TickProgram.spans`), with those switches."""
+    loops = []
     for comp in module.computations.values():
         for inst in comp.instructions:
             if inst.opcode != "while":
@@ -551,8 +557,8 @@ def _tick_loop(module: HloModule) -> tuple[Computation, Instruction, list[Instru
             switches = [i for i in body.instructions if i.opcode == "conditional" and (
                 _lane(i) is not None or _is_head(i))]
             if any(_lane(i) is not None for i in switches):
-                return comp, inst, switches
-    return None
+                loops.append((comp, inst, switches))
+    return loops
 
 
 def _last_tick_switches(module: HloModule) -> list[Instruction]:
@@ -596,8 +602,8 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
     # A step that runs its last tick after the loop (`pipeline.executor.DeferredEmbedding`)
     # has a second set of tick switches, outside the loop: those take the table's last
     # row, the loop's the rows before it.
-    loop = _tick_loop(module) if ticks is not None else None
-    peeled = [] if loop is None else _last_tick_switches(module)
+    loops = _tick_loops(module) if ticks is not None else []
+    peeled = _last_tick_switches(module) if loops else []
 
     def rows_of(inst: Instruction) -> slice:
         return _rows_of(inst, bool(peeled))
@@ -616,15 +622,25 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
     walker = _Walker(module, chip, weights, label)
     total = walker.tally(module.entry)
     wait_s = 0.0
-    if loop is not None:
-        comp, inst, switches = loop
-        trips = while_trip_count(module, comp, inst) or ticks.branch.shape[0]
-        body = (called_computations(inst).get("body") or [""])[0]
-        cond = (called_computations(inst).get("condition") or [""])[0]
-        outside = walker.tally(body, skip=frozenset(s.name for s in switches)).seconds \
-            + walker.tally(cond).seconds * (trips + 1) / max(trips, 1)
-        work = np.full(ticks.branch.shape[:2], outside)
-        for switch in switches + peeled:
+    if loops:
+        # Each loop's work outside its switches, on its rows; a last tick run apart pays
+        # the last loop's.
+        work = np.zeros(ticks.branch.shape[:2])
+        covered = np.zeros(ticks.branch.shape[0], bool)
+        every, last = [], (-1, 0.0)
+        for comp, inst, switches in loops:
+            rows = rows_of(switches[0])
+            trips = while_trip_count(module, comp, inst) or len(covered[rows])
+            body = (called_computations(inst).get("body") or [""])[0]
+            cond = (called_computations(inst).get("condition") or [""])[0]
+            outside = walker.tally(body, skip=frozenset(s.name for s in switches)).seconds \
+                + walker.tally(cond).seconds * (trips + 1) / max(trips, 1)
+            work[rows] += outside
+            covered[rows] = True
+            every += switches
+            last = max(last, (range(len(covered))[rows].stop, outside))
+        work[~covered] += last[1]
+        for switch in every + peeled:
             rows = rows_of(switch)
             costs = [b.seconds for b in walker.branches(switch, "")]
             lane = _lane(switch)

@@ -117,7 +117,7 @@ from jax_overlap.parallel.mesh import DCN, DP, PP, TP, data_axes, data_spec
 from jax_overlap.parallel.remat import remat_block
 from jax_overlap.pipeline import residuals, weight_grads
 from jax_overlap.pipeline.program import (COL, HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE,
-                                          TickProgram)
+                                          SPAN_SCOPE, TickProgram, TickSpan)
 from jax_overlap.pipeline.residuals import Layout, vjp_with_layout
 from jax_overlap.parallel.mesh import microbatched
 
@@ -952,29 +952,16 @@ class _TickLoop:
         # gradients (a paired lane of only F's does not: its switches then neither take nor
         # return the accumulators, which XLA would otherwise copy in every branch). A W runs
         # in whichever lane its pair puts it: lane 0 of a zero-bubble table then adds too.
-        fills = {name: program.fills(name) for name in res0}
-        adds = [False] + [b.kind != "F" for b in program.branches]
-        def switches(branches_, rows, lone_=None):
-            # Per lane, its switches over what `rows` of the table take; fused, one switch
-            # over the (lane 0, lane 1) pairs they take.
-            if program.fused:
-                pairs, index = program.lane_pairs
-                return [_pair_switch(ctx, branches_, fills, pairs,
-                                     set(index[rows].ravel().tolist()), adds, lone_)]
-            out = []
-            for lane in range(program.lanes):
-                taken = set(np.unique(program.column("branch")[rows][..., lane]).tolist())
-                out.append(_lane_switches(ctx, branches_, fills, taken,
-                                          any(adds[b] for b in taken)))
-            return out
-
-        self.lanes = switches(branches, slice(None), lone_branches)
+        self.fills = {name: program.fills(name) for name in res0}
+        self.adds = [False] + [b.kind != "F" for b in program.branches]
+        self.branches, self.lone_branches = branches, lone_branches
+        self.lanes = self.switches(branches, slice(None), lone_branches)
         # The last tick's switches, when it runs apart (`last_tick`): only its own branches,
         # in the step's context (the lone context cost GPT-1.3B pp2 x dp2 x tp2 4 ms there:
         # the embedding's reduction already runs under that tick).
         self.deferred = deferred
         self.last_lanes = (None if deferred is None
-                           else switches(deferred.branches, slice(-1, None)))
+                           else self.switches(deferred.branches, slice(-1, None)))
         self.res0 = res0
         # A paired tick splits the vocabulary-parallel head around its backward lane where
         # collectives run asynchronously (an accelerator's program).
@@ -985,6 +972,21 @@ class _TickLoop:
         # collectives under: in two halves of the microbatch, each half's under the other's
         # GEMMs (`HEAD_HALVES`).
         self.head_halves = program.fused and accelerator and ctx.par.tp > 1
+
+    def switches(self, branches, rows, lone_branches=None) -> list:
+        """Per lane, its switches over the branches `rows` of the table take (the others
+        no-ops); fused, one switch over the (lane 0, lane 1) pairs they take."""
+        ctx, program = self.ctx, self.program
+        if program.fused:
+            pairs, index = program.lane_pairs
+            return [_pair_switch(ctx, branches, self.fills, pairs,
+                                 set(index[rows].ravel().tolist()), self.adds, lone_branches)]
+        out = []
+        for lane in range(program.lanes):
+            taken = set(np.unique(program.column("branch")[rows][..., lane]).tolist())
+            out.append(_lane_switches(ctx, branches, self.fills, taken,
+                                      any(self.adds[b] for b in taken)))
+        return out
 
     def head_phase(self, pool, grads, loss, out, rows, row):
         # Vocabulary-parallel head (see the module docstring), all of it at once and only on
@@ -1173,7 +1175,7 @@ class _TickLoop:
         down_pairs, up_pairs, _ = self.program.lane_rings[lane]
         return (*self.rings(out, down_pairs, up_pairs), out)
 
-    def paired_tick(self, carry, rows_now_next, lanes=None):
+    def paired_tick(self, carry, rows_now_next, lanes=None, span: TickSpan | None = None):
         # Lane 0 runs the forward (or a W), lane 1 the backward (B or W), each as a skewed
         # half-tick (a W sends nothing: its lane's output is zeros, filed in `trash`): what
         # the other lane produced last is sent before this lane's action and filed after
@@ -1190,34 +1192,47 @@ class _TickLoop:
         # after the forward lane (`head_phase`), only on the ticks that have one.
         # `pending_head`: (the last tick's partial head gradient, the slot it goes to), or ()
         # unless the head is split.
+        # `span`: the ticks this loop runs (`TickProgram.spans`); a part of the tick none of
+        # them uses -- a lane's action, its ring, the head's all-reduces -- is left out.
         pool, res, pending_b, pending_head, grads, loss = carry
+        on = span or TickSpan.every(0, 0, 2)
         rows, rows_next = rows_now_next
         now = _at(rows, self.stage)
         next_ = _at(rows_next, self.stage)
         split_head = self.split_head
-        arrival_b = self.send(pending_b, 1)
-        if split_head:  # last tick's head gradient, summed over pp under this forward
+        head_before, head_now = split_head and on.head_before, split_head and on.head
+        arrival_b = self.send(pending_b, 1) if on.receives[1] else ()
+        if head_before:  # last tick's head gradient, summed over pp under this forward
             head_dy, head_slot = pending_head
             arrival_b = (arrival_b, self.head_gradient(head_dy))
-        pool, inbox = self.read_inbox(pool, now[0])
-        res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
-                                                      tie=arrival_b, lanes=lanes)
-        arrival_f = self.send(out_f, 0)
-        if split_head:
+        out_f = self.zeros
+        if on.acts[0]:
+            pool, inbox = self.read_inbox(pool, now[0])
+            res, grads, loss, out_f, arrival_b = self.act(pool, res, grads, loss, now[0], inbox,
+                                                          tie=arrival_b, lanes=lanes)
+        arrival_f = self.send(out_f, 0) if on.sends[0] else ()
+        if head_before:
             arrival_b, dy = arrival_b
             pool = _set_at(pool, head_slot, dy)
+        if head_now:
             arrival_f = (arrival_f, self.head_input(out_f, now[0]))
-        else:
+        elif not split_head and on.head:
             pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
-        pool = self.file_all(pool, now[1], arrival_b, 1)
-        pool, inbox = self.read_inbox(pool, now[1])
-        res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
-                                                      tie=arrival_f, lane=1, lanes=lanes)
-        if split_head:
+        if on.receives[1]:
+            pool = self.file_all(pool, now[1], arrival_b, 1)
+        out_b = self.zeros
+        if on.acts[1]:
+            pool, inbox = self.read_inbox(pool, now[1])
+            res, grads, loss, out_b, arrival_f = self.act(pool, res, grads, loss, now[1], inbox,
+                                                          tie=arrival_f, lane=1, lanes=lanes)
+        if head_now:
             arrival_f, y = arrival_f
             head_dy, grads, loss = self.head_pullback(lambda: y, grads, loss, rows, now[0])
             pending_head = (head_dy, now[0][COL["head_slot"]])
-        pool = self.file_all(pool, next_[0], arrival_f, 0)
+        elif split_head:
+            pending_head = self.no_head
+        if on.sends[0]:
+            pool = self.file_all(pool, next_[0], arrival_f, 0)
         return (pool, res, out_b, pending_head, grads, loss), None
 
     def fused_tick(self, carry, rows_pairs, lanes=None, send=True):
@@ -1252,30 +1267,65 @@ class _TickLoop:
         pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
         return (pool, res, sent_b, sent_f, grads, loss), None
 
+    def spans(self, tick: Callable, carry, xs):
+        """`tick` scanned over the table's rows (`xs`, the per-row inputs, all but a last tick
+        that runs apart), in a loop scoped with its rows (`SPAN_SCOPE`, which
+        `analysis.step_estimate` replays).
+
+        A paired tick on an accelerator runs one loop per span of `TickProgram.spans` -- the
+        fill, the steady state, the drain --, each with its own switches (over the branches
+        its rows take) and only the parts of a tick its rows use: the fill sends nothing
+        back and runs no head, the drain sends nothing forward. (GPT-1.3B pp4 x dp2,
+        deviceless 8 x H100: 992 -> 980 ms, 0.748 -> 0.793 of the collective bytes under
+        GEMMs.) Elsewhere one loop: a CPU host's collectives cost their rendezvous whether
+        they carry data or not, each loop is one more body to compile, and a fused program's
+        lone ticks (collective matmul at tp > 1) laid its pools out sequence-major, which
+        the steady loop's carry took on and transposed back every tick (GPT-1.3B pp2 x dp2 x
+        tp2: 1065 -> 1115 ms)."""
+        stop = xs[0].shape[0]
+        spanned = self.accelerator and self.program.lanes == 2 and not self.program.fused
+        spans = self.program.spans(stop) if spanned else (
+            TickSpan.every(0, stop, self.program.lanes),)
+        for span in spans:
+            rows = slice(span.start, span.stop)
+            if len(spans) == 1:
+                body, lanes = tick, None
+            else:
+                lanes = self.switches(self.branches, rows, self.lone_branches)
+                body = partial(tick, lanes=lanes, span=span)
+            with jax.named_scope(f"{SPAN_SCOPE}{span.start}_{span.stop}"):
+                carry, _ = jax.lax.scan(body, carry, tuple(x[rows] for x in xs))
+        return carry
+
     def run(self, pool_sbtd):
         """(grads, loss) after scanning the table."""
         start = (self.ctx.grads0, self.ctx.loss0)
         table = jnp.asarray(self.program.table)
+        apart = self.deferred is not None
         if self.program.fused:
             pair_rows = jnp.asarray(self.program.lane_pairs[1])
             nothing = (self.zeros,) * 3  # no arrivals before the first tick (`send`)
             carry0 = (pool_sbtd, self.res0, nothing, nothing, *start)
-            if self.deferred is not None:
-                carry, _ = jax.lax.scan(self.fused_tick, carry0, (table[:-1], pair_rows[:-1]))
+            xs = (table, pair_rows)
+            carry = self.spans(self.fused_tick, carry0, tuple(x[:-1] if apart else x for x in xs))
+            if apart:
                 return self.last_tick(carry, table[-1], pair_rows[-1])
-            (*_, grads, loss), _ = jax.lax.scan(self.fused_tick, carry0, (table, pair_rows))
+            (*_, grads, loss) = carry
         elif self.program.lanes == 2:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
-            no_head = ()
+            self.no_head = ()
             if self.split_head:  # typed like the row's slot (varying over pp)
                 row0 = _at(table[0], self.stage)[0]
-                no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], self.program.trash))
-            carry0 = (pool_sbtd, self.res0, self.zeros, no_head, *start)
-            if self.deferred is not None:
-                carry, _ = jax.lax.scan(self.paired_tick, carry0, (table[:-1], table_next[:-1]))
+                self.no_head = (self.zeros,
+                                jnp.full_like(row0[COL["head_slot"]], self.program.trash))
+            carry0 = (pool_sbtd, self.res0, self.zeros, self.no_head, *start)
+            xs = (table, table_next)
+            carry = self.spans(self.paired_tick, carry0,
+                               tuple(x[:-1] if apart else x for x in xs))
+            if apart:
                 return self.last_tick(carry, table[-1], table_next[-1])
-            (*_, grads, loss), _ = jax.lax.scan(self.paired_tick, carry0, (table, table_next))
+            (*_, grads, loss) = carry
         elif self.program.skewed:
             # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)

@@ -37,8 +37,42 @@ HEAD_SCOPE = "pp_head"
 # switches take the last row of the table, the loop's the others
 # (`analysis.analyze.switch_weights`).
 LAST_TICK_SCOPE = "pp_last_tick"
+# Around each loop over a span of the table's ticks (`TickSpan`): `pp_ticks{start}_{stop}`.
+SPAN_SCOPE = "pp_ticks"
 RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
 ROUTES = ("down", "up", "self")
+
+
+class TickSpan(NamedTuple):
+    """A run of ticks `[start, stop)` the executor compiles as one loop, with only the parts
+    of a tick that one of them uses (`TickProgram.spans`). Flags per lane:
+
+    Attributes:
+      acts: some stage runs an action in the lane.
+      sends: what the lane's actions make at one of these ticks arrives somewhere.
+      receives: what the lane's actions made at the tick before one of these arrives.
+      head: a vocabulary-parallel head phase at one of these ticks.
+      head_before: one at the tick before one of these (a paired tick sums its gradient
+        over pp at the next tick).
+    """
+
+    start: int
+    stop: int
+    acts: tuple[bool, ...]
+    sends: tuple[bool, ...]
+    receives: tuple[bool, ...]
+    head: bool
+    head_before: bool
+
+    @classmethod
+    def every(cls, start: int, stop: int, lanes: int) -> "TickSpan":
+        """Ticks `[start, stop)` running every part of a tick."""
+        return cls(start, stop, (True,) * lanes, (True,) * lanes, (True,) * lanes, True, True)
+
+
+# A span is split off the table's ends only if it has at least this many ticks: each span is
+# one more loop body to compile.
+MIN_SPAN_TICKS = 2
 
 
 class Branch(NamedTuple):
@@ -173,6 +207,60 @@ class TickProgram:
     def residual_slots(self, pool: str) -> int:
         """Slots of a residual pool ("chunk", "first", "last"); at least 1."""
         return max(1, dict(self.res_slots).get(pool, 0))
+
+    @functools.cached_property
+    def tick_parts(self) -> np.ndarray:
+        """bool `(ticks, 3 lanes + 2)`: per tick, the `TickSpan` flags of that tick alone
+        (acts, sends, receives per lane, head, head before), at latency 1."""
+        lanes, ticks = self.lanes, self.ticks
+        files = self.table[..., [COL["file_down"], COL["file_up"], COL["file_self"]]]
+        arrives = (files != self.trash).any(axis=(1, 3))  # (ticks, lanes): filed at t
+        sends = np.zeros((ticks, lanes), bool)
+        sends[:-1] = arrives[1:]  # latency 1: what t makes is filed at t + 1
+        head = (self.column("head_mb")[:, 0, 0] > 0) if self.vocab_parallel \
+            else np.zeros(ticks, bool)
+        head_before = np.concatenate([[False], head[:-1]])
+        acts = (self.column("branch") != IDLE).any(axis=1)
+        return np.concatenate([acts, sends, arrives, head[:, None], head_before[:, None]],
+                              axis=1)
+
+    def spans(self, stop: int | None = None) -> tuple[TickSpan, ...]:
+        """The ticks `[0, stop)` as at most three `TickSpan`s -- the fill, the steady state and
+        the drain -- so that a loop over the fill runs no backward lane, no backward ring
+        and no head, and one over the drain no forward ring: a collective that would only
+        carry zeros is not compiled into that loop. The two cuts are the ones that leave
+        the fewest (tick, part) units run in all, each end span at least `MIN_SPAN_TICKS`
+        long. One span, every part, at a transfer latency other than 1."""
+        stop = self.ticks if stop is None else stop
+        if self.skewed or stop < 1:
+            return (TickSpan.every(0, stop, self.lanes),)
+        parts = self.tick_parts[:stop]
+        seen = np.cumsum(parts, axis=0)  # (ticks, parts): uses up to and including t
+
+        def used(a: int, b: int) -> np.ndarray:  # which parts ticks [a, b) use
+            return (seen[b - 1] - (seen[a - 1] if a else 0)) > 0
+
+        # A cut matters only where the parts used so far change: just before a tick that adds
+        # one (from the start), or just after one (from the end).
+        grows = [0] + [t for t in range(1, stop) if (parts[t] & ~used(0, t)).any()]
+        shrinks = [stop] + [t for t in range(1, stop) if (parts[t - 1] & ~used(t, stop)).any()]
+        best = None
+        for a in grows:
+            for b in shrinks:
+                if b < a or 0 < a < MIN_SPAN_TICKS or 0 < stop - b < MIN_SPAN_TICKS:
+                    continue
+                cuts = (0, a, b, stop)
+                runs = [(x, y) for x, y in zip(cuts, cuts[1:]) if y > x]
+                cost = sum((y - x) * used(x, y).sum() for x, y in runs)
+                if best is None or cost < best[0]:
+                    best = (cost, runs)
+        lanes = self.lanes
+        out = []
+        for x, y in best[1]:
+            u = used(x, y).tolist()
+            out.append(TickSpan(x, y, tuple(u[:lanes]), tuple(u[lanes:2 * lanes]),
+                                tuple(u[2 * lanes:3 * lanes]), u[-2], u[-1]))
+        return tuple(out)
 
     def idle_fraction(self) -> float:
         """Idle stage-ticks / (stages x ticks) of the table the executor runs, with each
