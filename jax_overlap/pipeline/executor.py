@@ -5,7 +5,10 @@ A schedule (`jax_overlap.pipeline.schedules`) says which action each stage runs 
 (idle, or F/B/W of the first / a middle / the last virtual stage), microbatch, chunk, which
 stash slots the action reads, and which slots this tick's arrivals are filed into. The
 executor is a `lax.scan` over ticks; each stage reads its row with `axis_index('pp')` and
-`lax.switch`es to that one action, so a tick costs only the work it executes.
+`lax.switch`es to that one action, so a tick costs only the work it executes. A paired
+table on an accelerator runs as three scans, over the fill, the steady state and the drain
+(`TickProgram.spans`): the fill's loop has no backward lane, ring or head all-reduce and the
+drain's no forward ring, so a collective that would carry only zeros there is not compiled.
 
 Communication: a stage sends at most one tensor per tick -- an activation to the next virtual
 stage (F) or an input gradient to the previous one (B). Neighbours are at +1 or -1 on the
