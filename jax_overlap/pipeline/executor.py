@@ -970,6 +970,12 @@ class _TickLoop:
         # collectives run asynchronously (an accelerator's program).
         self.split_head = (program.vocab_parallel and program.lanes == 2 and accelerator
                            and not program.fused)
+        # A split head's pending gradient where the last tick had no head: zeros, for the
+        # trash slot (typed like a row's slot: varying over pp).
+        self.no_head = ()
+        if self.split_head:
+            row0 = _at(jnp.asarray(program.table[0]), self.stage)[0]
+            self.no_head = (self.zeros, jnp.full_like(row0[COL["head_slot"]], program.trash))
         self.accelerator = accelerator
         # A fused tick's head runs after its switch, with nothing else to hide its TP
         # collectives under: in two halves of the microbatch, each half's under the other's
@@ -1270,7 +1276,7 @@ class _TickLoop:
         pool, grads, loss = self.head_phase(pool, grads, loss, out_f, rows, now[0])
         return (pool, res, sent_b, sent_f, grads, loss), None
 
-    def spans(self, tick: Callable, carry, xs):
+    def scan_spans(self, tick: Callable, carry, xs):
         """`tick` scanned over the table's rows (`xs`, the per-row inputs, all but a last tick
         that runs apart), in a loop scoped with its rows (`SPAN_SCOPE`, which
         `analysis.step_estimate` replays).
@@ -1310,22 +1316,18 @@ class _TickLoop:
             nothing = (self.zeros,) * 3  # no arrivals before the first tick (`send`)
             carry0 = (pool_sbtd, self.res0, nothing, nothing, *start)
             xs = (table, pair_rows)
-            carry = self.spans(self.fused_tick, carry0, tuple(x[:-1] if apart else x for x in xs))
+            carry = self.scan_spans(self.fused_tick, carry0,
+                                    tuple(x[:-1] if apart else x for x in xs))
             if apart:
                 return self.last_tick(carry, table[-1], pair_rows[-1])
             (*_, grads, loss) = carry
         elif self.program.lanes == 2:
             nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
             table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
-            self.no_head = ()
-            if self.split_head:  # typed like the row's slot (varying over pp)
-                row0 = _at(table[0], self.stage)[0]
-                self.no_head = (self.zeros,
-                                jnp.full_like(row0[COL["head_slot"]], self.program.trash))
             carry0 = (pool_sbtd, self.res0, self.zeros, self.no_head, *start)
             xs = (table, table_next)
-            carry = self.spans(self.paired_tick, carry0,
-                               tuple(x[:-1] if apart else x for x in xs))
+            carry = self.scan_spans(self.paired_tick, carry0,
+                                    tuple(x[:-1] if apart else x for x in xs))
             if apart:
                 return self.last_tick(carry, table[-1], table_next[-1])
             (*_, grads, loss) = carry
