@@ -81,8 +81,8 @@ RING_REMAT_WHY = ("collective-matmul rings: recomputing a block's forward would 
                   "estimated: 1.21 s under full, 1.09 s under minimal, 1.73 s under none)")
 PIPELINE_REMAT_WHY = ("pipeline at tp = 1: B reads the projections' outputs from the F's "
                       "stash slot instead of recomputing the block's GEMMs (GPT-1.3B pp4 x dp2, "
-                      "deviceless 8 x H100, estimated: interleaved 1.05 -> 1.01 s, ZB-V "
-                      "1.28 -> 1.18 s; at tp = 2 under sequence parallelism no faster: B "
+                      "deviceless 8 x H100, estimated: interleaved 1.02 -> 0.98 s, ZB-V "
+                      "1.27 -> 1.17 s; at tp = 2 under sequence parallelism no faster: B "
                       "gathers the inputs again for the weight gradients)")
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
 XLA_REMAT_PASS = "rematerialization"
@@ -892,26 +892,27 @@ def _resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fs
 INTERLEAVED_WHY = ("GPU: interleaved 1F1B, paired: less bubble than 1F1B at the same "
                    "microbatches for more transfers, all under GEMMs -- the fastest compiled "
                    "step estimated (GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved m 16 "
-                   "992 ms, MFU 0.61; 1F1B m 32 1057 ms; ZB-V 1180 ms)")
+                   "980 ms, MFU 0.61; 1F1B m 32 1056 ms; ZB-V 1170 ms)")
 # How many chunks `auto` cuts each stage into, in order of preference: three or four, where
 # each keeps at least `INTERLEAVED_MIN_LAYERS` layers, else two (deviceless 8 x H100, plain
-# configs: GPT-1.3B pp4 x dp2 v 2 / 3 / 6: 1006 / 992 / 1027 ms; pp2 x dp2 x tp2 v 2 / 3 / 4 / 6:
-# 1083 / 1065 / 1068 / 1066 ms; Llama-3-8B pp4 x dp2 v 2 / 4: 5553 / 5450 ms). Past three or
-# four, each tick's fixed costs (filing arrivals, launches) and its transfers, now under fewer
-# GEMMs, outweigh the bubble it saves.
+# configs: GPT-1.3B pp4 x dp2 v 2 / 3 / 6: 998 / 980 / 979 ms, v 6 at m 8 holding 46 GiB
+# against 31 with 0.63 of its collective bytes under GEMMs against 0.79; pp2 x dp2 x tp2
+# v 2 / 3 / 4 / 6: 1083 / 1065 / 1068 / 1066 ms; Llama-3-8B pp4 x dp2 v 2 / 4: 5532 / 5427 ms).
+# Past three or four, each tick's fixed costs (filing arrivals, launches) and its transfers,
+# now under fewer GEMMs, outweigh the bubble it saves.
 INTERLEAVED_CHUNKS = (3, 4)
 INTERLEAVED_MIN_LAYERS = 2
 INTERLEAVED_CHUNKS_WHY = ("{v} chunks of {n} layers per stage: bubble (p - 1) / (v m + p - 1) "
                           "a third to a half below two chunks', each tick's transfers still "
-                          "under its GEMMs (GPT-1.3B pp4 x dp2, deviceless 8 x H100: v 2 / 3 / "
-                          "6 1006 / 992 / 1027 ms; Llama-3-8B pp4 x dp2: v 2 / 4 5553 / "
-                          "5450 ms)")
+                          "under its GEMMs (GPT-1.3B pp4 x dp2, deviceless 8 x H100: v 2 / 3 "
+                          "998 / 980 ms, v 6 no faster at 46 GiB against 31; Llama-3-8B pp4 x "
+                          "dp2: v 2 / 4 5532 / 5427 ms)")
 INTERLEAVED_TWO_WHY = ("two chunks of {n} layers per stage: model.layers {layers} does not split "
                        "into " + " or ".join(map(str, INTERLEAVED_CHUNKS))
                        + " x pp chunks of at least {least} layers")
 AUTO_SCHEDULE_WHY = {
     True: ("GPU: 1F1B paired ({why}; GPT-1.3B pp4 x dp2, deviceless 8 x H100: interleaved "
-           "992 ms, 1F1B 1057 ms, ZB-V 1180 ms, whose extra ticks and W actions cost more than "
+           "980 ms, 1F1B 1056 ms, ZB-V 1170 ms, whose extra ticks and W actions cost more than "
            "its smaller bubble saves)"),
     False: ("CPU: the least work (bench/pipeline.py, p = 4, m = 8: 1F1B 1.09-1.29x a pp = 1 "
             "step's, ZB-V 1.35-1.47x)"),
