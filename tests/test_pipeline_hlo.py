@@ -300,27 +300,8 @@ def _tick_scan_bodies(jaxpr, lengths: list[int]) -> list:
 
 
 def _tick_scan_body(jaxpr, ticks: int):
-    """The body of the traced step's `scan` over its `ticks` ticks."""
-
-    def subs(params):  # the jaxprs an equation's params hold (cond branches, scan body...)
-        for v in params.values():
-            for x in v if isinstance(v, (tuple, list)) else (v,):
-                x = getattr(x, "jaxpr", x)
-                if hasattr(x, "eqns"):
-                    yield x
-
-    def find(j):
-        for e in j.eqns:
-            if e.primitive.name == "scan" and e.params["length"] == ticks:
-                return e.params["jaxpr"].jaxpr
-            for sub in subs(e.params):
-                found = find(sub)
-                if found is not None:
-                    return found
-        return None
-
-    body = find(jaxpr)
-    assert body is not None
+    """The body of the traced step's one `scan` over its `ticks` ticks."""
+    (body,) = _tick_scan_bodies(jaxpr, [ticks])
     return body
 
 
