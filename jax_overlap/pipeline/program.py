@@ -240,13 +240,15 @@ class TickProgram:
         def used(a: int, b: int) -> np.ndarray:  # which parts ticks [a, b) use
             return (seen[b - 1] - (seen[a - 1] if a else 0)) > 0
 
-        # A cut matters only where the parts used so far change: just before a tick that adds
-        # one (from the start), or just after one (from the end).
-        grows = [0] + [t for t in range(1, stop) if (parts[t] & ~used(0, t)).any()]
-        shrinks = [stop] + [t for t in range(1, stop) if (parts[t - 1] & ~used(t, stop)).any()]
+        # Between two ticks that add a part to what the fill (from the start) or the drain
+        # (from the end) uses, a span's parts are the same: its best cut is at one end.
+        grows = [t for t in range(1, stop) if (parts[t] & ~used(0, t)).any()]
+        shrinks = [t for t in range(1, stop) if (parts[t - 1] & ~used(t, stop)).any()]
+        firsts = sorted({0, *grows, *(t + 1 for t in grows if t + 1 < stop)})
+        lasts = sorted({stop, *shrinks, *(t - 1 for t in shrinks if t > 1)})
         best = None
-        for a in grows:
-            for b in shrinks:
+        for a in firsts:
+            for b in lasts:
                 if b < a or 0 < a < MIN_SPAN_TICKS or 0 < stop - b < MIN_SPAN_TICKS:
                     continue
                 cuts = (0, a, b, stop)
