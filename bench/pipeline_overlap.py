@@ -135,9 +135,9 @@ def main() -> int:
         label = r["schedule"] + ("+paired" if r["paired"] else "")
         print(f"{label:19s} {r['transfer_latency']:7d} {r['grad_bucket_mb']:7g} "
               f"{r['ticks']:5d} {r['bubble']:6.3f} {r['stash_slots']:5d} "
-              f"{r['permute_bytes_per_step'] / 2**20:11.1f} "
+              f"{r['permute_bytes_per_step'] / 2**20:11.4g} "
               f"{r['permute_bytes_under_gemm_fraction']:5.2f} "
-              f"{r['dp_bytes_per_step'] / 2**20:6.1f} {r['dp_bytes_under_gemm_fraction']:5.2f} "
+              f"{r['dp_bytes_per_step'] / 2**20:6.3g} {r['dp_bytes_under_gemm_fraction']:5.2f} "
               f"{r['all_bytes_under_gemm_fraction']:5.2f}")
     if args.out is None:
         return 0
