@@ -56,7 +56,7 @@ class DecoderStagedModel:
     vocab_parallel_head = True
     # The embedding maps each example on its own (no statistics over the batch, no collective
     # over the data axes): the pipeline may pull it back for any replica's inputs at once
-    # (`jax_overlap.pipeline.executor.DeferredEmbedding`).
+    # (`jax_overlap.pipeline.tick_loop.DeferredEmbedding`).
     per_example_embedding = True
 
     def init(self, rng: jax.Array) -> Any:

@@ -588,8 +588,8 @@ GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
 def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypatch):
     """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead),
     and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
-    after it (`executor.DeferredEmbedding`)."""
-    from jax_overlap.pipeline import executor
+    after it (`tick_loop.DeferredEmbedding`)."""
+    from jax_overlap.pipeline import executor, tick_loop
     from jax_overlap.plan import Target
 
     name, pp, dp, tp, m, tied, *extra = case
@@ -608,9 +608,9 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
     contexts = []
     monkeypatch.setattr(executor, "_lone_context", lambda *a, _f=executor._lone_context: (
         contexts.append(_f(*a)) or contexts[-1]))
-    deferred = executor.deferred_embedding(model, program, True,
-                                           any(b.sync for b in program.branches),
-                                           run.plan.overlap, dict(run.mesh.shape))
+    deferred = tick_loop.deferred_embedding(model, program, True,
+                                            any(b.sync for b in program.branches),
+                                            run.plan.overlap, dict(run.mesh.shape))
     assert (deferred is not None) == (name == "1f1b")
     loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
                                                 run.put_batch(batch))

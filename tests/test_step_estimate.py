@@ -196,7 +196,7 @@ def test_analyze_top_must_be_a_count():
 
 def test_a_last_tick_after_the_loop_is_costed_by_the_last_row(monkeypatch):
     """The GPU plan's paired 1F1B runs its last tick after the loop, the embedding's
-    reduction under it (`pipeline.executor.DeferredEmbedding`). The loop's switches are
+    reduction under it (`pipeline.tick_loop.DeferredEmbedding`). The loop's switches are
     weighted by the rows before the last and the peeled tick's by the last row, so the step
     costs the same GEMMs as when every tick runs in the loop (weighted by the whole table,
     the peeled tick counted as an average one: one tick's GEMMs short)."""

@@ -599,7 +599,7 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
     """The roofline of ``module`` at ``chip``'s rates, its pipeline replayed, plus
     ``exposed_s``."""
 
-    # A step that runs its last tick after the loop (`pipeline.executor.DeferredEmbedding`)
+    # A step that runs its last tick after the loop (`pipeline.tick_loop.DeferredEmbedding`)
     # has a second set of tick switches, outside the loop: those take the table's last
     # row, the loop's the rows before it.
     loops = _tick_loops(module) if ticks is not None else []

@@ -49,7 +49,7 @@ def force_host_devices(count: int, environ: dict | None = None) -> None:
 
     Also turns on XLA:CPU's region-based copy insertion: without it XLA:CPU copies a
     pipeline's residual pools and gradient accumulators through the tick switch that updates
-    them in place, every tick (`pipeline.executor.run_ticks`; ZB-V on pp4 x dp2 took 1.8x as
+    them in place, every tick (`pipeline.tick_loop.run_ticks`; ZB-V on pp4 x dp2 took 1.8x as
     long). Both flags only affect the CPU platform, so they are harmless on a GPU host. A
     value the user already set in XLA_FLAGS is respected (a device count mismatch then fails
     with a clear mesh error).

@@ -54,7 +54,7 @@ def remat_block(block: Callable, name: str, prevent_cse: bool = True) -> Callabl
     `prevent_cse=False` where the forward and the backward's recompute never share one
     computation, so XLA's CSE cannot merge them: a layer scan's body (JAX's own advice for
     `jax.checkpoint` under `scan`) and a pipeline's F and B, which run in different branches
-    of the tick switch (`pipeline.executor._cse_barrier`). Without the optimization barrier
+    of the tick switch (`pipeline.actions._cse_barrier`). Without the optimization barrier
     that `prevent_cse` puts around the recompute's inputs, the backward reads the kept
     residuals where they lie instead of copying them out first: out of their stash slots in
     a pipeline (GPT-1.3B pp4 x dp2 interleaved under `minimal`, deviceless 8 x H100: 1045 ->

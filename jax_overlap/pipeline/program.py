@@ -33,7 +33,7 @@ COL = {name: i for i, name in enumerate(FIELDS)}
 # replay the table on.
 LANE_SCOPE = "pp_lane"
 HEAD_SCOPE = "pp_head"
-# Around the step's last tick where it runs after the loop (`executor.DeferredEmbedding`): its
+# Around the step's last tick where it runs after the loop (`tick_loop.DeferredEmbedding`): its
 # switches take the last row of the table, the loop's the others
 # (`analysis.analyze.switch_weights`).
 LAST_TICK_SCOPE = "pp_last_tick"
