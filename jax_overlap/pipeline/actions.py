@@ -627,9 +627,9 @@ def sync_branch(ctx: StepContext, kind: str, role: str, defer_embed: bool = Fals
     every dp replica of the stage, so each collective's replica group (the stage's dp peers)
     meets.
 
-    `defer_embed` (virtual stage 0's last one, run as the step's last tick: `_TickLoop`'s
-    deferred embedding): the embedding runs outside the pullback, and the branch's output is
-    the gradient of its activations instead of the embedding's gradients.
+    `defer_embed` (virtual stage 0's last one, run as the step's last tick:
+    `tick_loop.DeferredEmbedding`): the embedding runs outside the pullback, and the branch's
+    output is the gradient of its activations instead of the embedding's gradients.
     """
     want_x = kind == "B" and role != "first"
     if defer_embed and role != "first":

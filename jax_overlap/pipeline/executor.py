@@ -107,7 +107,8 @@ def reduce_step_grads(grads: dict, overlap, fsdp_layout, dp: int, synced: bool,
     less than two in a row), fsdp reduce-scatters them, otherwise every leaf goes through
     `buckets.reduce_gradients`, but the `own_rows` leaves (`DpLayout.own_rows`: stored split
     over dp, their gradients already summed where their rows are shared). `ends`: the
-    embedding's and head's gradients already reduced over (pp, dp) (`_TickLoop.last_tick`).
+    embedding's and head's gradients already reduced over (pp, dp)
+    (`tick_loop._TickLoop.last_tick`).
     """
     # Each stage holds its own layers' gradients: nothing to combine over pp.
     blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]),
@@ -252,7 +253,7 @@ def _residual_pools(pieces: StagePieces, params, blocks_vn, mbs, program: TickPr
     x, _, embed_layout, _ = vjp_with_layout(lambda we: pieces.embed(we, ids),
                                             (params["embed"],), (params["embed"],))
     cs = _chunk_split(pieces, w_chunk, x, program) if split_backward else None
-    n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `run_ticks`)
+    n_chunk = program.residual_slots("chunk") + 1  # + a trash slot (see `tick_loop.run_ticks`)
     z0 = extra = None
     if cs is None:
         w_layers = pieces.chunk_weights(w_chunk)

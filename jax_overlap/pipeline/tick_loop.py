@@ -143,7 +143,7 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
     `deferred`: the last tick runs apart, its embedding's reduction deferred
     (`_TickLoop.last_tick`).
     `lone_branches`: a fused program's branches for the ticks that run one action, in the
-    lone context (`_lone_context`, `overlap.lone_tp_comm`); None runs them as the pairs.
+    lone context (`executor._lone_context`, `overlap.lone_tp_comm`); None runs them as the pairs.
 
     Returns:
       (grads, loss, ends): grads and loss accumulated over the step on this device; `ends`
@@ -704,7 +704,7 @@ def _pair_switch(ctx: StepContext, branches: list, fills: dict[str, tuple[bool, 
             g, loss = carry if grads else (ctx.grads0, carry[0])
             filed = dict(kept)
             # A lone action has no other lane to hide its collectives under: it runs in
-            # the lone context (`_lone_context`), if there is one.
+            # the lone context (`executor._lone_context`), if there is one.
             run_ = branches if lone_branches is None or all(pair) else lone_branches
             for lane, b in enumerate(pair):
                 if not b:
