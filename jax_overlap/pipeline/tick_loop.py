@@ -532,39 +532,41 @@ class _TickLoop:
         return carry
 
     def run(self, pool_sbtd):
-        """(grads, loss) after scanning the table."""
+        """(grads, loss, ends) after scanning the table (`ends`: see `run_ticks`)."""
         start = (self.ctx.grads0, self.ctx.loss0)
         table = jnp.asarray(self.program.table)
-        apart = self.deferred is not None
         if self.program.fused:
-            pair_rows = jnp.asarray(self.program.lane_pairs[1])
             nothing = (self.zeros,) * 3  # no arrivals before the first tick (`send`)
-            carry0 = (pool_sbtd, self.res0, nothing, nothing, *start)
-            xs = (table, pair_rows)
-            carry = self.scan_spans(self.fused_tick, carry0,
-                                    tuple(x[:-1] if apart else x for x in xs))
-            if apart:
-                return self.last_tick(carry, table[-1], pair_rows[-1])
-            (*_, grads, loss) = carry
-        elif self.program.lanes == 2:
-            nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
-            table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
-            carry0 = (pool_sbtd, self.res0, self.zeros, self.no_head, *start)
-            xs = (table, table_next)
-            carry = self.scan_spans(self.paired_tick, carry0,
-                                    tuple(x[:-1] if apart else x for x in xs))
-            if apart:
-                return self.last_tick(carry, table[-1], table_next[-1])
-            (*_, grads, loss) = carry
-        elif self.program.skewed:
-            # Row t+1 says where the arrivals filed at the end of tick t go; nothing after the end.
-            nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
-            table_next = jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
+            return self.scan_pairs(self.fused_tick, (pool_sbtd, self.res0, nothing, nothing,
+                                                     *start),
+                                   (table, jnp.asarray(self.program.lane_pairs[1])))
+        if self.program.lanes == 2:
+            return self.scan_pairs(self.paired_tick, (pool_sbtd, self.res0, self.zeros,
+                                                      self.no_head, *start),
+                                   (table, self.next_rows()))
+        if self.program.skewed:
             carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, *start)
-            (*_, grads, loss), _ = jax.lax.scan(self.skewed_tick, carry0, (table, table_next))
+            (*_, grads, loss), _ = jax.lax.scan(self.skewed_tick, carry0,
+                                                (table, self.next_rows()))
         else:
             carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, self.zeros, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.tick, carry0, table)
+        return grads, loss, None
+
+    def next_rows(self):
+        """Per tick, the next tick's row, which says where the arrivals filed at the end of
+        this one go (the trash slot after the last tick)."""
+        nothing = np.full((1, *self.program.table.shape[1:]), self.program.trash, np.int32)
+        return jnp.asarray(np.concatenate([self.program.table[1:], nothing]))
+
+    def scan_pairs(self, tick: Callable, carry0, xs):
+        """A two-lane table's loops (`scan_spans`), then its last tick where that runs apart
+        (`last_tick`, with the last of each of `xs`)."""
+        apart = self.deferred is not None
+        carry = self.scan_spans(tick, carry0, tuple(x[:-1] if apart else x for x in xs))
+        if apart:
+            return self.last_tick(carry, *(x[-1] for x in xs))
+        (*_, grads, loss) = carry
         return grads, loss, None
 
     def last_tick(self, carry, rows, rows_next):
