@@ -225,6 +225,21 @@ def test_imports_only_point_down():
     assert _upward_imports(_modules((PKG, MODELS))) == []
 
 
+# The pipeline executor's modules, lowest first: each imports only those before it.
+EXECUTOR_MODULES = ["slots", "actions", "tick_loop", "executor"]
+
+
+def test_the_executor_modules_import_one_way():
+    """slots (reads and writes at a slot) -> actions (F, B, W branches) -> tick_loop (the
+    scans) -> executor (the per-device step): no module reaches up the chain."""
+    modules = _modules()
+    names = [f"jax_overlap.pipeline.{n}" for n in EXECUTOR_MODULES]
+    bad = [f"{name} imports {target}" for i, name in enumerate(names)
+           for target, _, _ in _imports(modules[name], modules)
+           if target in names and names.index(target) >= i]
+    assert bad == []
+
+
 def test_models_read_no_parallel_config_section():
     """A model takes `cfg.model` and the plain facts `model_api.build_facts` hands its builder;
     the mesh, pipeline and overlap sections are the plan's."""
