@@ -307,14 +307,3 @@ class Llama(DecoderStagedModel):
         """6·N·T for the matmuls plus attention's 12·L·T²·d."""
         t = self.seq_len
         return 6.0 * self.num_params() * t + 12.0 * self.num_layers * t * t * self.d_model
-
-
-def build(cfg, tp: int = 1, ep: int = 1):
-    """The model `model.kind: llama` names (registered in pyproject.toml), laid out for the
-    tensor-parallel degree `tp` the library's `build_model` passes; with `model.experts > 0`
-    the mixture-of-experts decoder (`models.moe`), its experts split `ep` ways."""
-    if cfg.model.experts:
-        from models.moe import MoeLlama
-
-        return MoeLlama.from_config(cfg, tp, ep)
-    return Llama.from_config(cfg.model, tp=tp)

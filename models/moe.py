@@ -430,3 +430,14 @@ class MoeLlama(Llama):
         t = self.seq_len
         return (6.0 * self.active_params() * t
                 + 12.0 * self.total_layers * t * t * self.d_model)
+
+
+def build(cfg, tp: int = 1, ep: int = 1):
+    """The model `model.kind: llama` names (registered in pyproject.toml), laid out for the
+    tensor-parallel degree `tp` the library's `build_model` passes: the dense decoder
+    (`models.llama`), or with `model.experts > 0` this mixture-of-experts one, its experts
+    split `ep` ways. It lives here, beside the one model that builds on the other, so that
+    `models.llama` needs nothing of this module."""
+    if cfg.model.experts:
+        return MoeLlama.from_config(cfg, tp, ep)
+    return Llama.from_config(cfg.model, tp=tp)
