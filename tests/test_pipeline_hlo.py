@@ -201,7 +201,6 @@ def test_skewed_loop_and_in_loop_buckets_on_the_gpu_schedule():
     assert hidden / moved >= 0.5  # the chunk's first layer's buckets have nothing left
 
 
-@pytest.mark.slow
 def _by_loop(ops: list[dict]) -> dict[str, list[dict]]:
     """`analyze --json` ops grouped by the computation they run in."""
     out: dict[str, list[dict]] = {}
@@ -210,6 +209,7 @@ def _by_loop(ops: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_paired_zb_v_sends_every_transfer_under_a_lane_on_the_gpu_schedule():
     """pp4 x dp2, ZB-V with paired ticks, compiled for 8 H100s: in the steady state both lanes
     send on both rings, four permutes a tick, and each runs beside the other lane's
@@ -331,11 +331,12 @@ def test_an_accelerator_tick_sends_on_two_permute_rings():
         [down, tuple((b_, a) for a, b_ in down)])
 
 
-def _tick_body_head_psums(paired: bool, accelerator: bool) -> list[tuple[int, int]]:
-    """Per loop over a span of ticks (one loop but for a paired tick on a GPU:
-    `TickProgram.spans`), (psums over pp of one microbatch's activations at the top of the
-    loop's body, those inside a cond in it), from the traced step (no compile): pp2 x dp2,
-    ZB-V, vocabulary-parallel head."""
+def _tick_body_head_psums(paired: bool, accelerator: bool
+                          ) -> tuple[list[TickSpan], list[tuple[int, int]]]:
+    """The spans of the step's tick loops (one but for a paired tick on a GPU:
+    `TickProgram.spans`) and, per loop, (psums over pp of one microbatch's activations at the
+    top of its body, those inside a cond in it), from the traced step (no compile): pp2 x
+    dp2, ZB-V, vocabulary-parallel head."""
     from jax_overlap.plan import Target
 
     cfg = config.load(TINY, ["mesh.pp=2", "mesh.dp=2", "mesh.tp=1", "model.layers=4",
