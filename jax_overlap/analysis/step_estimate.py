@@ -627,7 +627,7 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
         # the last loop's.
         work = np.zeros(ticks.branch.shape[:2])
         covered = np.zeros(ticks.branch.shape[0], bool)
-        every, last = [], (-1, 0.0)
+        every, last_stop, last_outside = [], -1, 0.0
         for comp, inst, switches in loops:
             rows = rows_of(switches[0])
             trips = while_trip_count(module, comp, inst) or len(covered[rows])
@@ -638,8 +638,10 @@ def _replay(module: HloModule, chip: ChipSpec, model_flops: float,
             work[rows] += outside
             covered[rows] = True
             every += switches
-            last = max(last, (range(len(covered))[rows].stop, outside))
-        work[~covered] += last[1]
+            stop = rows.indices(len(covered))[1]
+            if stop > last_stop:  # the loop over the latest rows
+                last_stop, last_outside = stop, outside
+        work[~covered] += last_outside
         for switch in every + peeled:
             rows = rows_of(switch)
             costs = [b.seconds for b in walker.branches(switch, "")]

@@ -522,11 +522,8 @@ class _TickLoop:
             TickSpan.every(0, stop, self.program.lanes),)
         for span in spans:
             rows = slice(span.start, span.stop)
-            if len(spans) == 1:
-                body, lanes = tick, None
-            else:
-                lanes = self.switches(self.branches, rows, self.lone_branches)
-                body = partial(tick, lanes=lanes, span=span)
+            body = tick if len(spans) == 1 else partial(
+                tick, lanes=self.switches(self.branches, rows, self.lone_branches), span=span)
             with jax.named_scope(f"{SPAN_SCOPE}{span.start}_{span.stop}"):
                 carry, _ = jax.lax.scan(body, carry, tuple(x[rows] for x in xs))
         return carry
