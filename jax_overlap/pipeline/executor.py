@@ -68,10 +68,15 @@ from jax_overlap.pipeline.actions import (ChunkSplit, StagePieces, StepContext, 
                                           stack_layers, stage_pieces, sync_branch)
 from jax_overlap.pipeline.program import TickProgram
 from jax_overlap.pipeline.residuals import vjp_with_layout
-from jax_overlap.pipeline.slots import summed_slow, vary
+from jax_overlap.pipeline.slots import vary
 from jax_overlap.pipeline.tick_loop import DeferredEmbedding, deferred_embedding, run_ticks
 
 _log = logging.getLogger("jax_overlap")
+
+
+def _summed_slow(x) -> set[str]:
+    """{'dcn'} when the in-loop buckets also sum over it (see `overlap.slow_axis`)."""
+    return {DCN} if slow_axis.crosses_dcn(x) else set()
 
 
 def _gather_stage_blocks(blocks, fsdp_layout, dp: int):
@@ -318,7 +323,7 @@ def _per_device(params, batch, *, model, program: TickProgram, par: Parallel, ov
         # psum result), so they are kept apart from the per-replica accumulators.
         grads0["synced"] = jax.tree.map(
             lambda b: vary(jnp.zeros(b.shape, jnp.float32),
-                            sorted(set(_varying_axes(b)) - {DP} - summed_slow(b))),
+                            sorted(set(_varying_axes(b)) - {DP} - _summed_slow(b))),
             blocks_vn)
         tp_share = {u.leaf: math.prod(axis_sizes[a] for a in u.axes if a != DP)
                     for u in chunk_buckets.units}

@@ -8,10 +8,8 @@ from typing import Any
 
 import jax
 
-from jax_overlap.overlap import slow_axis
 from jax_overlap.parallel.compat import to_varying
 from jax_overlap.parallel.compat import varying_axes as _varying_axes
-from jax_overlap.parallel.mesh import DCN
 
 
 # ----------------------------------------------------------------------- varying types
@@ -21,11 +19,6 @@ def vary(x, axes) -> jax.Array:
     """Marks `x` varying over `axes`, skipping the ones it already varies over."""
     missing = tuple(a for a in axes if a not in _varying_axes(x))
     return to_varying(x, missing)
-
-
-def summed_slow(x) -> set[str]:
-    """{'dcn'} when the in-loop buckets also sum over it (see `overlap.slow_axis`)."""
-    return {DCN} if slow_axis.crosses_dcn(x) else set()
 
 
 # ------------------------------------------------------------------ slots and accumulators
