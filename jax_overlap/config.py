@@ -247,6 +247,14 @@ class OverlapConfig:
     # tp_comm. Needs model.remat: full (both then stash the same residuals). auto:
     # collective_matmul on a GPU at tp = 2 under fused pairs and sequence parallelism.
     lone_tp_comm: Literal["auto", "same", "collective_matmul"] = "auto"
+    # What sequence parallelism (and grouped collective matmul at tp = 2) splits over TP
+    # between blocks: each rank's positions of every sequence (Megatron's), or its share
+    # of the microbatch's sequences. A GPU all-gather concatenates along the major-most
+    # dim, so the gathered positions land sequence-major and every weight-gradient GEMM
+    # transposes them first; gathered sequences are already in order. auto: batch where
+    # the microbatch's sequences divide by tp and no collective-matmul ring cuts the
+    # sequence; sequence elsewhere.
+    sp_split: Literal["auto", "sequence", "batch"] = "auto"
     # XLA flag preset (overlap/xla_flags.py), applied before JAX starts. auto: gpu_overlap
     # when the step runs on (or is compiled for) a GPU, none on a CPU.
     xla_preset: str = "auto"

@@ -156,6 +156,8 @@ class OverlapPlan:
         previous one's backward (`training.grads`).
       lone_tp_comm: "same", or "collective_matmul": a fused pipeline tick that runs one
         action runs it with collective matmul (`pipeline.executor`).
+      sp_split: "sequence" or "batch": the dim sequence parallelism splits the activations
+        along between blocks (`Parallel.sp_dim`).
     """
 
     grad_bucket_bytes: int = 0
@@ -176,6 +178,7 @@ class OverlapPlan:
     moe_chunks: int = 1
     pair_microbatches: bool = False
     lone_tp_comm: str = "same"
+    sp_split: str = "sequence"
 
     @property
     def buckets_in_loop(self) -> bool:
@@ -359,6 +362,7 @@ class ParallelPlan:
         return Parallel(tp_axis=TP, tp=self.tp, compute_dtype=dtype,
                         tp_comm=self.overlap.tp_comm, cm_direction=self.overlap.cm_direction,
                         cm_grouped=self.overlap.cm_grouped,
+                        sp_dim=0 if self.overlap.sp_split == "batch" else 1,
                         explicit_wgrad=not self.pipelined, attention=self.attention,
                         moe_chunks=self.overlap.moe_chunks)
 
@@ -537,6 +541,8 @@ class ParallelPlan:
             plan = dataclasses.replace(plan, overlap=_paired_moe_chunks(cfg, plan, choices))
         plan = dataclasses.replace(plan, overlap=dataclasses.replace(
             plan.overlap, lone_tp_comm=_resolve_lone_tp_comm(cfg, plan, choices)))
+        plan = dataclasses.replace(plan, overlap=dataclasses.replace(
+            plan.overlap, sp_split=_resolve_sp_split(cfg, plan, choices)))
         if target.accelerator:
             plan = dataclasses.replace(plan, memory_estimate=estimated_step_bytes(
                 cfg, plan.micro_batch, overlap, remat, attention))
@@ -1102,6 +1108,46 @@ def _resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:
         return "same"
     choices["overlap.lone_tp_comm"] = Choice("collective_matmul", LONE_TP_COMM_WHY)
     return "collective_matmul"
+
+
+# Why `overlap.sp_split: auto` is batch where it can be (measured; docs/results.md).
+SP_SPLIT_WHY = (
+    "the microbatch's {b} sequences divide by tp = {tp}: each TP rank holds whole sequences "
+    "between blocks, so a gather over TP lands in the (b, t) order the other activations "
+    "are in and no weight-gradient GEMM transposes it first (GPT-1.3B pp2 x dp2 x tp2, "
+    "deviceless 8 x H100: its 26 ms of transposes gone, estimated step 1065 -> 1039 ms)")
+
+
+def _resolve_sp_split(cfg: Config, plan, choices: dict[str, Choice]) -> str:
+    """`overlap.sp_split`, `auto` resolved: batch where sequence parallelism's rows can be
+    whole sequences (the microbatch divides by tp, and any collective matmul runs grouped
+    own-chunk-first steps, which take a chunk of any dim), sequence elsewhere."""
+    want, ov, tp = cfg.overlap.sp_split, plan.overlap, plan.tp
+    sharded = tp > 1 and ov.tp_comm in ("sequence_parallel", "collective_matmul")
+    if want == "sequence" or (want == "auto" and not sharded):
+        return "sequence"
+    own_first = tp == 2  # collective_matmul.own_chunk_first: its steps take any dim
+    if ov.tp_comm == "collective_matmul" and not (ov.cm_grouped and own_first):
+        why = "collective matmul's ring steps cut the sequence"
+    elif ov.lone_tp_comm == "collective_matmul" and not own_first:
+        why = f"the lone actions' collective matmul at tp = {tp} steps over sequence pieces"
+    elif plan.micro_batch % tp:
+        why = f"the microbatch's {plan.micro_batch} sequences do not divide by tp = {tp}"
+    else:
+        why = None
+    if want == "batch":
+        if not sharded or why:
+            raise ConfigError([
+                f"overlap.sp_split=batch: "
+                f"{why or 'needs tp > 1 and overlap.tp_comm sequence_parallel or collective_matmul'}"
+                f"; set it to sequence or auto"])
+        return "batch"
+    if why:
+        choices["overlap.sp_split"] = Choice("sequence", why)
+        return "sequence"
+    choices["overlap.sp_split"] = Choice("batch", SP_SPLIT_WHY.format(b=plan.micro_batch,
+                                                                      tp=tp))
+    return "batch"
 
 
 # Why `pipeline.fused_pairs: auto` is what it is (measured; docs/results.md).

@@ -30,6 +30,8 @@ import numpy as np
 from jax_overlap.parallel.collectives import (
     Parallel,
     sequence_shard,
+    sp_gather,
+    token_shard,
     vocab_columns,
     vocab_cross_entropy,
     vocab_embed,
@@ -63,7 +65,7 @@ class BertEmbed(nn.Module):
         t = ids_bt.shape[1]
         t_local = x_btd.shape[1]
         pos_td = sequence_shard(wpe_td[:t].astype(dt), 0, t_local, par)
-        ids_bt = sequence_shard(ids_bt, 1, t_local, par)
+        ids_bt = token_shard(ids_bt, par)
         masked_bt1 = (ids_bt == MASK_ID)[..., None]
         return jnp.where(masked_bt1, mask_d.astype(dt), x_btd) + pos_td
 
@@ -83,8 +85,8 @@ class MLMHead(nn.Module):
         b_t_d = self.param("b_transform", nn.initializers.zeros, (self.d_model,))
         b_v = self.param("b_vocab", nn.initializers.zeros, (self.vocab // self.tp,))
         y_btd = LayerNorm(name="ln_f")(x_btd)
-        if par.sequence_sharded:  # logits need every position: (B, T/tp, D) -> (B, T, D)
-            y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
+        if par.sequence_sharded:  # logits need every position: this rank's rows -> (B, T, D)
+            y_btd = sp_gather(y_btd, par)
         # The transform is small and replicated on TP ranks: no collective needed.
         h_btd = jnp.einsum("btd,de->bte", y_btd.astype(dt), w_t_dd.astype(dt)) + b_t_d.astype(dt)
         h_btd = LayerNorm(name="ln_transform")(jax.nn.gelu(h_btd, approximate=True))

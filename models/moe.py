@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap.model_api import MOE_STATS, moe_stats_len
-from jax_overlap.parallel.collectives import Parallel, psum_tp
+from jax_overlap.parallel.collectives import Parallel, psum_tp, sp_gather, sp_scatter
 from jax_overlap.parallel.compat import axis_size, to_varying, varying_axes
 from jax_overlap.parallel.mesh import DP
 from models.llama import Block, Llama, RMSNorm, Rope, _normal
@@ -286,8 +286,8 @@ class MoeBlock(Block):
         w_down_efd = self.param("w_experts_down", _normal(out_std), (e_stored, f_local, d))
         sink = self.param(STATS, nn.initializers.zeros, (stats_len(e),))
         y_btd = RMSNorm(self.eps, name="mlp_norm")(x_btd)
-        if par.sequence_sharded:  # every TP rank routes the whole sequence: (B, T/tp, D) -> (B, T, D)
-            y_btd = jax.lax.all_gather(y_btd, par.tp_axis, axis=1, tiled=True)
+        if par.sequence_sharded:  # every TP rank routes every token: its rows -> (B, T, D)
+            y_btd = sp_gather(y_btd, par)
         b, t, _ = y_btd.shape
         capacity = spec.capacity_for(t)
 
@@ -307,9 +307,8 @@ class MoeBlock(Block):
             out_btd = out_btd + swiglu_experts(y_btd[None].reshape(1, b * t, d), w_sgu[None],
                                                w_sdown[None], dt).reshape(b, t, d)
         # The experts' hidden size is split over tp: partial sums, completed here.
-        if par.sequence_sharded:  # (B, T, D) partial -> (B, T/tp, D) summed, over tp
-            out_btd = jax.lax.psum_scatter(out_btd, par.tp_axis, scatter_dimension=1,
-                                           tiled=True)
+        if par.sequence_sharded:  # (B, T, D) partial -> this rank's rows summed, over tp
+            out_btd = sp_scatter(out_btd, par)
         else:
             out_btd = psum_tp(out_btd, par)  # (B, T, D) over tp
 

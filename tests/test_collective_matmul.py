@@ -18,27 +18,29 @@ def _tp_mesh(tp):
     return meshlib.make_mesh(1, 1, tp, jax.devices()[:tp])
 
 
-def _plain_and_ring(tp, direction):
+def _plain_and_ring(tp, direction, dim=1):
     """Per-device (plain, ring) versions of both ops, each with its gradient, on a tp mesh.
-    `direction` "grouped": the grouped steps (all-gathers / reduce-scatters of pieces)."""
+    `direction` "grouped": the grouped steps (all-gathers / reduce-scatters of pieces);
+    `dim`: the dim of (B, T, D) split over tp (0: the batch, `overlap.sp_split: batch`)."""
     grouped = direction == "grouped"
     mesh = _tp_mesh(tp)
-    spec_seq, spec_col, spec_row = P(None, "tp", None), P(None, "tp"), P("tp", None)
+    spec_seq = P(None, "tp", None) if dim == 1 else P("tp", None, None)
+    spec_col, spec_row = P(None, "tp"), P("tp", None)
 
     def ag_plain(x, w):
-        x_full = jax.lax.all_gather(x, "tp", axis=1, tiled=True)  # (B, T, D), over tp
+        x_full = jax.lax.all_gather(x, "tp", axis=dim, tiled=True)  # (B, T, D), over tp
         return jnp.einsum("btd,dn->btn", x_full, w)
 
     def ag_ring(x, w):
-        return cm.all_gather_matmul(x, w, "tp", tp, direction, grouped)
+        return cm.all_gather_matmul(x, w, "tp", tp, direction, grouped, dim)
 
     def rs_plain(h, w):
         partial_btd = jnp.einsum("btn,nd->btd", h, w)
-        return jax.lax.psum_scatter(partial_btd, "tp", scatter_dimension=1,
-                                    tiled=True)  # (B, T/tp, D), over tp
+        return jax.lax.psum_scatter(partial_btd, "tp", scatter_dimension=dim,
+                                    tiled=True)  # this rank's rows, over tp
 
     def rs_ring(h, w):
-        return cm.matmul_reduce_scatter(h, w, "tp", tp, direction, grouped)
+        return cm.matmul_reduce_scatter(h, w, "tp", tp, direction, grouped, dim)
 
     def with_grads(f, in_specs, out_spec):
         g = compat.shard_map(f, mesh, in_specs=in_specs, out_specs=out_spec)
@@ -54,10 +56,11 @@ def _plain_and_ring(tp, direction):
     return ag, rs
 
 
-@pytest.mark.parametrize("tp,direction,t_local", [
-    (4, "uni", 8), (4, "bi", 8), (2, "bi", 8), (4, "grouped", 8), (2, "grouped", 8),
-    (4, "grouped", 6)])  # 6 positions per rank: 3 pieces of 2
-def test_functions_match_plain_collectives(tp, direction, t_local):
+@pytest.mark.parametrize("tp,direction,t_local,dim", [
+    (4, "uni", 8, 1), (4, "bi", 8, 1), (2, "bi", 8, 1), (4, "grouped", 8, 1),
+    (2, "grouped", 8, 1), (4, "grouped", 6, 1),  # 6 positions per rank: 3 pieces of 2
+    (2, "grouped", 8, 0)])  # split over the batch: a rank's chunk is its sequences
+def test_functions_match_plain_collectives(tp, direction, t_local, dim):
     rng = np.random.default_rng(tp)
     b, t, d, n = 2, t_local * tp, 16, 12 * tp
     x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
@@ -66,7 +69,7 @@ def test_functions_match_plain_collectives(tp, direction, t_local):
     h = jnp.asarray(rng.standard_normal((b, t, n)), jnp.float32)
     ct_ag = jnp.asarray(rng.standard_normal((b, t, n)), jnp.float32)
     ct_rs = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
-    (ag_plain, ag_ring), (rs_plain, rs_ring) = _plain_and_ring(tp, direction)
+    (ag_plain, ag_ring), (rs_plain, rs_ring) = _plain_and_ring(tp, direction, dim)
 
     want, got = ag_plain(x, w_in, ct_ag), ag_ring(x, w_in, ct_ag)
     np.testing.assert_allclose(np.asarray(want[0]), np.asarray(x @ w_in), rtol=1e-5, atol=1e-5)
@@ -78,30 +81,33 @@ def test_functions_match_plain_collectives(tp, direction, t_local):
 
 
 @pytest.mark.parametrize("tp,how", [(2, "chunked"), (4, "chunked"), (4, "uni"), (4, "bi"),
-                                    (2, "bi")])
+                                    (2, "bi"), (2, "batch")])
 def test_mlp_rings_match_plain_collectives(tp, how):
-    """An MLP carried chunk by chunk (`gather_map_scatter`, the pipeline's tp = 2 path) or as
-    the two rings handing their pieces over (`position_wise_ring`) gives the plain
-    all-gather / reduce-scatter MLP's output and gradients, its bias's included."""
+    """An MLP carried chunk by chunk (`gather_map_scatter`, the pipeline's tp = 2 path; "batch":
+    its rows split over the batch) or as the two rings handing their pieces over
+    (`position_wise_ring`) gives the plain all-gather / reduce-scatter MLP's output and
+    gradients, its bias's included."""
     rng = np.random.default_rng(tp)
-    b, t, d, n = 2, 4 * tp, 8, 6 * tp
+    b, t, d, n = 2 * tp, 4 * tp, 8, 6 * tp
     x, w_in, bias, w_out, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                                 for s in ((b, t, d), (d, n), (n,), (n, d), (b, t, d)))
     mesh = _tp_mesh(tp)
-    specs = (P(None, "tp", None), P(None, "tp"), P("tp"), P("tp", None))
+    dim = 0 if how == "batch" else 1
+    split = P(None, "tp", None) if dim == 1 else P("tp", None, None)
+    specs = (split, P(None, "tp"), P("tp"), P("tp", None))
 
     def plain(x, wi, bi, wo):
-        h = jnp.tanh(jax.lax.all_gather(x, "tp", axis=1, tiled=True) @ wi + bi)
-        return jax.lax.psum_scatter(h @ wo, "tp", scatter_dimension=1, tiled=True)
+        h = jnp.tanh(jax.lax.all_gather(x, "tp", axis=dim, tiled=True) @ wi + bi)
+        return jax.lax.psum_scatter(h @ wo, "tp", scatter_dimension=dim, tiled=True)
 
     def chunked(x, wi, bi, wo):
         fn = lambda h: jnp.tanh(h + bi)  # noqa: E731 - closes over the bias, as models do
-        if how == "chunked":
-            return cm.gather_map_scatter(x, wi, fn, wo, "tp", tp)
+        if how in ("chunked", "batch"):
+            return cm.gather_map_scatter(x, wi, fn, wo, "tp", tp, dim)
         return cm.position_wise_ring(x, wi, fn, wo, "tp", tp, how)
 
     def value_and_grads(f):
-        g = compat.shard_map(f, mesh, in_specs=specs, out_specs=P(None, "tp", None))
+        g = compat.shard_map(f, mesh, in_specs=specs, out_specs=split)
         out, vjp = jax.vjp(g, x, w_in, bias, w_out)
         return out, vjp(ct)
 
@@ -110,7 +116,7 @@ def test_mlp_rings_match_plain_collectives(tp, how):
                                                             + np.asarray(bias))
                                @ np.asarray(w_out), rtol=1e-5, atol=1e-5)
     assert max_rel_err(got, want) <= 1e-5
-    if how != "chunked":
+    if how not in ("chunked", "batch"):
         # The hidden pieces go from ring to ring as they are: no rank-dependent slice or
         # update of a whole-sequence buffer, forward or backward.
         jaxpr = str(jax.make_jaxpr(lambda: value_and_grads(chunked))())
@@ -196,6 +202,18 @@ def test_odd_local_chunk_is_rejected_for_bi():
                           out_specs=P(None, None, "tp"))
     with pytest.raises(ValueError, match="seq_len / tp is odd"):
         jax.jit(f).lower(jnp.zeros((1, 6, 4)), jnp.zeros((4, 4)))
+
+
+def test_rows_split_over_the_batch_need_own_chunk_first_steps():
+    """The ring and the grouped pieces cut the sequence: a batch split is refused there, not
+    computed on the wrong rows."""
+    from jax_overlap.parallel.collectives import Parallel
+
+    with pytest.raises(ValueError, match="grouped steps at tp = 2"):
+        cm.all_gather_matmul(jnp.zeros((2, 4, 4)), jnp.zeros((4, 4)), "tp", 4, "uni", True, 0)
+    with pytest.raises(ValueError, match="ring cuts the sequence"):
+        Parallel(tp_axis="tp", tp=4, tp_comm="collective_matmul", sp_dim=0)
+    Parallel(tp_axis="tp", tp=2, tp_comm="collective_matmul", cm_grouped=True, sp_dim=0)
 
 
 @pytest.fixture(scope="module")

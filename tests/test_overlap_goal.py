@@ -134,8 +134,10 @@ PLAIN = {
     "llama3_8b_fsdp8": 0.95,
     # Measured 0.988 (2026-12-04): collective matmul, bidirectional.
     "llama3_8b_dp2_tp4": 0.95,
-    # Below issue #27's 0.95: measured 0.939 per tick (2026-12-07, three chunks per stage;
-    # 0.927 with two: fused pairs, the head in two halves, the ticks that run one action as
+    # Below issue #27's 0.95: measured 0.928 per tick (2026-12-07, the rows split over the
+    # batch, `overlap.sp_split`: XLA then starts both lanes' first all-gathers ahead of
+    # every GEMM; 0.939 split over the sequence, at 26 ms more of transposes; three chunks
+    # per stage; 0.927 with two: fused pairs, the head in two halves, the ticks that run one action as
     # collective matmul, q, k and v as three GEMMs; 0.902 with one QKV GEMM, 0.721 with the
     # lone ticks sequence parallel, 0.292 with the lanes apart). What stays exposed: each
     # pair's first all-gather, the transfers sent after the switch on the ticks without a

@@ -251,9 +251,13 @@ def test_skewed_pipeline_matches_single_device_sweep(references, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
-def test_pipeline_with_sequence_parallel_tp(references, name):
-    check_equivalence(references, name, 2, 2, 2, 4, True, ["overlap.tp_comm=sequence_parallel"])
+@pytest.mark.parametrize("name,split", [("1f1b", "auto"), ("zb-v", "auto"),
+                                        ("zb-v", "sequence")])
+def test_pipeline_with_sequence_parallel_tp(references, name, split):
+    """Sequence parallelism inside the stages, its rows whole sequences (`auto`: the
+    microbatch's 2 divide by tp) or positions."""
+    check_equivalence(references, name, 2, 2, 2, 4, True, ["overlap.tp_comm=sequence_parallel",
+                                                           f"overlap.sp_split={split}"])
 
 
 # ------------------------------------------------------------------------- layout
@@ -578,6 +582,8 @@ GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
                # sequence parallel inside the stages (fused pairs: tp > 1), the last tick's
                # embedding deferred
                pytest.param(("1f1b", 2, 2, 2, 4, True), marks=pytest.mark.slow),
+               pytest.param(("1f1b", 2, 2, 2, 4, True, ["overlap.sp_split=sequence"]),
+                            marks=pytest.mark.slow),
                # the split W's last weight matmuls replayed on tp-varying weights (in-loop
                # buckets), grouped collective matmul with its barriered backward sum
                pytest.param(("zb-h1", 2, 2, 2, 4, True, ["overlap.tp_comm=collective_matmul"]),
@@ -605,6 +611,9 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
     # Sequence parallel at tp = 2: a tick with one action runs it as collective matmul.
     lone = tp == 2 and run.plan.overlap.tp_comm == "sequence_parallel"
     assert (run.plan.overlap.lone_tp_comm == "collective_matmul") == lone
+    # Where sequence parallel, its rows are whole sequences unless told otherwise.
+    assert run.plan.overlap.sp_split == ("batch" if lone and "overlap.sp_split=sequence"
+                                         not in extra else "sequence")
     contexts = []
     monkeypatch.setattr(executor, "_lone_context", lambda *a, _f=executor._lone_context: (
         contexts.append(_f(*a)) or contexts[-1]))

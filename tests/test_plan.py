@@ -609,6 +609,34 @@ def test_auto_lone_tp_comm_runs_lone_actions_as_collective_matmul():
                                              "pipeline.fused_pairs=false"]), target=H100)
 
 
+def test_auto_sp_split_over_the_batch_where_the_microbatch_divides_by_tp():
+    """Sequence parallelism splits whole sequences over TP where the microbatch's sequences
+    divide by tp and any collective matmul takes a chunk of any dim (grouped, tp = 2); the
+    sequence where they do not, with the reason. An explicit value wins; `batch` where it
+    cannot hold is refused in one line naming the key."""
+    gpu = f"{REPO}/configs/gpu/gpt_1p3b_pp2_dp2_tp2.yaml"
+    plan = ParallelPlan.build(config.load(gpu), target=H100)
+    assert plan.overlap.lone_tp_comm == "collective_matmul" and plan.micro_batch == 16
+    assert plan.overlap.sp_split == "batch" and plan.parallel().sp_dim == 0
+    assert plan.choices["overlap.sp_split"].why.startswith("the microbatch's 16 sequences")
+    for sets, why in ((["train.global_batch=36", "pipeline.microbatches=2"],
+                       "9 sequences do not divide by tp = 2"),
+                      (["mesh.tp=4", "mesh.dp=1", "overlap.lone_tp_comm=collective_matmul"],
+                       "steps over sequence pieces"),
+                      (["mesh.pp=1", "mesh.dp=4", "overlap.tp_comm=collective_matmul"],
+                       "ring steps cut the sequence")):
+        other = ParallelPlan.build(config.load(gpu, sets), target=H100)
+        assert other.overlap.sp_split == "sequence" and other.parallel().sp_dim == 1
+        assert why in other.choices["overlap.sp_split"].why, sets
+    plain = ParallelPlan.build(config.load(gpu, ["overlap.tp_comm=plain"]), target=H100)
+    assert plain.overlap.sp_split == "sequence" and "overlap.sp_split" not in plain.choices
+    given = ParallelPlan.build(config.load(gpu, ["overlap.sp_split=sequence"]), target=H100)
+    assert given.overlap.sp_split == "sequence" and "overlap.sp_split" not in given.choices
+    with pytest.raises(ConfigError, match="^overlap.sp_split=batch: the microbatch's 9 "):
+        ParallelPlan.build(config.load(gpu, ["overlap.sp_split=batch", "train.global_batch=36",
+                                             "pipeline.microbatches=2"]), target=H100)
+
+
 def test_auto_pair_microbatches_where_expert_all_to_alls_can_hide():
     """At pp = 1 the microbatch loop pairs one microbatch's forward with the previous one's
     backward on a GPU with expert parallelism and two microbatches or more, without FSDP

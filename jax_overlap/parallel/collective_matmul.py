@@ -52,7 +52,9 @@ At tp = 2 that would be half the bytes (and XLA merged the two gathers back into
 there the steps are own-chunk-first instead: one all-gather under the GEMM of the rank's own
 chunk, one reduce-scatter under the own rows' GEMM -- the ring's single step, as a grouped
 collective. An MLP between the two (`gather_map_scatter`) carries each chunk through both
-GEMMs, so its hidden activations are never put in sequence order.
+GEMMs, so its hidden activations are never put in sequence order. These own-chunk-first
+steps also take the rows split over the batch (`dim=0`, `overlap.sp_split: batch`): the
+"chunk" is then the rank's sequences instead of its positions.
 
 Both functions are written per device (inside `shard_map`); `tp` must equal the size of
 `axis`. With tp == 1 they are a plain matmul.
@@ -372,7 +374,7 @@ _ring_matmul_reduce_scatter.defvjp(_ring_matmul_reduce_scatter_fwd,
 
 
 def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
-                      direction: str = "uni", grouped: bool = False) -> jax.Array:
+                      direction: str = "uni", grouped: bool = False, dim: int = 1) -> jax.Array:
     """`all_gather(x, axis, seq) @ w`, with the gather done as ring steps under the matmuls.
 
     Args:
@@ -383,21 +385,25 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
       direction: 'uni' (one ring) or 'bi' (half-chunks on both rings).
       grouped: steps are all-gathers of sequence pieces (see the module docstring);
         `direction` is then unused.
+      dim: the dim `x_btd` is split along: 1, the sequence; 0, the batch (own chunk first
+        only: grouped at tp = 2).
 
     Returns:
       (B, T, N): every position of the sequence times this rank's columns.
     """
     if tp == 1:
         return jnp.einsum("btd,dn->btn", x_btd, w_dn)
+    _check_dim(dim, tp, grouped)
     if grouped:
-        return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp)
+        return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp, dim)
     if direction == "bi":
         _halves(x_btd.shape[1])
     return kept_matmul(_ring_all_gather_matmul(x_btd, w_dn, axis, tp, direction, False))
 
 
 def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
-                          direction: str = "uni", grouped: bool = False) -> jax.Array:
+                          direction: str = "uni", grouped: bool = False, dim: int = 1
+                          ) -> jax.Array:
     """`psum_scatter(h @ w, axis, seq)`, with the reduce-scatter done as ring steps.
 
     A partial-sum accumulator for one output chunk travels the ring; every rank adds its own
@@ -412,14 +418,17 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
       direction: 'uni' or 'bi'.
       grouped: steps are reduce-scatters of sequence pieces (see the module docstring);
         `direction` is then unused.
+      dim: the dim the result is split along (as `all_gather_matmul`'s).
 
     Returns:
-      (B, T/tp, D): rows [r*T/tp, (r+1)*T/tp) of the sum over ranks of h @ w.
+      (B, T/tp, D): rows [r*T/tp, (r+1)*T/tp) of the sum over ranks of h @ w (split over
+      the batch: (B/tp, T, D), sequences [r*B/tp, (r+1)*B/tp)).
     """
     if tp == 1:
         return jnp.einsum("btn,nd->btd", h_btn, w_nd)
+    _check_dim(dim, tp, grouped)
     if grouped:
-        return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
+        return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp, dim)
     if direction == "bi":
         _halves(h_btn.shape[1] // tp)
     return kept_matmul(_ring_matmul_reduce_scatter(h_btn, w_nd, axis, tp, direction, False))
@@ -468,6 +477,24 @@ def own_chunk_first(tp: int) -> bool:
     return tp == 2
 
 
+def _check_dim(dim: int, tp: int, grouped: bool) -> None:
+    # The ring's steps and the grouped pieces cut the sequence; only own-chunk-first steps
+    # take a chunk of any dim.
+    if dim != 1 and not (grouped and own_chunk_first(tp)):
+        raise ValueError(f"collective matmul: rows split along dim {dim} need grouped steps "
+                         f"at tp = 2 (got grouped={grouped}, tp={tp})")
+
+
+def _merged(a: jax.Array, dim: int) -> jax.Array:
+    """`a` with dims `dim` and `dim + 1` merged into one."""
+    return a.reshape(a.shape[:dim] + (a.shape[dim] * a.shape[dim + 1],) + a.shape[dim + 2:])
+
+
+def _chunks(a: jax.Array, dim: int, tp: int) -> jax.Array:
+    """`a` with dim `dim` split into (tp, its size / tp): the ranks' chunks."""
+    return a.reshape(a.shape[:dim] + (tp, a.shape[dim] // tp) + a.shape[dim + 1:])
+
+
 @jax.custom_vjp
 def _fork(x):
     """`(x, x)`, whose backward adds the two cotangents only after an optimization barrier.
@@ -514,20 +541,20 @@ def _swap_bwd(axis, _, ct):
 _swap.defvjp(_swap_fwd, _swap_bwd)
 
 
-def _gather_under(x_btd, own_fn, axis: str, tp: int):
-    """Gathers the other ranks' chunks of `x` over `axis` while `own_fn(x)` runs on the
-    rank's own chunk (at tp = 2 an exchange, `_swap`).
+def _gather_under(x_btd, own_fn, axis: str, tp: int, dim: int = 1):
+    """Gathers the other ranks' chunks of `x` (split along `dim`) over `axis` while
+    `own_fn(x)` runs on the rank's own chunk (at tp = 2 an exchange, `_swap`).
 
     Returns:
-      (own_fn(x), [(chunk, rows)] for every other rank's chunk, rows (B, T/tp, D)).
+      (own_fn(x), [(chunk, rows)] for every other rank's chunk, rows shaped as `x_btd`).
     """
     rank = jax.lax.axis_index(axis)
     x_btd, x_sent = _fork(x_btd)
     if tp == 2:
         others = [(1 - rank, _swap(x_sent, axis))]
     else:
-        gathered = jax.lax.all_gather(x_sent, axis, axis=1)  # (B, tp, T/tp, D), over tp
-        others = [(c, jax.lax.dynamic_index_in_dim(gathered, c, axis=1, keepdims=False))
+        gathered = jax.lax.all_gather(x_sent, axis, axis=dim)  # tp chunks at `dim`, over tp
+        others = [(c, jax.lax.dynamic_index_in_dim(gathered, c, axis=dim, keepdims=False))
                   for c in ((rank + i) % tp for i in range(1, tp))]
     # The barrier keeps the own work ahead of the gather's end: XLA would otherwise fuse the
     # own GEMM with the other chunks' (one GEMM of the concatenated rows, after the gather).
@@ -535,46 +562,46 @@ def _gather_under(x_btd, own_fn, axis: str, tp: int):
     return own, others
 
 
-def _scatter_under(others, own_in, own_fn, axis: str, tp: int, like):
+def _scatter_under(others, own_in, own_fn, axis: str, tp: int, like, dim: int = 1):
     """This rank's rows of the sum over `axis`: the other ranks' partial products `others`
-    ([(chunk, (B, T/tp, D))]) reduce-scattered while `own_fn(own_in)`, the own rows' partial
-    product, runs; `like`: the arrays the zero blocks take their varying axes from. At
-    tp = 2 the reduce-scatter is an exchange (`_swap`): the same bytes, without its
-    zero-padded input."""
+    ([(chunk, rows)], each a chunk along `dim`) reduce-scattered while `own_fn(own_in)`, the
+    own rows' partial product, runs; `like`: the arrays the zero blocks take their varying
+    axes from. At tp = 2 the reduce-scatter is an exchange (`_swap`): the same bytes,
+    without its zero-padded input."""
     if tp == 2:
         sent = others[0][1]
     else:
-        sent = _placed(others, None, tp, like)
+        sent = _placed(others, None, tp, like, dim)
     # The barrier puts the own GEMM after the others' (else XLA fuses them into one GEMM
     # that the reduce-scatter waits for).
     sent, own_in = jax.lax.optimization_barrier((sent, own_in))
     if tp == 2:
         arrived = _swap(sent, axis)
     else:
-        arrived = jax.lax.psum_scatter(sent, axis, scatter_dimension=1)  # (B, T/tp, D)
+        arrived = jax.lax.psum_scatter(sent, axis, scatter_dimension=dim)  # the own chunk
     # And the sum after a second one: fused into the GEMM's epilogue, the add would make the
     # own GEMM wait for the reduce-scatter.
     arrived, own = jax.lax.optimization_barrier((arrived, own_fn(own_in)))
     return arrived + own
 
 
-def _own_first_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
+def _own_first_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, dim: int = 1) -> jax.Array:
     """`all_gather_matmul` as one all-gather under the GEMM of the rank's own chunk.
 
     The own chunk needs no transfer, so its GEMM runs while the other chunks are gathered;
     the other chunks' GEMMs follow. At tp = 2 this is the ring's single step. Autodiff gives
     the backward the same shape: the other chunks' input gradients are reduce-scattered
     under the own chunk's."""
-    b, t_local, _ = x_btd.shape
-    own, others = _gather_under(x_btd, lambda a: _mm(a, w_dn), axis, tp)
+    own, others = _gather_under(x_btd, lambda a: _mm(a, w_dn), axis, tp, dim)
     out = _placed([(c, _mm(rows, w_dn)) for c, rows in others],
-                  (jax.lax.axis_index(axis), own), tp, (x_btd, w_dn))
-    return out.reshape(b, tp * t_local, -1)
+                  (jax.lax.axis_index(axis), own), tp, (x_btd, w_dn), dim)
+    return _merged(out, dim)
 
 
-def _placed(blocks, own, tp: int, like) -> jax.Array:
-    """`(B, tp, t, N)`: each `(chunk, (B, t, N))` of `blocks` (and `own`, if given) at its
-    chunk's index, zeros elsewhere; `like`: the arrays the zeros take their varying axes from.
+def _placed(blocks, own, tp: int, like, dim: int = 1) -> jax.Array:
+    """`(B, tp, t, N)` (`dim` 1; 0: `(tp, b, T, N)`): each `(chunk, rows)` of `blocks` (and
+    `own`, if given) at its chunk's index along `dim`, zeros elsewhere; `like`: the arrays
+    the zeros take their varying axes from.
 
     Written as one select per index, not as updates of a zero buffer: XLA shares one zero
     constant between the layers' buffers and copies it before every in-place update (GPT-1.3B
@@ -588,28 +615,28 @@ def _placed(blocks, own, tp: int, like) -> jax.Array:
         for chunk, value in every:
             block = jnp.where(chunk == j, value, block)
         out.append(block)
-    return jnp.stack(out, axis=1)
+    return jnp.stack(out, axis=dim)
 
 
-def _own_last_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
+def _own_last_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int, dim: int = 1
+                                    ) -> jax.Array:
     """`matmul_reduce_scatter` as one reduce-scatter under the GEMM of the rank's own rows.
 
     The other ranks' rows are multiplied first and reduce-scattered (the own rows' block
     left zero) while the own rows' partial product runs; it is added to what arrives."""
-    b, t, n = h_btn.shape
     rank = jax.lax.axis_index(axis)
-    h4 = h_btn.reshape(b, tp, t // tp, n)
+    h4 = _chunks(h_btn, dim, tp)
 
     def rows(chunk):
-        return jax.lax.dynamic_index_in_dim(h4, chunk, axis=1, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(h4, chunk, axis=dim, keepdims=False)
 
     others = [(c, _mm(rows(c), w_nd)) for c in ((rank + i) % tp for i in range(1, tp))]
     return _scatter_under(others, rows(rank), lambda r: _mm(r, w_nd), axis, tp,
-                          (h_btn, w_nd))
+                          (h_btn, w_nd), dim)
 
 
 def gather_map_scatter(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
-                       axis: str, tp: int) -> jax.Array:
+                       axis: str, tp: int, dim: int = 1) -> jax.Array:
     """`psum_scatter(fn(all_gather(x) @ w_in) @ w_out)` for a position-wise `fn` (an MLP),
     each chunk of rows carried through both matmuls on its own.
 
@@ -625,25 +652,26 @@ def gather_map_scatter(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.A
       fn: position-wise `(B, t, N) -> (B, t, N')` (bias, activation, gating).
       w_out_nd: (N', D) this rank's rows of the second matmul.
       axis, tp: the TP mesh axis and its size.
+      dim: the dim `x_btd` is split along (1, the sequence; 0, the batch).
 
     Returns:
-      (B, T/tp, D): this rank's chunk of the sum over ranks.
+      (B, T/tp, D): this rank's chunk of the sum over ranks (shaped as `x_btd`).
     """
     def hidden(rows):
         return fn(_mm(rows, w_in_dn))
 
     if tp == 1:
         return _mm(hidden(x_btd), w_out_nd)
-    own_h, others = _gather_under(x_btd, hidden, axis, tp)
+    own_h, others = _gather_under(x_btd, hidden, axis, tp, dim)
     parts = [(chunk, _mm(hidden(rows), w_out_nd)) for chunk, rows in others]
     return _scatter_under(parts, own_h, lambda h: _mm(h, w_out_nd), axis, tp,
-                          (x_btd, w_in_dn, w_out_nd))
+                          (x_btd, w_in_dn, w_out_nd), dim)
 
 
-def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
+def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int, dim: int = 1) -> jax.Array:
     """`all_gather_matmul` with each step an all-gather of one sequence piece of every chunk."""
     if own_chunk_first(tp):
-        return _own_first_all_gather_matmul(x_btd, w_dn, axis, tp)
+        return _own_first_all_gather_matmul(x_btd, w_dn, axis, tp, dim)
     b, t_local, _ = x_btd.shape
     k = _pieces(t_local, tp)
     size = t_local // k
@@ -668,10 +696,11 @@ def _grouped_all_gather_matmul(x_btd, w_dn, axis: str, tp: int) -> jax.Array:
     return out.reshape(b, tp * t_local, -1)
 
 
-def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int) -> jax.Array:
+def _grouped_matmul_reduce_scatter(h_btn, w_nd, axis: str, tp: int, dim: int = 1
+                                   ) -> jax.Array:
     """`matmul_reduce_scatter` with each step a reduce-scatter of one sequence piece."""
     if own_chunk_first(tp):
-        return _own_last_matmul_reduce_scatter(h_btn, w_nd, axis, tp)
+        return _own_last_matmul_reduce_scatter(h_btn, w_nd, axis, tp, dim)
     b, t, n = h_btn.shape
     t_local = t // tp
     k = _pieces(t_local, tp)

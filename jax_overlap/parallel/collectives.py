@@ -36,6 +36,23 @@ class Parallel:
     # Collective matmul steps as tp-grouped all-gathers / reduce-scatters instead of ring
     # ppermutes: correct inside the pipeline's per-stage branches (`collective_matmul`).
     cm_grouped: bool = False
+    # The dim of a (B, T, D) activation that sequence parallelism splits over TP between
+    # blocks (`overlap.sp_split`): 1, the sequence (Megatron's); 0, the microbatch's
+    # sequences. Either way each rank holds 1/tp of the token rows. An all-gather on GPUs
+    # concatenates along the major-most dim, so a sequence split's gathered rows land
+    # sequence-major, and every weight-gradient GEMM that pairs them with batch-major rows
+    # transposes them first; gathered along the batch they are already in (b, t) order.
+    sp_dim: int = 1
+
+    def __post_init__(self):
+        if self.sp_dim not in (0, 1):
+            raise ValueError(f"Parallel.sp_dim must be 0 (batch) or 1 (sequence), got "
+                             f"{self.sp_dim}")
+        if (self.sp_dim == 0 and self.tp_comm == "collective_matmul"
+                and not (self.cm_grouped and cm.own_chunk_first(self.tp))):
+            raise ValueError("Parallel.sp_dim = 0 (rows split over the batch) under collective "
+                             "matmul needs grouped own-chunk-first steps (tp = 2): the ring "
+                             "cuts the sequence")
     # Weight matmuls with their backward written out (`local_matmul`). The pipeline turns it
     # off: its B/W split (`pipeline.weight_grads`) must see the weight matmuls in the jaxpr,
     # which a custom derivative would hide.
@@ -80,11 +97,32 @@ def tp_index(par: Parallel) -> jax.Array:
 
 
 def sequence_shard(a: jax.Array, axis: int, t_local: int, par: Parallel) -> jax.Array:
-    """This rank's positions [r*T/tp, (r+1)*T/tp) of per-position data under sequence
-    parallelism (position embeddings, token ids); `a` unchanged otherwise."""
-    if not par.sequence_sharded:
+    """This rank's positions [r*T/tp, (r+1)*T/tp) of per-position data (position
+    embeddings) under sequence parallelism split over the sequence; `a` unchanged otherwise
+    (split over the batch, every rank holds every position)."""
+    if not par.sequence_sharded or par.sp_dim != 1:
         return a
     return jax.lax.dynamic_slice_in_dim(a, tp_index(par) * t_local, t_local, axis=axis)
+
+
+def token_shard(a_bt: jax.Array, par: Parallel) -> jax.Array:
+    """This rank's token rows of per-token data `(B, T, ...)` (token ids) under sequence
+    parallelism, as `sp_scatter` splits the activations; `a_bt` unchanged otherwise."""
+    if not par.sequence_sharded:
+        return a_bt
+    n = a_bt.shape[par.sp_dim] // par.tp
+    return jax.lax.dynamic_slice_in_dim(a_bt, tp_index(par) * n, n, axis=par.sp_dim)
+
+
+def sp_gather(x_btd: jax.Array, par: Parallel) -> jax.Array:
+    """(B, T, D) from this rank's token rows under sequence parallelism: an all-gather over
+    TP along the split dim (`Parallel.sp_dim`)."""
+    return jax.lax.all_gather(x_btd, par.tp_axis, axis=par.sp_dim, tiled=True)
+
+
+def sp_scatter(x_btd: jax.Array, par: Parallel) -> jax.Array:
+    """This rank's token rows of the sum over TP of the partial sums `x_btd` (B, T, D)."""
+    return jax.lax.psum_scatter(x_btd, par.tp_axis, scatter_dimension=par.sp_dim, tiled=True)
 
 
 def psum_tp(x: jax.Array, par: Parallel) -> jax.Array:
@@ -136,15 +174,15 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def column_parallel(x_btd: jax.Array, w_dn: jax.Array, par: Parallel) -> jax.Array:
     """x @ W with W split over its output dim: local output columns, no collective.
 
-    Under sequence parallelism the input arrives split over the sequence and is all-gathered
-    first (or, with collective matmul, gathered chunk by chunk under the partial matmuls).
+    Under sequence parallelism the input arrives split over TP (its positions, or its
+    sequences: `Parallel.sp_dim`) and is all-gathered first (or, with collective matmul,
+    gathered chunk by chunk under the partial matmuls).
     """
     if par.sequence_sharded:
         if par.tp_comm == "collective_matmul":
             return cm.all_gather_matmul(x_btd, w_dn, par.tp_axis, par.tp, par.cm_direction,
-                                        par.cm_grouped)
-        # (B, T/tp, D) -> (B, T, D) over tp
-        x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
+                                        par.cm_grouped, par.sp_dim)
+        x_btd = sp_gather(x_btd, par)  # this rank's rows -> (B, T, D), over tp
     return local_matmul(x_btd, w_dn, par)
 
 
@@ -162,7 +200,7 @@ def column_parallel_parts(x_btd: jax.Array, ws_dn: Sequence[jax.Array], par: Par
         ends = np.cumsum([w.shape[-1] for w in ws_dn])[:-1]
         return jnp.split(out, ends, axis=-1)
     if par.sequence_sharded:
-        x_btd = jax.lax.all_gather(x_btd, par.tp_axis, axis=1, tiled=True)
+        x_btd = sp_gather(x_btd, par)
     # Marked varying like the weights once, not by each GEMM: one input for their backward
     # to keep (and for a split backward's W to stash), not one per part.
     x_btd = vary_like(x_btd, *ws_dn)
@@ -173,14 +211,14 @@ def row_parallel(h_btn: jax.Array, w_nd: jax.Array, par: Parallel) -> jax.Array:
     """h @ W with W split over its input dim: partial sums completed over TP.
 
     Plain TP: psum, (B, T, D) on every TP rank. Sequence parallel: psum_scatter, each rank
-    keeps (B, T/tp, D) of the finished sum.
+    keeps its token rows of the finished sum ((B, T/tp, D), or (B/tp, T, D) split over the
+    batch).
     """
     if par.sequence_sharded:
         if par.tp_comm == "collective_matmul":
             return cm.matmul_reduce_scatter(h_btn, w_nd, par.tp_axis, par.tp, par.cm_direction,
-                                            par.cm_grouped)
-        partial_btd = local_matmul(h_btn, w_nd, par)
-        return jax.lax.psum_scatter(partial_btd, par.tp_axis, scatter_dimension=1, tiled=True)
+                                            par.cm_grouped, par.sp_dim)
+        return sp_scatter(local_matmul(h_btn, w_nd, par), par)
     partial_btd = local_matmul(h_btn, w_nd, par)
     return psum_tp(partial_btd, par)  # (B, T, D) over tp
 
@@ -200,7 +238,8 @@ def position_wise(x_btd: jax.Array, w_in_dn: jax.Array, fn, w_out_nd: jax.Array,
             return cm.position_wise_ring(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp,
                                          par.cm_direction)
         if cm.own_chunk_first(par.tp):
-            return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp)
+            return cm.gather_map_scatter(x_btd, w_in_dn, fn, w_out_nd, par.tp_axis, par.tp,
+                                         par.sp_dim)
     return row_parallel(fn(column_parallel(x_btd, w_in_dn, par)), w_out_nd, par)
 
 
@@ -215,8 +254,8 @@ def vocab_embed(ids_bt: jax.Array, wte_vd: jax.Array, par: Parallel) -> jax.Arra
     inside = (local_ids >= 0) & (local_ids < v_local)
     x_btd = jnp.take(wte_vd, jnp.clip(local_ids, 0, v_local - 1), axis=0)
     x_btd = jnp.where(inside[..., None], x_btd, 0)
-    if par.sequence_sharded:  # (B, T, D) partial -> (B, T/tp, D) summed, over tp
-        return jax.lax.psum_scatter(x_btd, par.tp_axis, scatter_dimension=1, tiled=True)
+    if par.sequence_sharded:  # (B, T, D) partial -> this rank's rows summed, over tp
+        return sp_scatter(x_btd, par)
     return psum_tp(x_btd, par)  # (B, T, D) over tp
 
 

@@ -592,6 +592,14 @@ class _TickLoop:
         dx = jax.lax.psum(dx, PP)  # virtual stage 0's, made on stage 0 only
         dx = all_gather_invariant(dx, DP)  # (dp b, T, D), the same on every replica
         ids = all_gather_invariant(ctx.ids_mbt[deferred.microbatch], DP)  # (dp b, T)
+        par = ctx.par
+        if par.sequence_sharded and par.sp_dim == 0 and par.tp > 1:
+            # Split over the batch, a TP rank's rows of dx are its share of each replica's
+            # sequences, replica by replica: the ids put in that order, so the embedding's
+            # scatter over TP hands every rank the rows its dx holds.
+            n, t = ids.shape
+            b = ctx.ids_mbt.shape[1]
+            ids = ids.reshape(n // b, par.tp, b // par.tp, t).swapaxes(0, 1).reshape(n, t)
         axes = sorted(_varying_axes(dx))
         _, pull = jax.vjp(lambda we: vary(ctx.model.embed(we, ids, ctx.par), axes),
                           deferred.embed)
