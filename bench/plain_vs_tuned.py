@@ -87,6 +87,8 @@ MESHES = {
         ["pipeline.microbatches=16"],
         ["pipeline.microbatches=32"],
         ["pipeline.paired=false"],
+        ["overlap.sp_split=sequence"],
+        ["overlap.lone_tp_comm=same"],
     ]),
 }
 # Estimates of this version include the communication no compute hides (`exposed_ms`),

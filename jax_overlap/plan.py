@@ -1076,9 +1076,9 @@ def _resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) ->
 LONE_TP_COMM_WHY = (
     "GPU, fused pairs at tp = 2: a tick that runs one action has no other lane to hide its "
     "sequence-parallel all-gathers and reduce-scatters, so its blocks run as collective "
-    "matmul, the gather under the own sequence chunk's GEMM (GPT-1.3B pp2 x dp2 x tp2, "
-    "deviceless 8 x H100: 0.72 -> 0.89 of the collective bytes under GEMMs, exposed 55 -> "
-    "30 ms, estimated step 1124 -> 1115 ms; Llama-3-8B 0.79 -> 0.85, 5490 -> 5488 ms)")
+    "matmul, the gather under the own chunk's GEMM (GPT-1.3B pp2 x dp2 x tp2, deviceless 8 x "
+    "H100: 0.78 -> 0.93 of the collective bytes under GEMMs, exposed 43 -> 22 ms, for 8 ms "
+    "more of the estimated 1039 ms step)")
 
 
 def _resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:

@@ -43,16 +43,6 @@ class Parallel:
     # sequence-major, and every weight-gradient GEMM that pairs them with batch-major rows
     # transposes them first; gathered along the batch they are already in (b, t) order.
     sp_dim: int = 1
-
-    def __post_init__(self):
-        if self.sp_dim not in (0, 1):
-            raise ValueError(f"Parallel.sp_dim must be 0 (batch) or 1 (sequence), got "
-                             f"{self.sp_dim}")
-        if (self.sp_dim == 0 and self.tp_comm == "collective_matmul"
-                and not (self.cm_grouped and cm.own_chunk_first(self.tp))):
-            raise ValueError("Parallel.sp_dim = 0 (rows split over the batch) under collective "
-                             "matmul needs grouped own-chunk-first steps (tp = 2): the ring "
-                             "cuts the sequence")
     # Weight matmuls with their backward written out (`local_matmul`). The pipeline turns it
     # off: its B/W split (`pipeline.weight_grads`) must see the weight matmuls in the jaxpr,
     # which a custom derivative would hide.
@@ -70,6 +60,16 @@ class Parallel:
     # many chunks (`overlap.moe_chunks` resolved by the plan; `models/moe.expert_parallel`).
     moe_chunks: int = 1
 
+    def __post_init__(self):
+        if self.sp_dim not in (0, 1):
+            raise ValueError(f"Parallel.sp_dim must be 0 (batch) or 1 (sequence), got "
+                             f"{self.sp_dim}")
+        if (self.sp_dim == 0 and self.tp_comm == "collective_matmul"
+                and not (self.cm_grouped and cm.own_chunk_first(self.tp))):
+            raise ValueError("Parallel.sp_dim = 0 (rows split over the batch) under collective "
+                             "matmul needs grouped own-chunk-first steps (tp = 2): the ring "
+                             "cuts the sequence")
+
     @property
     def active(self) -> bool:
         # A size-1 axis still types values as varying, so its collectives stay for values
@@ -78,7 +78,8 @@ class Parallel:
 
     @property
     def sequence_sharded(self) -> bool:
-        """Between blocks, activations are split over the sequence on TP (Megatron SP)."""
+        """Between blocks, activations' token rows are split over TP (Megatron SP, over the
+        sequence or the batch: `sp_dim`)."""
         return self.active and self.tp_comm in ("sequence_parallel", "collective_matmul")
 
 
