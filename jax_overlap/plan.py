@@ -1127,20 +1127,20 @@ def _resolve_sp_split(cfg: Config, plan, choices: dict[str, Choice]) -> str:
     if want == "sequence" or (want == "auto" and not sharded):
         return "sequence"
     own_first = tp == 2  # collective_matmul.own_chunk_first: its steps take any dim
-    if ov.tp_comm == "collective_matmul" and not (ov.cm_grouped and own_first):
+    cm_steps = ov.tp_comm == "collective_matmul" or ov.lone_tp_comm == "collective_matmul"
+    if not sharded:
+        why = "needs tp > 1 and overlap.tp_comm sequence_parallel or collective_matmul"
+    elif ov.tp_comm == "collective_matmul" and not ov.cm_grouped:
         why = "collective matmul's ring steps cut the sequence"
-    elif ov.lone_tp_comm == "collective_matmul" and not own_first:
-        why = f"the lone actions' collective matmul at tp = {tp} steps over sequence pieces"
+    elif cm_steps and not own_first:
+        why = f"collective matmul's grouped steps at tp = {tp} cut sequence pieces"
     elif plan.micro_batch % tp:
         why = f"the microbatch's {plan.micro_batch} sequences do not divide by tp = {tp}"
     else:
         why = None
     if want == "batch":
-        if not sharded or why:
-            raise ConfigError([
-                f"overlap.sp_split=batch: "
-                f"{why or 'needs tp > 1 and overlap.tp_comm sequence_parallel or collective_matmul'}"
-                f"; set it to sequence or auto"])
+        if why:
+            raise ConfigError([f"overlap.sp_split=batch: {why}; set it to sequence or auto"])
         return "batch"
     if why:
         choices["overlap.sp_split"] = Choice("sequence", why)

@@ -622,7 +622,7 @@ def test_auto_sp_split_over_the_batch_where_the_microbatch_divides_by_tp():
     for sets, why in ((["train.global_batch=36", "pipeline.microbatches=2"],
                        "9 sequences do not divide by tp = 2"),
                       (["mesh.tp=4", "mesh.dp=1", "overlap.lone_tp_comm=collective_matmul"],
-                       "steps over sequence pieces"),
+                       "grouped steps at tp = 4 cut sequence pieces"),
                       (["mesh.pp=1", "mesh.dp=4", "overlap.tp_comm=collective_matmul"],
                        "ring steps cut the sequence")):
         other = ParallelPlan.build(config.load(gpu, sets), target=H100)
