@@ -268,7 +268,8 @@ def test_explicit_choices_win_and_resolved_config_holds_the_choices():
     plan = ParallelPlan.build(cfg, target=H100)
     assert plan.overlap.tp_comm == "collective_matmul" and plan.microbatches == 8
     assert set(plan.choices) == {"overlap.collective_matmul_direction", "model.attention",
-                                 "model.remat", "overlap.xla_preset"}
+                                 "model.remat", "overlap.xla_preset", "overlap.sp_split"}
+    assert plan.overlap.sp_split == "sequence"  # the ring's steps cut the sequence
     auto = config.load(GPT_1P3B, ["mesh.dp=2", "mesh.tp=4"])
     resolved = ParallelPlan.build(auto, target=H100).resolved_config(auto)
     assert resolved.overlap.tp_comm == "collective_matmul"
