@@ -611,8 +611,9 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
     # Sequence parallel at tp = 2: a tick with one action runs it as collective matmul.
     lone = tp == 2 and run.plan.overlap.tp_comm == "sequence_parallel"
     assert (run.plan.overlap.lone_tp_comm == "collective_matmul") == lone
-    # Where sequence parallel, its rows are whole sequences unless told otherwise.
-    assert run.plan.overlap.sp_split == ("batch" if lone and "overlap.sp_split=sequence"
+    # At tp = 2 (sequence parallel, or grouped collective matmul) the rows are whole
+    # sequences unless told otherwise.
+    assert run.plan.overlap.sp_split == ("batch" if tp == 2 and "overlap.sp_split=sequence"
                                          not in extra else "sequence")
     contexts = []
     monkeypatch.setattr(executor, "_lone_context", lambda *a, _f=executor._lone_context: (
