@@ -1126,7 +1126,9 @@ def _resolve_sp_split(cfg: Config, plan, choices: dict[str, Choice]) -> str:
     sharded = tp > 1 and ov.tp_comm in ("sequence_parallel", "collective_matmul")
     if want == "sequence" or (want == "auto" and not sharded):
         return "sequence"
-    own_first = tp == 2  # collective_matmul.own_chunk_first: its steps take any dim
+    from jax_overlap.parallel.collective_matmul import own_chunk_first
+
+    own_first = own_chunk_first(tp)  # those steps take a chunk of any dim
     cm_steps = ov.tp_comm == "collective_matmul" or ov.lone_tp_comm == "collective_matmul"
     if not sharded:
         why = "needs tp > 1 and overlap.tp_comm sequence_parallel or collective_matmul"

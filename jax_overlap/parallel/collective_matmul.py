@@ -393,7 +393,7 @@ def all_gather_matmul(x_btd: jax.Array, w_dn: jax.Array, axis: str, tp: int,
     """
     if tp == 1:
         return jnp.einsum("btd,dn->btn", x_btd, w_dn)
-    _check_dim(dim, tp, grouped)
+    check_dim(dim, tp, grouped)
     if grouped:
         return _grouped_all_gather_matmul(x_btd, w_dn, axis, tp, dim)
     if direction == "bi":
@@ -426,7 +426,7 @@ def matmul_reduce_scatter(h_btn: jax.Array, w_nd: jax.Array, axis: str, tp: int,
     """
     if tp == 1:
         return jnp.einsum("btn,nd->btd", h_btn, w_nd)
-    _check_dim(dim, tp, grouped)
+    check_dim(dim, tp, grouped)
     if grouped:
         return _grouped_matmul_reduce_scatter(h_btn, w_nd, axis, tp, dim)
     if direction == "bi":
@@ -477,12 +477,14 @@ def own_chunk_first(tp: int) -> bool:
     return tp == 2
 
 
-def _check_dim(dim: int, tp: int, grouped: bool) -> None:
-    # The ring's steps and the grouped pieces cut the sequence; only own-chunk-first steps
-    # take a chunk of any dim.
+def check_dim(dim: int, tp: int, grouped: bool) -> None:
+    """Raises unless steps of this kind take rows split along `dim`: the ring's steps and the
+    grouped pieces cut the sequence (dim 1); only own-chunk-first steps take a chunk of any
+    dim."""
     if dim != 1 and not (grouped and own_chunk_first(tp)):
         raise ValueError(f"collective matmul: rows split along dim {dim} need grouped steps "
-                         f"at tp = 2 (got grouped={grouped}, tp={tp})")
+                         f"at tp = 2: the ring cuts the sequence (got grouped={grouped}, "
+                         f"tp={tp})")
 
 
 def _merged(a: jax.Array, dim: int) -> jax.Array:

@@ -64,11 +64,8 @@ class Parallel:
         if self.sp_dim not in (0, 1):
             raise ValueError(f"Parallel.sp_dim must be 0 (batch) or 1 (sequence), got "
                              f"{self.sp_dim}")
-        if (self.sp_dim == 0 and self.tp_comm == "collective_matmul"
-                and not (self.cm_grouped and cm.own_chunk_first(self.tp))):
-            raise ValueError("Parallel.sp_dim = 0 (rows split over the batch) under collective "
-                             "matmul needs grouped own-chunk-first steps (tp = 2): the ring "
-                             "cuts the sequence")
+        if self.tp_comm == "collective_matmul":
+            cm.check_dim(self.sp_dim, self.tp, self.cm_grouped)
 
     @property
     def active(self) -> bool:
