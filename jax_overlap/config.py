@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
 import types
 import typing

@@ -127,7 +127,7 @@ def _schedule_problems(cfg: Config) -> list[str]:
     latency = 1 if pl.transfer_latency == "auto" else pl.transfer_latency  # auto: 1 or 2
     group = m.pp * latency
     if explicit_mb and pl.schedule == "interleaved" and m.pp > 1 and pl.microbatches % group:
-        from jax_overlap.pipeline.schedules import multiples_near  # pure Python, no jax
+        from jax_overlap.pipeline.generators import multiples_near  # pure Python, no jax
 
         p.append(f"pipeline.microbatches: interleaved needs a multiple of mesh.pp x "
                  f"pipeline.transfer_latency = {group}, got {pl.microbatches}; use "

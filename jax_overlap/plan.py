@@ -31,7 +31,8 @@ import numpy as np
 from jax_overlap.config import Config, ConfigError, PlanDecides
 from jax_overlap.model_api import param_elements
 from jax_overlap.pipeline.program import TickProgram, compile_program
-from jax_overlap.pipeline.schedules import KINDS, Schedule, make_schedule
+from jax_overlap.pipeline.schedules import make_schedule
+from jax_overlap.pipeline.table import KINDS, Schedule
 
 MIB = 2**20
 

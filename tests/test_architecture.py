@@ -9,6 +9,8 @@ import glob
 import os
 import re
 
+import pytest
+
 from tests.helpers import REPO
 
 PKG = os.path.join(REPO, "jax_overlap")
@@ -225,15 +227,21 @@ def test_imports_only_point_down():
     assert _upward_imports(_modules((PKG, MODELS))) == []
 
 
-# The pipeline executor's modules, lowest first: each imports only those before it.
-EXECUTOR_MODULES = ["slots", "actions", "tick_loop", "executor"]
+# Chains of pipeline modules, lowest first: each imports only those before it.
+ONE_WAY_CHAINS = {
+    # reads and writes at a slot -> F, B, W branches -> the scans -> the per-device step
+    "executor": ["slots", "actions", "tick_loop", "executor"],
+    # tick timing -> the table -> the list scheduler -> the named schedules -> paired tables
+    # -> make_schedule
+    "schedules": ["ticks", "table", "list_scheduler", "generators", "pairing", "schedules"],
+}
 
 
-def test_the_executor_modules_import_one_way():
-    """slots (reads and writes at a slot) -> actions (F, B, W branches) -> tick_loop (the
-    scans) -> executor (the per-device step): no module reaches up the chain."""
+@pytest.mark.parametrize("chain", sorted(ONE_WAY_CHAINS))
+def test_pipeline_modules_import_one_way(chain):
+    """No module of a chain (the executor's; the schedule builders') reaches up it."""
     modules = _modules()
-    names = [f"jax_overlap.pipeline.{n}" for n in EXECUTOR_MODULES]
+    names = [f"jax_overlap.pipeline.{n}" for n in ONE_WAY_CHAINS[chain]]
     bad = [f"{name} imports {target}" for i, name in enumerate(names)
            for target, _, _ in _imports(modules[name], modules)
            if target in names and names.index(target) >= i]

@@ -589,16 +589,16 @@ def test_large_paired_tables_take_the_proxy_variant(monkeypatch, name, v):
     2 x stages microbatches, built once at full size: valid, every action once, the caps of
     the full-size search, and within 0.01 of its executed bubble (GPipe, whose peaks grow
     with m, keeps the full search)."""
-    from jax_overlap.pipeline import schedules
-    from jax_overlap.pipeline.schedules import peak_activations
+    from jax_overlap.pipeline import pairing
+    from jax_overlap.pipeline.schedules import MAX_SCHEDULE_CELLS, peak_activations
     from jax_overlap.pipeline.ticks import executed_bubble
 
     cost, transfer = {"F": 14.4, "B": 14.4, "W": 9.7}, 1.6
     full = make_schedule(name, 4, 24, v, 1, True, cost, 0, transfer)
-    monkeypatch.setattr(schedules, "PAIRED_PROXY_CELLS", 64)
+    monkeypatch.setattr(pairing, "PAIRED_PROXY_CELLS", 64)
     built = []
-    real = schedules._build_variant
-    monkeypatch.setattr(schedules, "_build_variant",
+    real = pairing.build_variant
+    monkeypatch.setattr(pairing, "build_variant",
                         lambda *a, **k: built.append(a[2]) or real(*a, **k))
     s = make_schedule(name, 4, 24, v, 1, True, cost, 0, transfer)
     validate(s)
@@ -613,7 +613,7 @@ def test_large_paired_tables_take_the_proxy_variant(monkeypatch, name, v):
         assert s.grid == full.grid
     # The full size is checked before the proxy is built.
     with pytest.raises(ValueError, match="pipeline.microbatches"):
-        make_schedule(name, 4, schedules.MAX_SCHEDULE_CELLS, v, 1, True, cost, 0, transfer)
+        make_schedule(name, 4, MAX_SCHEDULE_CELLS, v, 1, True, cost, 0, transfer)
     if name == "interleaved":
         with pytest.raises(ValueError, match="multiple of pipeline.stages=4"):
             make_schedule(name, 4, 26, v, 1, True, cost, 0, transfer)
@@ -711,22 +711,18 @@ def test_per_tick_quorums_and_the_pairing_search():
     """A per-tick quorum sequence that repeats one share builds that share's table; the search
     (deterministic for its seed) keeps every task once and the generator's activation caps,
     and balances lockstep ticks at unequal costs better than any single quorum."""
-    from jax_overlap.pipeline.schedules import (
-        PAIR_QUORUMS,
-        _build,
-        peak_activations,
-        search_pairings,
-        weighted_bubble_fraction,
-    )
+    from jax_overlap.pipeline.generators import build
+    from jax_overlap.pipeline.pairing import PAIR_QUORUMS, search_pairings
+    from jax_overlap.pipeline.schedules import peak_activations, weighted_bubble_fraction
 
     cost = {"F": 15.2, "B": 18.8, "W": 18.6}  # bench/pipeline.py's CPU tick costs
     base = make_schedule("zb-v", 4, 8, 2)
     caps = [2 * p for p in peak_activations(base)]
     for q in PAIR_QUORUMS:
-        assert (_build("zb-v", 4, 8, 2, 1, True, caps, (q,) * 5).grid
-                == _build("zb-v", 4, 8, 2, 1, True, caps, q).grid)
+        assert (build("zb-v", 4, 8, 2, 1, True, caps, (q,) * 5).grid
+                == build("zb-v", 4, 8, 2, 1, True, caps, q).grid)
     # The search refines the quorum tables (make_schedule may still pick a filled one).
-    fixed, q = min(((_build("zb-v", 4, 8, 2, 1, True, caps, q), q) for q in PAIR_QUORUMS),
+    fixed, q = min(((build("zb-v", 4, 8, 2, 1, True, caps, q), q) for q in PAIR_QUORUMS),
                    key=lambda c: weighted_bubble_fraction(c[0], cost))
     searched = search_pairings("zb-v", 4, 8, 2, caps, cost, q, 40)
     validate(searched)
@@ -824,7 +820,8 @@ def test_filled_tables_are_valid_within_twice_the_activations(name, v):
 
 
 def _quorum_table(name, p, m, v, quorum):
-    from jax_overlap.pipeline.schedules import _build, peak_activations
+    from jax_overlap.pipeline.generators import build
+    from jax_overlap.pipeline.schedules import peak_activations
 
     caps = [2 * x for x in peak_activations(make_schedule(name, p, m, v))]
-    return _build(name, p, m, v, 1, True, caps, quorum)
+    return build(name, p, m, v, 1, True, caps, quorum)

@@ -425,7 +425,7 @@ def costs_for_config(cal: Calibration, cfg: Config, plan, hw: HardwareProfile) -
     Returns:
       The :class:`Costs`.
     """
-    from jax_overlap.pipeline.schedules import bubble_fraction
+    from jax_overlap.pipeline.table import bubble_fraction
 
     schedule = plan.schedule
     bubble = bubble_fraction(schedule)

@@ -1,6 +1,6 @@
 """Event-driven timeline simulator of one training step of a DP x PP x TP plan.
 
-The pipeline schedule is data (:class:`jax_overlap.pipeline.schedules.Schedule`). The
+The pipeline schedule is data (:class:`jax_overlap.pipeline.table.Schedule`). The
 executor runs its table in lockstep; the simulator instead plays it event-driven: each
 stage runs its row's actions in order (idle entries skipped), each action starting as
 soon as the stage is free and its inputs have arrived. That is what the hardware would
@@ -41,7 +41,7 @@ from jax_overlap.hardware.collective_cost import collective_seconds
 from jax_overlap.hardware.machine import HardwareProfile, Link
 from jax_overlap.analysis.trace import TraceMetrics, metrics_from_timelines
 from jax_overlap.pipeline import ticks
-from jax_overlap.pipeline.schedules import Schedule, Task, cell_actions, dependencies
+from jax_overlap.pipeline.table import Schedule, Task, cell_actions, dependencies
 
 TP_COMM_MODES: tuple[str, ...] = ("plain", "collective_matmul")
 BUCKET_ISSUE_MODES: tuple[str, ...] = ("during_backward", "after_backward")

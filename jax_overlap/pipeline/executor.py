@@ -1,6 +1,6 @@
 """Pipeline executor: runs any schedule table, tick by tick, inside one `shard_map`.
 
-A schedule (`jax_overlap.pipeline.schedules`) says which action each stage runs at each tick.
+A schedule (`jax_overlap.pipeline.table`) says which action each stage runs at each tick.
 `compile_program` turns it into small int tables -- per tick, per stage: which branch
 (idle, or F/B/W of the first / a middle / the last virtual stage), microbatch, chunk, which
 stash slots the action reads, and which slots this tick's arrivals are filed into. The

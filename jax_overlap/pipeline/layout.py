@@ -36,7 +36,7 @@ def staged_permutation(num_layers: int, schedule, stage_layers=None) -> np.ndarr
       num_layers: layers in the model; a multiple of `stages * virtual_stages` when
         `stage_layers` is None.
       schedule: anything with `stages`, `virtual_stages` and `placement` (virtual stage ->
-        (stage, chunk)), e.g. a `jax_overlap.pipeline.schedules.Schedule`.
+        (stage, chunk)), e.g. a `jax_overlap.pipeline.table.Schedule`.
       stage_layers: layers per virtual stage in model order (`plan.stage_layers`); None:
         even. Uneven chunks are padded to the largest one, so every device holds
         `virtual_stages x max(stage_layers)` staged layers.

@@ -9,14 +9,14 @@ from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
-from jax_overlap.pipeline.schedules import (
+from jax_overlap.pipeline.schedules import make_schedule
+from jax_overlap.pipeline.table import (
     Schedule,
-    action_cost,
     bubble_fraction,
     cell_actions,
-    make_schedule,
     weighted_bubble_fraction,
 )
+from jax_overlap.pipeline.ticks import action_cost
 
 KIND_COLORS: dict[str, str] = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
 KIND_LABELS: dict[str, str] = {"F": "F forward", "B": "B backward", "W": "W weight grad"}

@@ -1,6 +1,6 @@
 """A pipeline schedule compiled into the int tables the executor indexes.
 
-`compile_program` turns a schedule table (`jax_overlap.pipeline.schedules`) into small int
+`compile_program` turns a schedule table (`jax_overlap.pipeline.table`) into small int
 tables -- per tick, per stage: which branch (idle, or F/B/W of the first / a middle / the last
 virtual stage), microbatch, chunk, which stash slots the action reads, and which slots this
 tick's arrivals are filed into. Slots are assigned statically from the table's lifetimes
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jax_overlap.pipeline.schedules import Schedule, Task, dependency_gap
+from jax_overlap.pipeline.table import Schedule, Task, dependency_gap
 from jax_overlap.pipeline.ticks import cell_lanes
 from jax_overlap.pipeline.validate import validate
 

@@ -16,8 +16,8 @@ One implementation: :func:`lane_partners` and :func:`lane_meet` are the rule
 :func:`jax_overlap.analysis.simulate.simulate` applies with TP collectives, head phases and
 FSDP gathers around it; :func:`executed_bubble` applies it to bare action costs (what
 ``jax-overlap schedule --costs F,B,W,C`` reports as ``weighted_bubble``). Pure Python, and
-below :mod:`jax_overlap.pipeline.schedules` (which ranks tables with it): a ``schedule`` here is
-anything shaped like its ``Schedule``.
+below :mod:`jax_overlap.pipeline.table` and :mod:`jax_overlap.pipeline.pairing` (which ranks
+tables with it): a ``schedule`` here is anything shaped like a ``Schedule``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Check a schedule table against the time model of :mod:`jax_overlap.pipeline.schedules`.
+"""Check a schedule table against the time model of :mod:`jax_overlap.pipeline.table`.
 
 The validator is independent of the generators: it replays the table tick by tick and
 reports the first thing the lockstep executor could not do, so hand-written or
@@ -7,7 +7,7 @@ loaded tables can be trusted before they drive a training step.
 
 from __future__ import annotations
 
-from jax_overlap.pipeline.schedules import (
+from jax_overlap.pipeline.table import (
     KINDS,
     Action,
     Pair,
@@ -108,7 +108,6 @@ def validate(schedule: Schedule) -> None:
     _check_header(s)
     _check_placement(s)
     _check_grid_shape(s)
-    n_vs = s.stages * s.virtual_stages
 
     def name(task: Task) -> str:
         chunk = s.placement[task.virtual_stage][1]

@@ -20,7 +20,6 @@ The tokenizer is the run's (`run_tokenizer`): its directory's tokenizer.json, el
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import numpy as np

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from jax_overlap import config as configlib
 from jax_overlap.analysis import plan_shape
 from jax_overlap.config import Config, ConfigError
-from jax_overlap.pipeline.schedules import SCHEDULES
+from jax_overlap.pipeline.generators import SCHEDULES
 from jax_overlap.plan import ParallelPlan
 
 DEFAULT_BUCKETS_MB: tuple[float, ...] = (0.0, 1.0, 4.0, 16.0, 64.0, 256.0)
