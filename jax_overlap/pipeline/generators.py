@@ -42,6 +42,7 @@ def multiples_near(value: int, multiple: int) -> str:
 
 
 def require(ok: bool, message: str) -> None:
+    """Raises ValueError(`message`) unless `ok` (one line naming the config field and the fix)."""
     if not ok:
         raise ValueError(message)
 
