@@ -21,8 +21,10 @@ the stash slots actions read, and are filed into slots at the start of the next 
 transfer in flight never aliases a slot that an action is reading, the two rings' transfers
 are independent of each other, and what is sent at tick t is readable from tick t+1 on --
 exactly the schedules' time model. That model lets a neighbour consume at t+1 what was sent
-at t, so such a transfer lies between two ticks on the critical path (as the p2p between
-Megatron's stages does); only values consumed later than t+1 are hidden.
+at t, so in an unpaired table at latency 1 every transfer lies between two ticks on the
+critical path (as the p2p between Megatron's stages does): the arrivals are filed into the
+pool before the next action reads it, whichever tick consumes them. Paired lanes and latency 2
+(below) put the transfers under compute.
 
 Skewed loop (`pipeline.transfer_latency: 2`): tick t sends tick t-1's output, at the top of
 the loop body, and files what arrives at the end, after the tick's action. Neither the
