@@ -144,9 +144,9 @@ class TrainConfig:
 
 @dataclass
 class PipelineConfig:
-    # auto: the plan picks (plan.AUTO_SCHEDULE_WHY): on a GPU interleaved 1F1B for a decoder
-    # whose layers split evenly into two chunks per stage (virtual_stages auto: 3 or 4 chunks
-    # of >= 2 layers where the layers split so, else 2), else 1f1b (paired on a GPU);
+    # auto: the plan picks (plan.schedule.AUTO_SCHEDULE_WHY): on a GPU interleaved 1F1B for a
+    # decoder whose layers split evenly into two chunks per stage (virtual_stages auto: 3 or 4
+    # chunks of >= 2 layers where the layers split so, else 2), else 1f1b (paired on a GPU);
     # interleaved where virtual_stages > 1 is given.
     schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] = "auto"
     # Per data-parallel replica per step; also gradient accumulation when pp=1. auto: the plan
@@ -155,13 +155,13 @@ class PipelineConfig:
     # Chunks per pipeline stage. auto follows the schedule when the config is loaded
     # (`resolve_virtual_stages`): 2 for interleaved and zb-v at mesh.pp > 1, else 1; on a GPU
     # the plan may make it 3 or 4 for interleaved (2 from 1 where it picks interleaved under
-    # schedule auto): `PlanDecides`, plan.INTERLEAVED_CHUNKS.
+    # schedule auto): `PlanDecides`, plan.schedule.INTERLEAVED_CHUNKS.
     virtual_stages: int | Literal["auto"] = "auto"
     # Ticks between stages: 1 sends each tick's output between ticks (on the critical path);
     # 2 sends it beside the next tick's compute, so every transfer hides under a tick of GEMMs,
     # at the price of a longer ramp (bubble L(p-1)/(m+L(p-1)) for 1F1B) and more activations.
     # auto: 1, or 2 on a GPU where a transfer outlasts the GEMMs it would hide under and the
-    # step still fits (plan.AUTO_LATENCY_WHY); 1 on a CPU.
+    # step still fits (plan.schedule.AUTO_LATENCY_WHY); 1 on a CPU.
     transfer_latency: int | Literal["auto"] = "auto"
     # Paired ticks: a stage may run one forward and one backward (of other microbatches) in
     # the same tick, so steady-state ticks cost alike on every stage and each stage-to-stage
@@ -175,7 +175,7 @@ class PipelineConfig:
     # all-gathers / reduce-scatters, expert all-to-alls) run under the other lane's GEMMs; the
     # stage-to-stage transfers then run between ticks. false: each lane its own switch, each
     # transfer under the other lane. auto: on a GPU where the actions hold collectives
-    # (tp > 1 or ep > 1), else off (plan.FUSED_PAIRS_WHY).
+    # (tp > 1 or ep > 1), else off (plan.schedule.FUSED_PAIRS_WHY).
     fused_pairs: bool | Literal["auto"] = "auto"
     # Paired tables only: steps of a search over which ticks run pairs, so the actions
     # sharing a lockstep tick cost alike at tick_costs (0: one pairing rule for the whole
@@ -195,11 +195,11 @@ class PipelineConfig:
     # the hidden state's gradient summed over pp), so no stage carries the head's ~2 layers
     # of extra work. Needs pp > 1, a model whose head supports it (the built-in decoders)
     # and vocab / tp divisible by pp. auto: on a GPU at pp > 1 where the model supports it
-    # (plan.AUTO_VOCAB_PARALLEL_WHY); off on CPU.
+    # (plan.derived.AUTO_VOCAB_PARALLEL_WHY); off on CPU.
     vocab_parallel: bool | Literal["auto"] = "auto"
     # zb-h1 / zb-v: W as only the weight-gradient GEMMs (F keeps each weight matmul's input
     # and B its output gradient in stash slots until W) or as the chunk's whole backward.
-    # auto: split (plan.AUTO_SPLIT_WHY).
+    # auto: split (plan.schedule.AUTO_SPLIT_WHY).
     split_backward: bool | Literal["auto"] = "auto"
 
 
@@ -229,7 +229,7 @@ class OverlapConfig:
     # as one computation (their layers unrolled), so each one's all-to-alls and TP
     # collectives run under the other's GEMMs (DualPipe's overlap without a pipeline); one
     # more microbatch's residuals are kept. auto: on a GPU with expert parallelism (ep > 1),
-    # two microbatches or more and no FSDP; off elsewhere (plan.PAIR_MICROBATCHES_WHY).
+    # two microbatches or more and no FSDP; off elsewhere (plan.comm.PAIR_MICROBATCHES_WHY).
     pair_microbatches: bool | Literal["auto"] = "auto"
     grad_comm_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 halves dp gradient traffic
     # auto: the plan picks fsdp on a GPU where a replica's step does not fit even at one

@@ -39,7 +39,7 @@ $ jax-overlap train --config configs/tiny.yaml --set model.heads=3 --set model.l
 error: model.lyers: unknown key; did you mean 'model.layers'?
 ```
 
-Keys left at `auto` are decided once by the plan (`jax_overlap/plan.py`) for what the step runs
+Keys left at `auto` are decided once by the plan (`jax_overlap/plan/`) for what the step runs
 on: a GPU gets the overlap (gradient buckets, XLA flags, paired pipeline ticks, collective
 matmul, FSDP where a replica does not fit, the remat policy and microbatch that fit), a CPU the
 least work. `train` and `analyze` print one `auto KEY = VALUE: why` line per choice and the

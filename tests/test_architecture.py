@@ -121,7 +121,9 @@ def test_library_never_imports_models():
 # them, the CLI, the training loop (which builds the plan) and the tuner (which writes candidate
 # configs). Everything else takes the plan or plain values from it.
 CONFIG_READERS = {"jax_overlap/config.py", "jax_overlap/config_validate.py",
-                  "jax_overlap/plan.py", "jax_overlap/cli.py",
+                  "jax_overlap/plan/derived.py", "jax_overlap/plan/memory.py",
+                  "jax_overlap/plan/schedule.py", "jax_overlap/plan/comm.py",
+                  "jax_overlap/plan/parallel_plan.py", "jax_overlap/cli.py",
                   "jax_overlap/training/loop.py",
                   # the tuner: its candidate configs, and the hosts it splits dp over
                   "jax_overlap/analysis/tune/candidates.py", "jax_overlap/analysis/tune/search.py",
@@ -227,21 +229,27 @@ def test_imports_only_point_down():
     assert _upward_imports(_modules((PKG, MODELS))) == []
 
 
-# Chains of pipeline modules, lowest first: each imports only those before it.
+# Chains of modules, lowest first: each imports only those before it.
 ONE_WAY_CHAINS = {
     # reads and writes at a slot -> F, B, W branches -> the scans -> the per-device step
-    "executor": ["slots", "actions", "tick_loop", "executor"],
+    "executor": ["pipeline.slots", "pipeline.actions", "pipeline.tick_loop", "pipeline.executor"],
     # tick timing -> the table -> the list scheduler -> the named schedules -> paired tables
     # -> make_schedule
-    "schedules": ["ticks", "table", "list_scheduler", "generators", "pairing", "schedules"],
+    "schedules": ["pipeline.ticks", "pipeline.table", "pipeline.list_scheduler",
+                  "pipeline.generators", "pipeline.pairing", "pipeline.schedules"],
+    # plain values -> what the config alone gives -> what fits -> the pipeline's and the communication's
+    # knobs -> ParallelPlan.build
+    "plan": ["plan.values", "plan.derived", "plan.memory", "plan.schedule", "plan.comm",
+             "plan.parallel_plan"],
 }
 
 
 @pytest.mark.parametrize("chain", sorted(ONE_WAY_CHAINS))
-def test_pipeline_modules_import_one_way(chain):
-    """No module of a chain (the executor's; the schedule builders') reaches up it."""
+def test_module_chains_import_one_way(chain):
+    """No module of a chain (the executor's, the schedule builders', the plan's) reaches up
+    it."""
     modules = _modules()
-    names = [f"jax_overlap.pipeline.{n}" for n in ONE_WAY_CHAINS[chain]]
+    names = [f"jax_overlap.{n}" for n in ONE_WAY_CHAINS[chain]]
     bad = [f"{name} imports {target}" for i, name in enumerate(names)
            for target, _, _ in _imports(modules[name], modules)
            if target in names and names.index(target) >= i]

@@ -16,6 +16,7 @@ from jax_overlap.config import ConfigError
 from jax_overlap.hardware import memory
 from jax_overlap.pipeline.schedules import bubble_fraction
 from jax_overlap import plan as plan_lib
+from jax_overlap.plan import schedule as plan_schedule
 from jax_overlap.plan import ParallelPlan, Target, fits_memory
 
 GPT_1P3B = f"{REPO}/configs/gpt_1p3b.yaml"
@@ -233,7 +234,8 @@ def test_auto_transfer_latency_is_two_only_where_a_transfer_outlasts_a_tick():
     tiny = ParallelPlan.build(config.load(TINY, narrow), target=H100)  # launches: hidden
     assert tiny.transfer_latency == 1
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_lib, "_transfer_and_tick_s", lambda cfg, target: (2e-3, 1e-3, "slow"))
+        mp.setattr(plan_schedule, "_transfer_and_tick_s",
+                   lambda cfg, target: (2e-3, 1e-3, "slow"))
         exposed = ParallelPlan.build(config.load(TINY, narrow), target=H100)
         assert exposed.transfer_latency == 2 and not exposed.schedule.paired
         assert "outlasts a tick's GEMMs" in exposed.choices["pipeline.transfer_latency"].why

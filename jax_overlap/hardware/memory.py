@@ -1,8 +1,8 @@
 """Per-device memory of a transformer train step, estimated from shapes alone (no tracing).
 
 Used where a decision has to be made before anything is compiled: the plan's automatic
-microbatch count and remat policy (`plan.py`), `analyze`'s hints, the preflight check and the
-calibrated cost model's stash sizes. The terms are what XLA's buffer assignment holds at the
+microbatch count and remat policy (`jax_overlap.plan.memory`), `analyze`'s hints, the preflight
+check and the calibrated cost model's stash sizes. The terms are what XLA's buffer assignment holds at the
 step's peak, read off deviceless compiles of GPT-1.3B for 8 x H100 (`compiled.
 memory_analysis()` and XLA's memory-usage report; tests/test_memory_estimate.py keeps the
 comparison, within 15% for dp8, dp2 x tp4, pp4 x dp2 1F1B and ZB-V, pp2 x dp2 x tp2 under
