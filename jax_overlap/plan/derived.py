@@ -26,7 +26,7 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: i
 
 def schedule_name(cfg: Config) -> str:
     """`pipeline.schedule` with `auto` resolved: interleaved where more than one virtual stage
-    is asked for, else 1f1b (the same on every target today: `AUTO_SCHEDULE_WHY`)."""
+    is asked for, else 1f1b (the same on every target today: `schedule.AUTO_SCHEDULE_WHY`)."""
     pl = cfg.pipeline
     if pl.schedule != "auto":
         return pl.schedule
