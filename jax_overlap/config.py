@@ -92,7 +92,6 @@ class ModelConfig:
     router_z_loss: float = 0.001  # MoE: the router z-loss coefficient
 
 
-
 @dataclass
 class DataConfig:
     # stdlib: the Python standard library's own source text (present on every machine);

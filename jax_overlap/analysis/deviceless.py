@@ -40,6 +40,7 @@ from jax_overlap.analysis.xla_targets import get_target, target_config_text
 from jax_overlap.hardware.gpu_plugins import (  # noqa: F401 (tests and callers ask here)
     INSTALL_HINT, plugin_available, plugin_libraries, unavailable_reason)
 
+
 def topology_name(num_devices: int, num_hosts: int = 1) -> str:
     """Topology string for ``num_devices`` GPUs spread evenly over ``num_hosts`` hosts.
 

@@ -84,6 +84,7 @@ def _vocab_shards(program: TickProgram) -> int:
     """How many ways the head's vocabulary is split over pp (1: the last stage runs it)."""
     return program.schedule.stages if program.vocab_parallel else 1
 
+
 def stage_pieces(model, par: Parallel, count, remat: str, program: TickProgram
                  ) -> StagePieces:
     """The `StagePieces` of a model with its TP context, loss divisor and remat policy, for

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from jax_overlap.pipeline.table import KINDS, Action, Cell, Pair, Schedule, Task
 from jax_overlap.pipeline.ticks import action_cost
 
+
 @dataclass(frozen=True)
 class Policy:
     """How a stage picks its next task.

@@ -29,6 +29,7 @@ The package, lowest first (each module imports only those before it):
 """
 
 from jax_overlap.plan.comm import auto_xla_preset
+from jax_overlap.plan.derived import cached_schedule
 from jax_overlap.plan.memory import (
     GPU_REMAT_WHY,
     MEMORY_BUDGET,
@@ -45,7 +46,6 @@ from jax_overlap.plan.parallel_plan import (
     ParallelPlan,
     mesh_from_config,
 )
-from jax_overlap.plan.derived import cached_schedule
 from jax_overlap.plan.values import Choice, DilocoPlan, OverlapPlan, Target
 
 __all__ = [

@@ -15,6 +15,7 @@ from jax_overlap.plan.memory import (
 )
 from jax_overlap.plan.values import MIB, Choice, OverlapPlan, Target
 
+
 def resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tuple[str, str]:
     """`overlap.tp_comm` and `overlap.collective_matmul_direction`, `auto` resolved."""
     m, ov, mo = cfg.mesh, cfg.overlap, cfg.model
@@ -56,6 +57,7 @@ def resolve_tp(cfg: Config, target: Target, choices: dict[str, Choice]) -> tuple
         choices["overlap.collective_matmul_direction"] = Choice(direction, why)
     return tp_comm, direction
 
+
 def resolve_moe_chunks(cfg, target, choices) -> int:
     """`overlap.moe_chunks`: `auto` is 6 on a GPU with expert parallelism, else 1 (a dense
     model's plan records no choice)."""
@@ -77,6 +79,7 @@ def resolve_moe_chunks(cfg, target, choices) -> int:
             "estimated step 3-6% longer from the extra copies)")
     choices["overlap.moe_chunks"] = Choice(chunks, why)
     return chunks
+
 
 def paired_moe_chunks(cfg: Config, plan, choices: dict[str, Choice]) -> OverlapPlan:
     """`overlap.moe_chunks: auto` where microbatches pair (fused pipeline ticks, paired
@@ -101,6 +104,7 @@ PAIR_MICROBATCHES_WHY = (
     "backward, so each one's all-to-alls run under the other's GEMMs (Mixtral-8x7B shape, 2 "
     "layers, ep8, 4 microbatches, deviceless 8 x H100, one chunk: all-to-all bytes under "
     "GEMMs 0.38 -> 0.71, estimated step 382 -> 374 ms)")
+
 
 def resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                               microbatches: int, remat: str, attention: str,
@@ -142,6 +146,7 @@ def resolve_pair_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
 # 0.00 with one reduction per leaf after the backward.
 AUTO_BUCKET_MB = 64.0
 
+
 def auto_xla_preset(accelerator: bool, cfg: Config) -> str:
     """What `overlap.xla_preset: auto` becomes: the overlap flags where the step runs on (or
     is compiled for) a GPU, without the collective pipeliner's all-gather / reduce-scatter
@@ -152,6 +157,7 @@ def auto_xla_preset(accelerator: bool, cfg: Config) -> str:
     if cfg.mesh.tp > 1 and cfg.mesh.pp == 1:
         return "gpu_overlap_tp"
     return "gpu_overlap"
+
 
 def resolve_zero1(cfg: Config, target: Target, choices: dict[str, Choice], tp_comm: str,
                   attention: str) -> Config:
@@ -195,6 +201,7 @@ def resolve_zero1(cfg: Config, target: Target, choices: dict[str, Choice], tp_co
     choices["overlap.zero1"] = Choice(on, why)
     return dataclasses.replace(cfg, overlap=dataclasses.replace(ov, zero1=on))
 
+
 def resolve_sharding(cfg: Config, target: Target, choices: dict[str, Choice], tp_comm: str,
                      attention: str) -> bool:
     """`overlap.param_sharding`, `auto` resolved (True: fsdp): on a GPU with dp > 1, FSDP
@@ -225,6 +232,7 @@ def resolve_sharding(cfg: Config, target: Target, choices: dict[str, Choice], tp
         f"under remat full (budget {MEMORY_BUDGET * target.memory_bytes / 1e9:.0f} GB); FSDP "
         f"~{estimated_step_bytes(cfg, 1, sharded, 'full', attention) / 1e9:.0f} GB"))
     return True
+
 
 def resolve_overlap(cfg: Config, target: Target, choices: dict[str, Choice], fsdp: bool
                     ) -> tuple[float, bool, str]:
@@ -282,6 +290,7 @@ LONE_TP_COMM_WHY = (
     "H100: 0.78 -> 0.93 of the collective bytes under GEMMs, exposed 43 -> 22 ms, for 8 ms "
     "more of the estimated 1039 ms step)")
 
+
 def resolve_lone_tp_comm(cfg: Config, plan, choices: dict[str, Choice]) -> str:
     """`overlap.lone_tp_comm`, `auto` resolved: collective matmul for the lone actions of a
     fused program on a GPU at tp = 2 under sequence parallelism and full remat."""
@@ -316,6 +325,7 @@ SP_SPLIT_WHY = (
     "between blocks, so a gather over TP lands in the (b, t) order the other activations "
     "are in and no weight-gradient GEMM transposes it first (GPT-1.3B pp2 x dp2 x tp2, "
     "deviceless 8 x H100: its 26 ms of transposes gone, estimated step 1065 -> 1039 ms)")
+
 
 def resolve_sp_split(cfg: Config, plan, choices: dict[str, Choice]) -> str:
     """`overlap.sp_split`, `auto` resolved: batch where sequence parallelism's rows can be

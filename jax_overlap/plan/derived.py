@@ -12,6 +12,7 @@ from jax_overlap.pipeline.program import compile_program
 from jax_overlap.pipeline.schedules import make_schedule
 from jax_overlap.pipeline.table import KINDS, Schedule
 
+
 @functools.lru_cache(maxsize=1024)
 def cached_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1,
                     transfer_latency: int = 1, paired: bool = False,
@@ -39,6 +40,7 @@ AUTO_VOCAB_PARALLEL_WHY = (
     "GPU: the last stage no longer runs the whole head and loss while the others wait (GPT-1.3B "
     "pp4 x dp2, deviceless 8 x H100, estimated step: 1F1B paired 1.28 -> 1.18 s, ZB-V "
     "1.84 -> 1.42 s with the chunk's layers scanned)")
+
 
 def auto_vocab_parallel(cfg: Config, accelerator: bool) -> tuple[bool, str]:
     """`pipeline.vocab_parallel` (`auto` resolved by the config alone) and why."""

@@ -82,8 +82,10 @@ def resolve_attention(cfg: Config, target: Target, choices: dict[str, Choice]) -
         choices["model.attention"] = Choice(value, why)
     return value
 
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
 
 def estimated_step_bytes(cfg: Config, micro_batch: int, overlap: OverlapPlan, remat: str,
                          attention: str = "plain") -> float:
@@ -126,6 +128,7 @@ def fits_memory(need: float, target: Target) -> bool:
     `MEMORY_BUDGET` of its memory (always, where the memory is unknown)."""
     return not target.memory_bytes or need <= MEMORY_BUDGET * target.memory_bytes
 
+
 def _keeps_projections(cfg: Config, tp_comm: str) -> str | None:
     """Why `auto` remat on a GPU tries `minimal` before `full`, or None where recomputing the
     projections costs less than keeping them: at pp = 1 with collective-matmul rings (the
@@ -136,6 +139,7 @@ def _keeps_projections(cfg: Config, tp_comm: str) -> str | None:
     if cfg.mesh.pp > 1 and cfg.mesh.tp == 1 and not cfg.model.experts:
         return PIPELINE_REMAT_WHY
     return None
+
 
 def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False,
                       kept: str | None = None) -> tuple[str, ...]:
@@ -159,6 +163,7 @@ def _remat_candidates(cfg: Config, target: Target, unrolled: bool = False,
         return KEPT_REMATS if kept else ("full",)
     return ("none",)
 
+
 def _unrolled(cfg: Config, overlap: OverlapPlan, microbatches: int) -> bool:
     """Whether the whole step is the last microbatch, run with its layers unrolled for the
     gradient buckets (`training/grads.py`): one microbatch at pp = 1 with in-backward buckets
@@ -166,6 +171,7 @@ def _unrolled(cfg: Config, overlap: OverlapPlan, microbatches: int) -> bool:
     are reduced in the layer scan's backward.)"""
     return (cfg.mesh.pp == 1 and microbatches == 1 and overlap.grad_bucket_bytes > 0
             and not overlap.fsdp and overlap.bucket_order == "largest_first")
+
 
 def _cheapest_remat(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
                     attention: str, remats: tuple[str, ...]
@@ -205,11 +211,13 @@ def gemm_tokens(cfg: Config, tp_comm: str) -> int:
         return MICROBATCH_TOKENS
     return GEMM_TOKENS
 
+
 def pipeline_bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
     """The idle share of a 1F1B-like pipeline: (p - 1) / (v m + p - 1) with v chunks per
     stage (interleaved)."""
     return ((stages - 1) / (virtual_stages * microbatches + stages - 1) if stages > 1
             else 0.0)
+
 
 def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target: Target,
                     remat: str | None = None, attention: str | None = None
@@ -230,6 +238,7 @@ def microbatch_fits(cfg: Config, micro_batch: int, overlap: OverlapPlan, target:
     return (micro_batch * cfg.model.seq_len <= gemm_tokens(cfg, overlap.tp_comm)
             and chosen is not None), need
 
+
 def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target,
                kept: str | None = None) -> str:
     """Why auto took `remat`: its estimate against the budget, and what the policies that
@@ -244,6 +253,7 @@ def _remat_why(remat: str, need: float, tried: dict[str, float], target: Target,
     why = f"{lead}: ~{need / 1e9:.0f} GB per device estimated{budget}"
     over = [f"{r} ~{b / 1e9:.0f} GB" for r, b in tried.items() if r != remat]
     return why + (f"; over it: {', '.join(over)}" if over else "")
+
 
 def resolve_microbatches(cfg: Config, target: Target, overlap: OverlapPlan,
                          choices: dict[str, Choice], attention: str = "plain"

@@ -27,6 +27,7 @@ from jax_overlap.plan.comm import (
     resolve_tp,
     resolve_zero1,
 )
+from jax_overlap.plan.derived import cached_schedule
 from jax_overlap.plan.memory import (
     estimated_step_bytes,
     fits_memory,
@@ -43,7 +44,6 @@ from jax_overlap.plan.schedule import (
     resolve_stage_layers,
     resolve_vocab_parallel,
 )
-from jax_overlap.plan.derived import cached_schedule
 from jax_overlap.plan.values import MIB, Choice, DilocoPlan, OverlapPlan, Target
 
 # XLA's rematerialization pass, disabled for a step estimated to fit (`compiler_options`).
@@ -413,12 +413,14 @@ def _grad_bytes(model, axis_sizes: dict[str, int]) -> int:
     return 4 * sum(math.prod(s) for s in jax.tree.leaves(
         shapes, is_leaf=lambda x: isinstance(x, tuple)))
 
+
 def _diloco_plan(cfg: Config) -> DilocoPlan | None:
     d = cfg.diloco
     if d.inner_steps <= 0 or cfg.mesh.dcn == 1:
         return None
     return DilocoPlan(d.inner_steps, d.fragments, d.delay, d.outer_lr, d.outer_momentum,
                       d.outer_dtype, d.mix)
+
 
 def mesh_from_config(cfg: Config, devices: list | None = None) -> Any:
     """The config's (dp, pp, tp) mesh -- (dcn, dp, pp, tp) with mesh.dcn > 1 -- over

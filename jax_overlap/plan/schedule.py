@@ -11,9 +11,10 @@ import numpy as np
 from jax_overlap.config import Config, ConfigError, PlanDecides
 from jax_overlap.model_api import param_elements
 from jax_overlap.pipeline.table import Schedule
-from jax_overlap.plan.memory import estimated_step_bytes, fits_memory
 from jax_overlap.plan.derived import auto_vocab_parallel, schedule_name
+from jax_overlap.plan.memory import estimated_step_bytes, fits_memory
 from jax_overlap.plan.values import Choice, OverlapPlan, Target
+
 
 def layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None
                       ) -> np.ndarray | None:
@@ -21,6 +22,7 @@ def layer_permutation(num_layers: int, schedule: Schedule, stage_layers=None
 
     perm = staged_permutation(num_layers, schedule, stage_layers)
     return None if np.array_equal(perm, np.arange(num_layers)) else perm
+
 
 def resolve_stage_layers(cfg: Config, num_layers: int, schedule: Schedule,
                          choices: dict[str, Choice], vocab_parallel: bool = False,
@@ -97,6 +99,7 @@ AUTO_SCHEDULE_WHY = {
 # Decoders whose blocks are all alike, which the plan may cut into two chunks per stage.
 INTERLEAVED_KINDS = ("gpt", "llama")
 
+
 def _no_interleaving(cfg: Config) -> str | None:
     """Why `schedule: auto` cannot run interleaved 1F1B on a GPU, or None if it can: the
     virtual stages are left to the plan, the model is a plain decoder, its layers split
@@ -125,6 +128,7 @@ def _interleaved_chunks(cfg: Config) -> Choice:
             return Choice(v, INTERLEAVED_CHUNKS_WHY.format(v=v, n=layers // (v * pp)))
     return Choice(2, INTERLEAVED_TWO_WHY.format(n=layers // (2 * pp), layers=layers,
                                                 least=INTERLEAVED_MIN_LAYERS))
+
 
 def resolve_schedule(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
     """`cfg` with `pipeline.schedule: auto` resolved, and on a GPU the chunks per stage of an
@@ -159,6 +163,7 @@ AUTO_LATENCY_WHY = ("the transfer of a microbatch's activations between stages (
 # model's tick is launches, not GEMMs, and a transfer is one kernel too.
 TICK_KERNELS_PER_LAYER = 20
 
+
 def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str] | None:
     """(seconds one microbatch's activations take between stages, seconds of one chunk's
     forward: its GEMMs at the chip's peak plus its kernels' launches, the link's name) on a
@@ -181,6 +186,7 @@ def _transfer_and_tick_s(cfg: Config, target: Target) -> tuple[float, float, str
     launches = TICK_KERNELS_PER_LAYER * chunk_layers * KERNEL_LAUNCH_S
     return (KERNEL_LAUNCH_S + act / chip.nvlink_unidirectional_bytes_per_s,
             flops / chip.matmul_flops_per_s(dtype) + launches, f"{chip.name} NVLink")
+
 
 def resolve_latency(cfg: Config, target: Target, choices: dict[str, Choice]) -> Config:
     """`cfg` with `pipeline.transfer_latency: auto` resolved: 1, or 2 on a GPU where one
@@ -239,6 +245,7 @@ FUSED_PAIRS_WHY = {
             "lane its own switch keeps every transfer under the other lane"),
 }
 
+
 def resolve_fused(cfg: Config, target: Target, choices: dict[str, Choice],
                   paired: bool) -> bool:
     """`pipeline.fused_pairs`, `auto` resolved: on for a paired pipeline on a GPU whose
@@ -257,6 +264,7 @@ def resolve_fused(cfg: Config, target: Target, choices: dict[str, Choice],
     choices["pipeline.fused_pairs"] = Choice(fused, FUSED_PAIRS_WHY[fused].format(
         what=" and ".join(inside)))
     return fused
+
 
 def resolve_paired(cfg: Config, target: Target, choices: dict[str, Choice]) -> bool:
     """`pipeline.paired`, `auto` resolved: paired F+B ticks for a pipeline on a GPU at
@@ -295,6 +303,7 @@ def resolve_vocab_parallel(cfg: Config, target: Target, model, choices: dict[str
     if cfg.mesh.pp > 1:
         choices["pipeline.vocab_parallel"] = Choice(value, why)
     return value
+
 
 def resolve_split(cfg: Config, target: Target, schedule: Schedule, remat: str,
                   choices: dict[str, Choice]) -> bool:

@@ -36,6 +36,7 @@ class Target:
             memory = None
         return cls(getattr(d, "device_kind", d.platform), True, memory)
 
+
 @dataclass(frozen=True)
 class OverlapPlan:
     """The resolved overlap choices, as plain values.
@@ -95,6 +96,7 @@ class OverlapPlan:
         except under fsdp (reduce-scattered once after the loop)."""
         return self.grad_bucket_bytes > 0 and not self.fsdp
 
+
 @dataclass(frozen=True)
 class DilocoPlan:
     """Streaming DiLoCo over dcn (`overlap.diloco`), resolved.
@@ -121,6 +123,7 @@ class DilocoPlan:
     def period(self) -> int:
         """Inner steps between two consecutive fragment syncs (of different fragments)."""
         return self.inner_steps // self.fragments
+
 
 @dataclass(frozen=True)
 class Choice:
