@@ -237,8 +237,8 @@ ONE_WAY_CHAINS = {
     # -> make_schedule
     "schedules": ["pipeline.ticks", "pipeline.table", "pipeline.list_scheduler",
                   "pipeline.generators", "pipeline.pairing", "pipeline.schedules"],
-    # plain values -> what the config alone gives -> what fits -> the pipeline's and the communication's
-    # knobs -> ParallelPlan.build
+    # plain values -> what the config alone gives -> what fits -> the pipeline's and the
+    # communication's knobs -> ParallelPlan.build
     "plan": ["plan.values", "plan.derived", "plan.memory", "plan.schedule", "plan.comm",
              "plan.parallel_plan"],
 }
