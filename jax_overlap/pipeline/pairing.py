@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 
 from jax_overlap.pipeline.generators import FILLED, build, filled_table
 from jax_overlap.pipeline.table import Pair, Schedule, tick_waste, weighted_bubble_fraction
-from jax_overlap.pipeline.ticks import executed_bubble
+from jax_overlap.pipeline.ticks import UNIT_COST, executed_bubble
 
 # Shares of stages that must be able to pair before a tick runs pairs, tried by
 # `make_schedule(paired=True)` (see `list_schedule`): 0 pairs wherever possible, 1 only
@@ -56,7 +56,7 @@ def build_variant(name: str, p: int, m: int, v: int, caps: Sequence[int],
     and `v` chunks per stage."""
     if not variant.filled:
         return build(name, p, m, v, 1, True, caps, variant.quorum)
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    cost = cost or UNIT_COST
     guard = variant.guard
     return filled_table(name, p, m, caps, None if guard is None else
                         (cost, 0.0 if transfer is None else transfer, *guard))
@@ -118,7 +118,7 @@ def filled_variants(name: str, p: int, m: int, v: int, caps: Sequence[int],
                            variant))
         except RuntimeError:  # pragma: no cover - the greedy has not deadlocked so far
             continue
-    unit = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    unit = cost or UNIT_COST
     return sorted(tables, key=lambda c: round(executed_bubble(c[0], unit, transfer), 9))[:1]
 
 

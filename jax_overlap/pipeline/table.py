@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from jax_overlap.pipeline.ticks import action_cost
+from jax_overlap.pipeline.ticks import UNIT_COST, action_cost
 
 KINDS: tuple[str, ...] = ("F", "B", "W")
 
@@ -437,7 +437,7 @@ def peak_activations(schedule: Schedule) -> list[int]:
 def tick_waste(schedule: Schedule, cost: dict[str, float] | None = None) -> list[float]:
     """Per tick, the device-time the lockstep executor idles: each stage's gap to the tick's
     slowest entry (see :func:`weighted_bubble_fraction`; ``cost`` defaults to 1 each)."""
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    cost = cost or UNIT_COST
     out = []
     for tick in range(schedule.ticks):
         costs = [sum(action_cost(a.kind, schedule.split_backward, cost)
@@ -464,7 +464,7 @@ def weighted_bubble_fraction(
     Returns:
       Idle device-time over ``stages x`` total time.
     """
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    cost = cost or UNIT_COST
     split = schedule.split_backward
     total = busy = 0.0
     for tick in range(schedule.ticks):

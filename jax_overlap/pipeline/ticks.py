@@ -22,9 +22,13 @@ tables with it): a ``schedule`` here is anything shaped like a ``Schedule``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+# The action times a table is timed at when none are given: F = B = W (a non-split B two).
+UNIT_COST: Mapping[str, float] = MappingProxyType({"F": 1.0, "B": 1.0, "W": 1.0})
 
 
 def action_cost(kind: str, split_backward: bool, cost: dict[str, float]) -> float:
@@ -151,7 +155,7 @@ def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
     """`tick_clocks`, and the seconds of every action of the table summed (in the order of
     ``schedule.actions()``)."""
     s = schedule
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0}
+    cost = cost or UNIT_COST
     near = permute_partners(s)
     skew = skewed(s)
     lanes = len(near)
