@@ -574,7 +574,13 @@ def test_vocab_parallel_training_curve_matches_pp1(flat_curve, tmp_path):
 # ticks, the vocabulary-parallel head split around the backward lane, split W, in-loop
 # buckets). Attention stays the einsum path: cuDNN's fused kernel runs on GPUs only.
 GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
+               # unpaired: per-tick rings (`TickProgram.patterns`) and the slack ring
                ("zb-v", 4, 2, 1, 4, True, ["pipeline.paired=false"]),
+               ("zb-h1", 4, 2, 1, 8, False, ["pipeline.paired=false"]),
+               pytest.param(("1f1b", 4, 2, 1, 8, False, ["pipeline.paired=false"]),
+                            marks=pytest.mark.slow),
+               pytest.param(("interleaved", 4, 2, 1, 8, True, ["pipeline.paired=false"]),
+                            marks=pytest.mark.slow),
                # both lanes in one switch (`pipeline.fused_pairs`): the deferred last tick,
                # and a zero-bubble table's B / W pairs filing the dz pool beside F's chunk pool
                ("1f1b", 4, 2, 1, 4, True, ["pipeline.fused_pairs=true"]),
@@ -592,8 +598,8 @@ GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
 
 @pytest.mark.parametrize("case", GPU_PLANNED)
 def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypatch):
-    """Also the unpaired tick's two ring permutes (the CPU plan's tick all-gathers instead),
-    and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
+    """Also the unpaired tick's per-tick rings and slack ring (the CPU plan's tick all-gathers
+    instead), and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
     after it (`tick_loop.DeferredEmbedding`)."""
     from jax_overlap.pipeline import executor, tick_loop
     from jax_overlap.plan import Target
@@ -608,6 +614,7 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
                                                                    not in extra)
     program = run.plan.program
     assert program.fused == (tp > 1 or "pipeline.fused_pairs=true" in extra)
+    assert program.tick_rings == ("pipeline.paired=false" in extra)
     # Sequence parallel at tp = 2: a tick with one action runs it as collective matmul.
     lone = tp == 2 and run.plan.overlap.tp_comm == "sequence_parallel"
     assert (run.plan.overlap.lone_tp_comm == "collective_matmul") == lone
@@ -621,7 +628,7 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
     deferred = tick_loop.deferred_embedding(model, program, True,
                                             any(b.sync for b in program.branches),
                                             run.plan.overlap, dict(run.mesh.shape))
-    assert (deferred is not None) == (name == "1f1b")
+    assert (deferred is not None) == (name == "1f1b" and not program.tick_rings)
     loss, grads = jax.jit(run.loss_and_grads())(run.place_params(params),
                                                 run.put_batch(batch))
     assert [c is not None for c in contexts] == [lone]

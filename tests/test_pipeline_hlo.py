@@ -305,10 +305,12 @@ def _tick_scan_body(jaxpr, ticks: int):
     return body
 
 
-def test_an_accelerator_tick_sends_on_two_permute_rings():
-    """The step a GPU plan builds (traced on the CPU devices), unpaired: one ppermute per ring
-    in the tick body, each one microbatch of activations, +1 for the forwards' outputs and -1
-    for the backwards'. (The CPU plan's tick all-gathers instead: above.)"""
+def test_an_accelerator_tick_permutes_only_where_data_moves():
+    """The step a GPU plan builds (traced on the CPU devices), unpaired at latency 1: the
+    tick's output goes on a switch over the table's ring patterns, each branch permuting
+    exactly the pairs that trade data read at the next tick (+1 for forwards, -1 for
+    backwards), one microbatch of activations each; what is read later goes on the slack
+    ring, at the top of the body. (The CPU plan's tick all-gathers instead: above.)"""
     from jax_overlap.plan import Target
 
     cfg = config.load(TINY, [f"mesh.pp={PP}", f"mesh.dp={DP}", "mesh.tp=1", "model.layers=4",
@@ -318,17 +320,27 @@ def test_an_accelerator_tick_sends_on_two_permute_rings():
     model = GPT.from_config(cfg.model)
     run = assemble(cfg, jax.devices()[:PP * DP], target=Target("h100", True, 80e9),
                    model=model)
+    program = run.plan.program
     params = run.place_params(model.init(jax.random.key(0)))
     jaxpr = jax.make_jaxpr(run.loss_and_grads())(params, run.put_batch(np_batch(cfg))).jaxpr
-    body = _tick_scan_body(jaxpr, run.plan.program.ticks)
-    permutes = [e for e in body.eqns if e.primitive.name == "ppermute"]
+    body = _tick_scan_body(jaxpr, program.ticks)
     assert "all_gather" not in [e.primitive.name for e in body.eqns]
     b = cfg.train.global_batch // DP // MICROBATCHES
-    assert [tuple(e.invars[0].aval.shape) for e in permutes] == [
-        (b, cfg.model.seq_len, cfg.model.d_model)] * 2
-    down = tuple((s, s + 1) for s in range(PP - 1))
-    assert sorted(tuple(e.params["perm"]) for e in permutes) == sorted(
-        [down, tuple((b_, a) for a, b_ in down)])
+    shape = (b, cfg.model.seq_len, cfg.model.d_model)
+    slack = [e for e in body.eqns if e.primitive.name == "ppermute"]
+    assert [tuple(e.params["perm"]) for e in slack] == [r for r in program.slack_pairs if r]
+    assert all(tuple(e.invars[0].aval.shape) == shape for e in slack)
+    (switch,) = [e for e in body.eqns if e.primitive.name == "cond" and any(
+        q.primitive.name == "ppermute" for br in e.params["branches"] for q in br.jaxpr.eqns)]
+    sent = [tuple(tuple(q.params["perm"]) for q in br.jaxpr.eqns
+                  if q.primitive.name == "ppermute") for br in switch.params["branches"]]
+    assert sent == [tuple(r for r in pattern if r) for pattern in program.patterns]
+    down = {(s_, s_ + 1) for s_ in range(PP - 1)}
+    for down_pairs, up_pairs in program.patterns:
+        assert set(down_pairs) <= down and {(d, s_) for s_, d in up_pairs} <= down
+    # Every transfer a tick makes is on one of them; most ticks move only some pairs.
+    assert sum(len(a) + len(b_) for a, b_ in program.patterns) < len(program.patterns) * 2 * (
+        PP - 1)
 
 
 def _tick_body_head_psums(paired: bool, accelerator: bool

@@ -771,7 +771,10 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
     no stage runs ahead of its ring neighbours by more than the permute's slack:
 
     * latency 1, unpaired: a tick's permutes follow its action; a stage's tick ends at the
-      latest action end among itself and its ring partners, plus the transfer.
+      latest action end among itself and its ring partners, plus the transfer. On a GPU
+      (`ticks.tick_rings`) those permutes carry only the transfers read at the next tick and
+      meet only the stages that trade them at this tick; the others go on the slack ring,
+      issued before the next tick's action as a skewed permute is.
     * latency 2 (skewed) and each lane of a paired tick: the permute carrying the previous
       (half-)tick's output is issued before the action and finishes after it, so a stage's
       tick ends at its own action's end or, if later, its partners' start plus the transfer.
@@ -792,6 +795,9 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
     # `jax_overlap.pipeline.ticks`' (what `schedule --costs` reports as weighted_bubble).
     near = ticks.permute_partners(s)
     lanes = len(near)
+    per_tick = ticks.tick_rings(s) and not tl.synchronous
+    if per_tick:
+        urgent, slack = ticks.rendezvous_partners(s)
     clock = [0.0] * p
     if plan.fsdp and plan.dp > 1:
         for d in range(p):
@@ -810,15 +816,20 @@ def _play_ticks(plan: Plan, costs: Costs, heads: dict[int, int], tl: _Timeline,
                                                 done[d], starts, ends, held)
             # Synchronous collectives (a CPU) cannot run under the action: the permute
             # waits for it, as an unskewed one does.
-            skew = ticks.skewed(s) and not tl.synchronous
-            meet = ticks.lane_meet(begin, done, near[lane], xfer, skew)
-            for d in range(p):
-                if meet[d] is None:
-                    clock[d] = done[d]
-                    continue
-                # The wait for the partners is idle; the transfer is the last `xfer` of it.
-                tl.add(d, "pp", "comm", f"permute tick {t} lane {lane}", meet[d] - xfer, meet[d])
-                clock[d] = max(done[d], meet[d])
+            if per_tick:  # the slack ring under the action, then the tick's own permutes
+                rounds = [(slack, True, "slack ring"), (urgent[t], False, "permute")]
+            else:
+                rounds = [(near[lane], ticks.skewed(s) and not tl.synchronous, "permute")]
+            for partners, skew, what in rounds:
+                meet = ticks.lane_meet(begin, done, partners, xfer, skew)
+                for d in range(p):
+                    if meet[d] is None:
+                        continue
+                    # The wait for the partners is idle; the transfer is the last `xfer` of it.
+                    tl.add(d, "pp", "comm", f"{what} tick {t} lane {lane}", meet[d] - xfer,
+                           meet[d])
+                    done[d] = max(done[d], meet[d])
+            clock = list(done)
             # A paired tick on a GPU runs the head after its backward lane, its all-reduces
             # under the lanes; elsewhere the head runs after the forward lane (the executor's
             # `paired_tick`).

@@ -64,7 +64,8 @@ from jax_overlap.analysis.hlo_parse import (
 )
 from jax_overlap.hardware.machine import KERNEL_LAUNCH_S as LAUNCH_S  # seconds a launch
 from jax_overlap.hardware.machine import ChipSpec
-from jax_overlap.pipeline.program import HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE, SPAN_SCOPE
+from jax_overlap.pipeline.program import (HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE, RING_SCOPE,
+                                          SPAN_SCOPE)
 
 
 _FREE = frozenset({
@@ -399,6 +400,12 @@ class Ticks:
       head: bool ``(ticks,)``: ticks with a vocabulary-parallel head phase.
       arrival_to_finish: at transfer latency 2 and with paired lanes a tick's arrival is
         needed to finish the tick, not to start it.
+      tick_senders: an unpaired latency-1 program's per-tick rings
+        (`TickProgram.tick_rings`): per tick, per stage, the stages whose urgent transfers
+        it receives at that tick, needed to start it; `senders` are then its slack ring's,
+        needed to finish it. None otherwise.
+      patterns: int ``(ticks,)``: the ring pattern each tick sends on (its switch's branch,
+        `RING_SCOPE`, of `pattern_count`); None without per-tick rings.
     """
 
     branch: np.ndarray
@@ -406,6 +413,9 @@ class Ticks:
     senders: tuple[tuple[int, ...], ...]
     head: np.ndarray
     arrival_to_finish: bool
+    tick_senders: tuple | None = None
+    patterns: np.ndarray | None = None
+    pattern_count: int = 0
 
     @classmethod
     def of_program(cls, program: Any) -> Ticks:
@@ -417,6 +427,17 @@ class Ticks:
                         for s in range(stages))
         head = (program.column("head_mb")[:, 0, 0] > 0) if program.vocab_parallel \
             else np.zeros(branch.shape[0], bool)
+        if program.tick_rings:
+            patterns = program.column("ring_pattern")[:, 0, 0]
+            received = [[tuple(sorted(src for src, dst in down + up if dst == s))
+                         for s in range(stages)] for down, up in program.patterns]
+            tick_senders = ((((),) * stages,)
+                            + tuple(tuple(received[i]) for i in patterns[:-1]))
+            slack = tuple(program.slack_pairs[0]) + tuple(program.slack_pairs[1])
+            senders = tuple(tuple(sorted({src for src, dst in slack if dst == s}))
+                            for s in range(stages))
+            return cls(program.switch_table(), program.switch_names(), senders, head, True,
+                       tick_senders, patterns, len(program.patterns))
         # Fused lanes: one switch, whose arrivals are filed before it runs.
         return cls(program.switch_table(), program.switch_names(), senders, head,
                    (program.lanes == 2 and not program.fused) or program.skewed)
@@ -456,6 +477,9 @@ def tick_switch_shares(ticks: Ticks, last_apart: bool
         if _is_head(inst):
             share = float(ticks.head[rows].mean())
             return [1.0 - share, share]
+        if ticks.patterns is not None and f"/{RING_SCOPE}/" in _scope_of(inst) + "/":
+            counts = np.bincount(ticks.patterns[rows], minlength=ticks.pattern_count)
+            return (counts / max(counts.sum(), 1)).tolist()
         return None
 
     return shares
@@ -477,7 +501,11 @@ def replay_ticks(work: np.ndarray, ticks: Ticks) -> np.ndarray:
         before = finish.copy()
         for s in range(stages):
             arrived = max((before[src] for src in ticks.senders[s]), default=0.0)
-            if ticks.arrival_to_finish:
+            if ticks.tick_senders is not None:  # urgent arrivals to start, slack to finish
+                start = max((before[src] for src in ticks.tick_senders[t][s]),
+                            default=before[s])
+                finish[s] = max(max(before[s], start) + work[t, s], arrived)
+            elif ticks.arrival_to_finish:
                 finish[s] = max(before[s] + work[t, s], arrived)
             else:
                 finish[s] = max(before[s], arrived) + work[t, s]

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jax_overlap.pipeline.table import Schedule, Task, dependency_gap
-from jax_overlap.pipeline.ticks import cell_lanes
+from jax_overlap.pipeline.ticks import cell_lanes, tick_transfers
 from jax_overlap.pipeline.validate import validate
 
 IDLE = 0  # branch 0 of every program
@@ -25,7 +25,8 @@ KIND_ORDER = ("F", "B", "W")
 ROLE_ORDER = ("first", "mid", "last")
 # Columns of the per-(tick, stage) table.
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
-          "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot")
+          "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot", "urgent_down",
+          "urgent_up", "slack_down", "slack_up", "ring_pattern")
 COL = {name: i for i, name in enumerate(FIELDS)}
 # Named scopes the executor puts around each lane's action switches (`pp_lane0`, `pp_lane1`:
 # both indexed by the table's branch) and the head phase; the compiled conditionals keep them
@@ -37,6 +38,9 @@ HEAD_SCOPE = "pp_head"
 # switches take the last row of the table, the loop's the others
 # (`analysis.analyze.switch_weights`).
 LAST_TICK_SCOPE = "pp_last_tick"
+# Around the switch over an unpaired accelerator tick's ring patterns (`TickProgram.patterns`):
+# `analysis.step_estimate` weights its branches by the table's `ring_pattern` column.
+RING_SCOPE = "pp_rings"
 # Around each loop over a span of the table's ticks (`TickSpan`): `pp_ticks{start}_{stop}`.
 SPAN_SCOPE = "pp_ticks"
 RESIDUAL_POOLS = ("first", "chunk", "last", "dz")
@@ -130,6 +134,15 @@ class TickProgram:
         expert-parallel) can run under the other lane's GEMMs; the ring transfers then run
         between ticks. Unfused, each lane is its own switch and the transfers run under the
         other lane (`pipeline.fused_pairs`).
+      patterns: an unpaired table at latency 1, as an accelerator runs it (`tick_rings`):
+        the distinct `(down pairs, up pairs)` a tick's urgent transfers use -- those read at
+        the very next tick --, `ring_pattern` (the same on every stage's row) indexing them.
+        Each tick's permutes then meet only the stages that trade data at that tick.
+        Empty for every other table.
+      slack_pairs: `(down pairs, up pairs)` of the other transfers, read two or more ticks
+        after they were sent: the accelerator sends them at the top of the next tick, under
+        its action, and files them after it (`slack_down` / `slack_up`; `urgent_down` /
+        `urgent_up` file the urgent ones at the start of the tick that reads them).
     """
 
     schedule: Schedule
@@ -143,6 +156,8 @@ class TickProgram:
     lane_rings: tuple[tuple[tuple, tuple, bool], ...] = ()
     vocab_parallel: bool = False
     fused: bool = False
+    patterns: tuple[tuple[tuple, tuple], ...] = ()
+    slack_pairs: tuple[tuple, tuple] = ((), ())
 
     @property
     def ticks(self) -> int:
@@ -156,6 +171,12 @@ class TickProgram:
     def lanes(self) -> int:
         """Actions per stage per tick: 2 for a paired schedule, else 1."""
         return self.table.shape[2]
+
+    @property
+    def tick_rings(self) -> bool:
+        """Whether the program has per-tick rings (`patterns`): an unpaired table at latency 1
+        with a transfer."""
+        return bool(self.patterns)
 
     @property
     def skewed(self) -> bool:
@@ -459,7 +480,7 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
     branch_id = {b: i + 1 for i, b in enumerate(branches)}
     table = np.full((s.ticks, p, lanes, len(FIELDS)), trash, np.int32)
     table[..., [COL["branch"], COL["microbatch"], COL["chunk"], COL["r_slot"],
-                COL["e_slot"], COL["z_slot"], COL["head_mb"]]] = 0  # idle
+                COL["e_slot"], COL["z_slot"], COL["head_mb"], COL["ring_pattern"]]] = 0  # idle
     lane_at = action_lanes(s)
     for (d, a), role in roles.items():
         entry = table[tick_of[s.task(d, a)], d, lane_at[(d, a)]]
@@ -474,6 +495,9 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
         entry[COL["z_slot"]] = res_slot.get((d, "dz", ("z", a.microbatch, vs)), 0)
     for (t, d, route, lane), key in arrivals.items():
         table[t, d, lane, COL["file_" + route]] = slot_of[(d, key)]
+    patterns, slack_pairs = (), ((), ())
+    if lanes == 1 and s.transfer_latency == 1:
+        patterns, slack_pairs = _tick_rings(s, arrivals, slot_of, table)
     if vocab_parallel:
         for (kind, mb, vs), t in tick_of.items():
             if kind == "F" and vs == n_vs - 1:
@@ -487,4 +511,40 @@ def compile_program(schedule: Schedule, sync_in_loop: bool = False,
                        for lane in range(lanes))
     return TickProgram(s, branches, table, slots, used("down", (0, 1)), used("up", (0, 1)),
                        bool(used("self", (0, 1))), tuple(sorted(res_slots.items())), lane_rings,
-                       vocab_parallel, fused and lanes == 2)
+                       vocab_parallel, fused and lanes == 2, patterns, slack_pairs)
+
+
+def _tick_rings(s: Schedule, arrivals: dict, slot_of: dict, table: np.ndarray
+                ) -> tuple[tuple, tuple]:
+    """An unpaired latency-1 table's per-tick rings (`TickProgram.patterns`): fills the
+    `urgent_*`, `slack_*` and `ring_pattern` columns of `table` in place.
+
+    A transfer sent at tick t on its tick's own permute (`ticks.tick_transfers`: read at t + 1,
+    or later where the slack ring does not pay) is filed at the start of t + 1; one on the
+    slack ring travels at the top of t + 1, under that tick's action, and is filed at its end
+    (its slot is the receiver's from t + 1 on either way).
+
+    Returns:
+      (the distinct (down pairs, up pairs) of the ticks' own permutes, (down pairs, up pairs)
+      of the slack ring).
+    """
+    p = s.stages
+    urgent, slack = tick_transfers(s)
+    if not any(urgent) and not slack:
+        return (), ((), ())
+    sent_now = [set(pairs) for pairs in urgent]
+    for (t, d, route, _), key in arrivals.items():
+        if route == "self":
+            continue
+        src = (d - 1) % p if route == "down" else (d + 1) % p
+        column = "urgent_" if (src, d) in sent_now[t - 1] else "slack_"
+        table[t, d, 0, COL[column + route]] = slot_of[(d, key)]
+
+    def rings(pairs) -> tuple[tuple, tuple]:
+        return tuple(tuple(sorted(x for x in pairs if _route(*x, p) == route))
+                     for route in ("down", "up"))
+
+    patterns: dict[tuple, int] = {}
+    for t, pairs in enumerate(urgent):
+        table[t, :, 0, COL["ring_pattern"]] = patterns.setdefault(rings(pairs), len(patterns))
+    return tuple(patterns), rings(slack)

@@ -62,7 +62,7 @@ from jax_overlap.parallel.compat import varying_axes as _varying_axes
 from jax_overlap.parallel.mesh import DCN, DP, PP
 from jax_overlap.pipeline.actions import StepContext, accumulate
 from jax_overlap.pipeline.program import (COL, HEAD_SCOPE, LANE_SCOPE, LAST_TICK_SCOPE,
-                                          SPAN_SCOPE, TickProgram, TickSpan)
+                                          RING_SCOPE, SPAN_SCOPE, TickProgram, TickSpan)
 from jax_overlap.pipeline.slots import at, like, set_at, vary
 
 
@@ -74,8 +74,10 @@ def _ring(out_btd, pairs, zeros_btd):
 
 
 def _file(pool, row, route: str, arrival):
-    """Files an arrival into the slot the table names (`trash` when nothing came)."""
-    return set_at(pool, row[COL["file_" + route]], arrival)
+    """Files an arrival into the slot the table's column `route` (`file_down`...; given
+    without the `file_` prefix) names (`trash` when nothing came)."""
+    column = route if route in COL else "file_" + route
+    return set_at(pool, row[COL[column]], arrival)
 
 
 class DeferredEmbedding(NamedTuple):
@@ -372,6 +374,46 @@ class _TickLoop:
                                        jnp.zeros_like(out)), self.zeros))
         return tuple(got)
 
+    def rendezvous_tick(self, carry, rows):
+        # An unpaired latency-1 tick on an accelerator (`TickProgram.tick_rings`). Last
+        # tick's output goes on the slack ring first, for the stages that read it two or
+        # more ticks on: in flight under this tick's action, filed after it. Then the urgent
+        # arrivals (sent last tick, read now) are filed, the action runs, and its output
+        # goes on this tick's own permutes, whose pairs are only the stages that trade
+        # urgent data at this tick: a stage that neither sends nor receives one does not
+        # wait for its neighbours to finish their actions.
+        pool, res, urgent_down, urgent_up, inbox_self, pending, grads, loss = carry
+        program = self.program
+        row = at(rows, self.stage)[0]
+        slack = self.rings(pending, *program.slack_pairs)
+        pool = _file(pool, row, "urgent_down", urgent_down)
+        pool = _file(pool, row, "urgent_up", urgent_up)
+        if program.local_handoff:
+            pool = _file(pool, row, "self", inbox_self)
+        pool, inbox = self.read_inbox(pool, row)
+        res, grads, loss, out, slack = self.act(pool, res, grads, loss, row, inbox, tie=slack)
+        pool, grads, loss = self.head_phase(pool, grads, loss, out, rows, row)
+        for route, arrival, pairs in zip(("slack_down", "slack_up"), slack,
+                                         program.slack_pairs):
+            if pairs:
+                pool = _file(pool, row, route, arrival)
+        urgent_down, urgent_up = self.tick_permutes(out, rows[0, 0, COL["ring_pattern"]])
+        return (pool, res, urgent_down, urgent_up, out, out, grads, loss), None
+
+    def tick_permutes(self, out, pattern):
+        """(from the -1 neighbour, from the +1 neighbour): `out` sent on the pairs of
+        `TickProgram.patterns[pattern]` (the same index on every stage, so every stage takes
+        the same branch and the permutes inside meet)."""
+        def send(pairs):
+            return lambda x: tuple(like(_ring(x, ring, self.zeros), self.zeros)
+                                   for ring in pairs)
+
+        branches = [send(pairs) for pairs in self.program.patterns]
+        if len(branches) == 1:
+            return branches[0](out)
+        with jax.named_scope(RING_SCOPE):
+            return jax.lax.switch(pattern, branches, out)
+
     def skewed_tick(self, carry, rows_now_next):
         # Tick t sends tick t-1's output, so the transfers and this tick's action have no
         # data dependency: the ppermutes start before the action and finish after it. What
@@ -543,7 +585,11 @@ class _TickLoop:
             return self.scan_pairs(self.paired_tick, (pool_sbtd, self.res0, self.zeros,
                                                       self.no_head, *start),
                                    (table, self.next_rows()))
-        if self.program.skewed:
+        if self.program.tick_rings and self.accelerator:
+            carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, self.zeros, self.zeros,
+                      *start)
+            (*_, grads, loss), _ = jax.lax.scan(self.rendezvous_tick, carry0, table)
+        elif self.program.skewed:
             carry0 = (pool_sbtd, self.res0, self.zeros, self.zeros, *start)
             (*_, grads, loss), _ = jax.lax.scan(self.skewed_tick, carry0,
                                                 (table, self.next_rows()))

@@ -6,11 +6,15 @@ an F or a W, then lane 1, a B or a W) and the stages exchange activations and gr
 permutes on the +1 / -1 rings. A permute completes on a stage once the stage it sends to and
 the stage it receives from have both reached it:
 
-* unpaired at latency 1: a tick's permute follows its action, so a stage's tick ends at the
-  latest action end among itself and its ring partners, plus the transfer;
-* latency 2, and each lane of a paired tick: the permute carrying the previous (half-)tick's
-  output is issued before the action, so a stage's lane ends at its own action's end or, if
-  later, its partners' start plus the transfer.
+* unpaired at latency 1 (:func:`tick_rings`): a transfer read at the next tick goes on a
+  permute after the action whose pairs are that tick's such transfers only, so a stage that
+  sends or receives one ends its tick at the latest action end among itself and the stages
+  it trades with, plus the transfer, and any other stage at its own action's end; a transfer
+  read later goes on the slack ring, issued before the next tick's action (below);
+* latency 2, each lane of a paired tick, and an unpaired latency-1 tick's slack ring: the
+  permute carrying the previous (half-)tick's output is issued before the action, so a
+  stage's lane ends at its own action's end or, if later, its partners' start plus the
+  transfer.
 
 One implementation: :func:`lane_partners` and :func:`lane_meet` are the rule
 :func:`jax_overlap.analysis.simulate.simulate` applies with TP collectives, head phases and
@@ -107,6 +111,89 @@ def permute_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     return rings
 
 
+def tick_rings(schedule: Any) -> bool:
+    """Whether the executor runs the table with per-tick rings (unpaired, latency 1:
+    `jax_overlap.pipeline.program.TickProgram.patterns`)."""
+    return not schedule.paired and schedule.transfer_latency == 1
+
+
+# The slack ring runs only where it shortens the step by at least this share, timed at
+# `NOMINAL_COST` (W about half of B and a transfer about 1/20 of an action, as the zero-bubble
+# paper profiled them): elsewhere its permutes would cost bandwidth every tick for nothing.
+# There it gains 8-15% on ZB-H1 and 2.5-5% on interleaved (p 2-16), at most 0.4% on 1F1B and
+# ZB-V (GPT-1.3B pp4 x dp2 unpaired, deviceless 8 x H100, with the ring: 1F1B 1510 -> 1514 ms,
+# ZB-V 1288 -> 1294; ZB-H1 1287 -> 1161, interleaved 1387 -> 1251).
+SLACK_RING_GAIN = 0.01
+NOMINAL_COST: Mapping[str, float] = MappingProxyType({"F": 1.0, "B": 1.0, "W": 0.5})
+NOMINAL_TRANSFER = 0.05
+
+
+def tick_transfers(schedule: Any, slack_ring: bool | None = None
+                   ) -> tuple[list[list[tuple[int, int]]], frozenset]:
+    """An unpaired latency-1 table's transfers between stages, by when they are sent.
+
+    A transfer read at the next tick is urgent: it goes on its tick's own permute. One read
+    later may go on the slack ring, sent at the top of the next tick under its action.
+
+    Args:
+      schedule: the table.
+      slack_ring: whether the later-read transfers use the slack ring; None: where it pays
+        (`SLACK_RING_GAIN`), else they go on their tick's permute as the urgent ones do.
+
+    Returns:
+      (per tick, the ``(src, dst)`` stage pairs of the transfers sent on that tick's own
+      permute; the slack ring's pairs, empty without one).
+    """
+    s = schedule
+    n_vs = s.stages * s.virtual_stages
+    stage_of = [pos[0] for pos in s.placement]
+    tick_of: dict[tuple[str, int, int], int] = {}
+    sends = []  # (tick, src, the reader's task)
+    for d, row in enumerate(s.grid):
+        for t, cell in enumerate(row):
+            for a in _cell_actions(cell):
+                vs = s.virtual_stage(d, a.chunk)
+                tick_of[(a.kind, a.microbatch, vs)] = t
+                target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
+                if target is not None and 0 <= target < n_vs and stage_of[target] != d:
+                    sends.append((t, d, (a.kind, a.microbatch, target)))
+    urgent: list[list[tuple[int, int]]] = [[] for _ in range(s.ticks)]
+    every: list[list[tuple[int, int]]] = [[] for _ in range(s.ticks)]
+    slack = set()
+    for t, d, reader in sends:
+        pair = (d, stage_of[reader[2]])
+        every[t].append(pair)
+        if tick_of[reader] == t + 1:
+            urgent[t].append(pair)
+        else:
+            slack.add(pair)
+    if slack_ring is None:
+        slack_ring = bool(slack) and (
+            max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, urgent, slack)[0])
+            <= (1 - SLACK_RING_GAIN)
+            * max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, every, set())[0]))
+    return (urgent, frozenset(slack)) if slack_ring else (every, frozenset())
+
+
+def _partners(pairs, stages: int) -> list[frozenset[int]]:
+    """Per stage, the stages it trades with over ``pairs`` (either direction)."""
+    out = [set() for _ in range(stages)]
+    for a, b in pairs:
+        out[a].add(b)
+        out[b].add(a)
+    return [frozenset(x) for x in out]
+
+
+def rendezvous_partners(schedule: Any) -> tuple[list[list[frozenset[int]]],
+                                                list[frozenset[int]]]:
+    """What each permute of a :func:`tick_rings` table waits for: (per tick, per stage, the
+    stages it trades urgent transfers with at that tick; per stage, its slack ring's
+    partners)."""
+    urgent, slack = tick_transfers(schedule)
+    return ([_partners(pairs, schedule.stages) for pairs in urgent],
+            _partners(slack, schedule.stages))
+
+
 def skewed(schedule: Any) -> bool:
     """Whether each lane's permute is issued before its action (paired, or latency 2)."""
     return schedule.paired or schedule.transfer_latency == 2
@@ -156,6 +243,8 @@ def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
     ``schedule.actions()``)."""
     s = schedule
     cost = cost or UNIT_COST
+    if tick_rings(s):
+        return _rendezvous_clocks(s, cost, transfer)
     near = permute_partners(s)
     skew = skewed(s)
     lanes = len(near)
@@ -190,6 +279,48 @@ def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
             done = clock + work[lane, t]
             meet = (clock if skew else done)[group[lane]].max(axis=1) + transfer
             clock = np.where(alone[lane], done, np.maximum(done, meet))
+    return clock.tolist(), sum(spent)
+
+
+def _rendezvous_clocks(schedule: Any, cost: dict[str, float],
+                       transfer: float) -> tuple[list[float], float]:
+    """`_clocks_and_work` of a :func:`tick_rings` table."""
+    return _rendezvous_run(schedule, cost, transfer, *tick_transfers(schedule))
+
+
+def _rendezvous_run(schedule: Any, cost: Mapping[str, float], transfer: float,
+                    urgent: list[list[tuple[int, int]]], slack) -> tuple[list[float], float]:
+    """Per stage, when an unpaired table ends, and its work: per tick, the slack ring
+    (`slack`'s pairs, issued before the action), then the tick's own permute (`urgent[t]`,
+    after it, only the stages trading on it)."""
+    s = schedule
+    seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
+    work = np.zeros((s.ticks, s.stages))
+    spent: list[float] = []
+    for d, row in enumerate(s.grid):
+        for t, cell in enumerate(row):
+            if cell is not None:
+                work[t, d] = seconds[cell[0]]
+                spent.append(work[t, d])
+    ring = _partners(slack, s.stages)
+    width = max([len(x) for x in ring] + [0])
+    group = np.array([[d, *sorted(ring[d])] + [d] * (width - len(ring[d]))
+                      for d in range(s.stages)], dtype=np.int64)
+    on_ring = np.array([bool(x) for x in ring])
+    clock = np.zeros(s.stages)
+    for t in range(s.ticks):
+        done = clock + work[t]
+        if width:
+            done = np.where(on_ring, np.maximum(done, clock[group].max(axis=1) + transfer), done)
+        if urgent[t]:
+            src, dst = np.array(urgent[t]).T
+            meet = done.copy()
+            np.maximum.at(meet, src, done[dst])
+            np.maximum.at(meet, dst, done[src])
+            touched = np.zeros(s.stages, bool)
+            touched[src] = touched[dst] = True
+            done = np.where(touched, meet + transfer, done)
+        clock = done
     return clock.tolist(), sum(spent)
 
 
