@@ -3,11 +3,12 @@
 Qi et al. (ICLR 2024, "Zero Bubble Pipeline Parallelism") report bubble rates for 1F1B and
 ZB-H1 (Table 5) and, in the ZB-V section, for ZB-V, computed from profiled action times
 (Table 9: F, B, W and one stage-to-stage transfer, in ms). Here every row's table is timed as
-our executor runs it (`jax_overlap.pipeline.ticks.executed_bubble`: each lane waits for its ring
-neighbours, one transfer per lane at latency 1; what `jax-overlap schedule --costs F,B,W,C`
-reports as `weighted_bubble`), three ways:
+our executor runs it on a GPU (`jax_overlap.pipeline.ticks.executed_bubble`: a paired lane waits
+for its ring neighbours, one transfer per lane at latency 1; an unpaired tick only for the
+stages it trades with, what is read later travelling under the next tick where a slack ring
+pays; what `jax-overlap schedule --costs F,B,W,C` reports as `weighted_bubble`), four ways:
 
-* `table`: the schedule as generated (unit-cost tables);
+* `table`: the schedule as generated (unit-cost tables, unpaired);
 * `filled`: the paired table whose lanes are positions -- lane 0 runs F or W, lane 1 B or W, so
   delayed W's fill the free lane of each tick (`schedules.filled_schedule`, ZB-H1 and ZB-V);
 * `paired`: the paired table chosen for these costs (`--paired --costs`: the filled table or

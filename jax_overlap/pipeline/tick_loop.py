@@ -21,10 +21,18 @@ the stash slots actions read, and are filed into slots at the start of the next 
 transfer in flight never aliases a slot that an action is reading, the two rings' transfers
 are independent of each other, and what is sent at tick t is readable from tick t+1 on --
 exactly the schedules' time model. That model lets a neighbour consume at t+1 what was sent
-at t, so in an unpaired table at latency 1 every transfer lies between two ticks on the
-critical path (as the p2p between Megatron's stages does): the arrivals are filed into the
-pool before the next action reads it, whichever tick consumes them. Paired lanes and latency 2
-(below) put the transfers under compute.
+at t, so in an unpaired table at latency 1 such a transfer lies between two ticks on the
+critical path (as the p2p between Megatron's stages does). On a CPU every tick's arrivals are
+filed into the pool before the next action reads it, whichever tick consumes them. Paired
+lanes and latency 2 (below) put the transfers under compute.
+
+Per-tick rings (an unpaired latency-1 table on an accelerator: `TickProgram.tick_rings`,
+`rendezvous_tick`): a tick's output goes on a switch over the table's ring patterns whose
+branch permutes only the pairs trading at that tick, so a permute meets only the stages
+that move data: a stage with nothing to send or receive runs on without waiting for its
+neighbours' actions. Where the table reads many transfers two or more ticks after they were
+sent (ZB-H1, interleaved: `ticks.tick_transfers`), those go on a slack ring instead, issued at
+the top of the next tick with fixed pairs: in flight under that tick's action, filed after it.
 
 Skewed loop (`pipeline.transfer_latency: 2`): tick t sends tick t-1's output, at the top of
 the loop body, and files what arrives at the end, after the tick's action. Neither the
@@ -128,7 +136,9 @@ def run_ticks(ctx: StepContext, program: TickProgram, branches: list, pool_sbtd,
               lone_branches: list | None = None):
     """The tick loop: a `lax.scan` over the table, each stage switching to its action.
 
-    Latency 1: a tick files last tick's arrivals, runs its action and sends its output.
+    Latency 1: a tick files last tick's arrivals, runs its action and sends its output (on an
+    accelerator: on that tick's ring pattern, and what is read later on the slack ring at
+    the top of the next tick, under its action: `_TickLoop.rendezvous_tick`).
     Latency 2 (skewed): a tick sends the previous tick's output before its action and files
     the arrivals after it, so the transfers run under the action.
     Paired (two lanes): each lane runs as a skewed half-tick -- the other lane's last output
