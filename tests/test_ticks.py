@@ -144,6 +144,24 @@ def test_per_tick_rings_file_each_arrival_once(name, p, m, v, paired):
     """The program's urgent and slack columns split its arrivals: each filed once, into the
     slot the fixed-ring program files it in, and its pair on the ring it travels."""
     program = compile_program(_table(name, p, m, v, paired))
+    _check_filing(program)
+
+
+def test_ring_patterns_are_bounded(monkeypatch):
+    """A table with a ring pattern per tick (ZB-V at p = 24) compiles to at most
+    `MAX_TICK_PATTERNS`; a tick whose own is not kept permutes a kept superset of it, and
+    every arrival is still filed once, from a permute that carries it."""
+    s = make_schedule("zb-v", 24, 48, 2)
+    with monkeypatch.context() as m:
+        m.setattr(ticks, "MAX_TICK_PATTERNS", 10**6)
+        assert len({frozenset(x) for x in tick_transfers(s, slack_ring=False)[0]}) > 200
+    program = compile_program(s)
+    assert len(program.patterns) == ticks.MAX_TICK_PATTERNS
+    _check_filing(program)
+
+
+def _check_filing(program):
+    p = program.schedule.stages
     assert program.tick_rings
     patterns = program.column("ring_pattern")[:, 0, 0]
     for route, ring in (("down", 0), ("up", 1)):

@@ -26,6 +26,7 @@ tables with it): a ``schedule`` here is anything shaped like a ``Schedule``.
 
 from __future__ import annotations
 
+from collections import Counter
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -167,12 +168,33 @@ def tick_transfers(schedule: Any, slack_ring: bool | None = None
             urgent[t].append(pair)
         else:
             slack.add(pair)
+    urgent, every = _bounded(urgent), _bounded(every)
     if slack_ring is None:
         slack_ring = bool(slack) and (
             max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, urgent, slack)[0])
             <= (1 - SLACK_RING_GAIN)
             * max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, every, set())[0]))
     return (urgent, frozenset(slack)) if slack_ring else (every, frozenset())
+
+
+# At most this many distinct ring patterns per table (the branches of the executor's switch
+# over them): at p = 8 a table has 27-85 whatever m, but ZB-V at p = 24 has one a tick.
+MAX_TICK_PATTERNS = 64
+
+
+def _bounded(sent: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """``sent`` (per tick, the pairs its permute carries) with at most `MAX_TICK_PATTERNS`
+    distinct pair sets: the most used are kept with their union, and every other tick
+    permutes the smallest kept set that holds its pairs (a pair with nothing to carry sends
+    what the receiver then files nowhere)."""
+    keys = [frozenset(pairs) for pairs in sent]
+    counts = Counter(keys)
+    if len(counts) <= MAX_TICK_PATTERNS:
+        return sent
+    union = frozenset().union(*keys)
+    kept = [k for k, _ in counts.most_common(MAX_TICK_PATTERNS - 1) if k != union] + [union]
+    chosen = {k: k if k in kept else min((c for c in kept if k <= c), key=len) for k in counts}
+    return [pairs if chosen[k] == k else sorted(chosen[k]) for pairs, k in zip(sent, keys)]
 
 
 def _partners(pairs, stages: int) -> list[frozenset[int]]:
