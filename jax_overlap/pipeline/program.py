@@ -135,14 +135,16 @@ class TickProgram:
         between ticks. Unfused, each lane is its own switch and the transfers run under the
         other lane (`pipeline.fused_pairs`).
       patterns: an unpaired table at latency 1, as an accelerator runs it (`tick_rings`):
-        the distinct `(down pairs, up pairs)` a tick's urgent transfers use -- those read at
-        the very next tick --, `ring_pattern` (the same on every stage's row) indexing them.
-        Each tick's permutes then meet only the stages that trade data at that tick.
+        the distinct `(down pairs, up pairs)` of the transfers a tick sends on its own
+        permutes (`ticks.tick_transfers`: those read at the next tick, and the others unless
+        the slack ring takes them), `ring_pattern` (the same on every stage's row) indexing
+        them. Each tick's permutes then meet only the stages that trade data at that tick;
+        their arrivals are filed at the start of the next (`urgent_down` / `urgent_up`).
         Empty for every other table.
-      slack_pairs: `(down pairs, up pairs)` of the other transfers, read two or more ticks
-        after they were sent: the accelerator sends them at the top of the next tick, under
-        its action, and files them after it (`slack_down` / `slack_up`; `urgent_down` /
-        `urgent_up` file the urgent ones at the start of the tick that reads them).
+      slack_pairs: `(down pairs, up pairs)` of the slack ring: transfers read two or more
+        ticks after they were sent, where a ring for them pays. The accelerator sends them
+        at the top of the next tick, under its action, and files them after it
+        (`slack_down` / `slack_up`).
     """
 
     schedule: Schedule

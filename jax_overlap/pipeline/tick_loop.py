@@ -396,8 +396,9 @@ class _TickLoop:
         program = self.program
         row = at(rows, self.stage)[0]
         slack = self.rings(pending, *program.slack_pairs)
-        pool = _file(pool, row, "urgent_down", urgent_down)
-        pool = _file(pool, row, "urgent_up", urgent_up)
+        for ring, route, arrival in ((0, "urgent_down", urgent_down), (1, "urgent_up", urgent_up)):
+            if any(pattern[ring] for pattern in program.patterns):
+                pool = _file(pool, row, route, arrival)
         if program.local_handoff:
             pool = _file(pool, row, "self", inbox_self)
         pool, inbox = self.read_inbox(pool, row)
