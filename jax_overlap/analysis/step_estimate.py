@@ -436,7 +436,7 @@ class Ticks:
             slack = tuple(program.slack_pairs[0]) + tuple(program.slack_pairs[1])
             senders = tuple(tuple(sorted({src for src, dst in slack if dst == s}))
                             for s in range(stages))
-            return cls(program.switch_table(), program.switch_names(), senders, head, True,
+            return cls(program.switch_table(), program.switch_names(), senders, head, False,
                        tick_senders, patterns, len(program.patterns))
         # Fused lanes: one switch, whose arrivals are filed before it runs.
         return cls(program.switch_table(), program.switch_names(), senders, head,

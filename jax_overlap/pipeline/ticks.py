@@ -122,8 +122,9 @@ def tick_rings(schedule: Any) -> bool:
 # `NOMINAL_COST` (W about half of B and a transfer about 1/20 of an action, as the zero-bubble
 # paper profiled them): elsewhere its permutes would cost bandwidth every tick for nothing.
 # There it gains 8-15% on ZB-H1 and 2.5-5% on interleaved (p 2-16), at most 0.4% on 1F1B and
-# ZB-V (GPT-1.3B pp4 x dp2 unpaired, deviceless 8 x H100, with the ring: 1F1B 1510 -> 1514 ms,
-# ZB-V 1288 -> 1294; ZB-H1 1287 -> 1161, interleaved 1387 -> 1251).
+# ZB-V. GPT-1.3B pp4 x dp2 unpaired, deviceless 8 x H100: with a ring, 1F1B 1514 ms and ZB-V
+# 1294 against 1510 and 1279 without; ZB-H1 1161 and interleaved 1251 with it, against 1287
+# and 1387 on the fixed rings every tick used to meet.
 SLACK_RING_GAIN = 0.01
 NOMINAL_COST: Mapping[str, float] = MappingProxyType({"F": 1.0, "B": 1.0, "W": 0.5})
 NOMINAL_TRANSFER = 0.05
