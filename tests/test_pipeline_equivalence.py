@@ -599,8 +599,8 @@ GPU_PLANNED = [("zb-v", 2, 2, 1, 4, True), ("1f1b", 4, 2, 1, 4, True),
 @pytest.mark.parametrize("case", GPU_PLANNED)
 def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypatch):
     """Also the unpaired tick's per-tick rings and slack ring (the CPU plan's tick all-gathers
-    instead), and paired 1F1B's last tick run after the loop, its embedding's gradient reduced sparsely
-    after it (`tick_loop.DeferredEmbedding`)."""
+    instead), and paired 1F1B's last tick run after the loop, its embedding's gradient reduced
+    sparsely after it (`tick_loop.DeferredEmbedding`)."""
     from jax_overlap.pipeline import executor, tick_loop
     from jax_overlap.plan import Target
 
@@ -615,6 +615,9 @@ def test_a_gpu_planned_pipeline_matches_single_device(references, case, monkeypa
     program = run.plan.program
     assert program.fused == (tp > 1 or "pipeline.fused_pairs=true" in extra)
     assert program.tick_rings == ("pipeline.paired=false" in extra)
+    # ZB-H1 and interleaved send what they read two or more ticks later on the slack ring.
+    assert (program.slack_pairs != ((), ())) == (program.tick_rings
+                                                 and name in ("zb-h1", "interleaved"))
     # Sequence parallel at tp = 2: a tick with one action runs it as collective matmul.
     lone = tp == 2 and run.plan.overlap.tp_comm == "sequence_parallel"
     assert (run.plan.overlap.lone_tp_comm == "collective_matmul") == lone
