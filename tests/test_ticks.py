@@ -108,7 +108,8 @@ def test_unpaired_ticks_meet_only_where_data_moves():
     urgent, slack = tick_transfers(s, slack_ring=True)
     assert urgent == [[(0, 1)], [], [(1, 0)], [], [(1, 0)], [], [], []]
     assert slack == {(0, 1)}
-    assert ticks._rendezvous_run(s, cost, 0.5, urgent, slack)[0] == pytest.approx([18.5, 18.0])
+    work = ticks._lane_work(s, cost)[0][0]
+    assert ticks._rendezvous_run(work, 0.5, urgent, slack) == pytest.approx([18.5, 18.0])
     # Without the ring (what pays here), tick 1's transfer waits for both F's.
     assert tick_transfers(s) == ([[(0, 1)], [(0, 1)], [(1, 0)], [], [(1, 0)], [], [], []],
                                  frozenset())
@@ -136,7 +137,8 @@ def test_the_slack_ring_runs_where_it_pays():
         if ring:
             paper = dict(PAPER_1P5B)
             assert max(tick_clocks(s, paper, 0.6)) < max(ticks._rendezvous_run(
-                s, paper, 0.6, tick_transfers(s, slack_ring=False)[0], set())[0])
+                ticks._lane_work(s, paper)[0][0], 0.6, tick_transfers(s, slack_ring=False)[0],
+                set()))
 
 
 @pytest.mark.parametrize("name,p,m,v,paired", [c for c in CASES if c[-1] is False])
@@ -166,8 +168,8 @@ def _check_filing(program):
     patterns = program.column("ring_pattern")[:, 0, 0]
     for route, ring in (("down", 0), ("up", 1)):
         every = program.column("file_" + route)[..., 0]
-        urgent = program.column("urgent_" + route)[..., 0]
-        slack = program.column("slack_" + route)[..., 0]
+        urgent = program.column("file_urgent_" + route)[..., 0]
+        slack = program.column("file_slack_" + route)[..., 0]
         trash = program.trash
         assert not ((urgent != trash) & (slack != trash)).any()
         assert (np.where(urgent != trash, urgent, slack) == every).all()

@@ -422,24 +422,24 @@ class Ticks:
         """From a `jax_overlap.pipeline.program.TickProgram`."""
         branch = program.column("branch")
         stages = branch.shape[1]
-        pairs = tuple(program.down_pairs) + tuple(program.up_pairs)
-        senders = tuple(tuple(sorted({src for src, dst in pairs if dst == s and src != s}))
-                        for s in range(stages))
+
+        def senders_of(rings) -> tuple[tuple[int, ...], ...]:  # per stage, whom it hears on
+            pairs = [pair for ring in rings for pair in ring]
+            return tuple(tuple(sorted({src for src, dst in pairs if dst == s and src != s}))
+                         for s in range(stages))
+
         head = (program.column("head_mb")[:, 0, 0] > 0) if program.vocab_parallel \
             else np.zeros(branch.shape[0], bool)
         if program.tick_rings:
             patterns = program.column("ring_pattern")[:, 0, 0]
-            received = [[tuple(sorted(src for src, dst in down + up if dst == s))
-                         for s in range(stages)] for down, up in program.patterns]
-            tick_senders = ((((),) * stages,)
-                            + tuple(tuple(received[i]) for i in patterns[:-1]))
-            slack = tuple(program.slack_pairs[0]) + tuple(program.slack_pairs[1])
-            senders = tuple(tuple(sorted({src for src, dst in slack if dst == s}))
-                            for s in range(stages))
-            return cls(program.switch_table(), program.switch_names(), senders, head, False,
-                       tick_senders, patterns, len(program.patterns))
+            received = [senders_of(pattern) for pattern in program.patterns]
+            tick_senders = (((),) * stages,) + tuple(received[i] for i in patterns[:-1])
+            return cls(program.switch_table(), program.switch_names(),
+                       senders_of(program.slack_pairs), head, False, tick_senders, patterns,
+                       len(program.patterns))
         # Fused lanes: one switch, whose arrivals are filed before it runs.
-        return cls(program.switch_table(), program.switch_names(), senders, head,
+        return cls(program.switch_table(), program.switch_names(),
+                   senders_of((program.down_pairs, program.up_pairs)), head,
                    (program.lanes == 2 and not program.fused) or program.skewed)
 
     def frequencies(self, lane: int, rows: slice = slice(None)) -> list[float]:

@@ -25,8 +25,8 @@ KIND_ORDER = ("F", "B", "W")
 ROLE_ORDER = ("first", "mid", "last")
 # Columns of the per-(tick, stage) table.
 FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "file_down", "file_up",
-          "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot", "urgent_down",
-          "urgent_up", "slack_down", "slack_up", "ring_pattern")
+          "file_self", "r_slot", "e_slot", "z_slot", "head_mb", "head_slot",
+          "file_urgent_down", "file_urgent_up", "file_slack_down", "file_slack_up", "ring_pattern")
 COL = {name: i for i, name in enumerate(FIELDS)}
 # Named scopes the executor puts around each lane's action switches (`pp_lane0`, `pp_lane1`:
 # both indexed by the table's branch) and the head phase; the compiled conditionals keep them
@@ -139,12 +139,12 @@ class TickProgram:
         permutes (`ticks.tick_transfers`: those read at the next tick, and the others unless
         the slack ring takes them), `ring_pattern` (the same on every stage's row) indexing
         them. Each tick's permutes then meet only the stages that trade data at that tick;
-        their arrivals are filed at the start of the next (`urgent_down` / `urgent_up`).
+        their arrivals are filed at the start of the next (`file_urgent_down` / `file_urgent_up`).
         Empty for every other table.
       slack_pairs: `(down pairs, up pairs)` of the slack ring: transfers read two or more
         ticks after they were sent, where a ring for them pays. The accelerator sends them
         at the top of the next tick, under its action, and files them after it
-        (`slack_down` / `slack_up`).
+        (`file_slack_down` / `file_slack_up`).
     """
 
     schedule: Schedule
@@ -539,8 +539,8 @@ def _tick_rings(s: Schedule, arrivals: dict, slot_of: dict, table: np.ndarray
         if route == "self":
             continue
         src = (d - 1) % p if route == "down" else (d + 1) % p
-        column = "urgent_" if (src, d) in sent_now[t - 1] else "slack_"
-        table[t, d, 0, COL[column + route]] = slot_of[(d, key)]
+        kind = "urgent_" if (src, d) in sent_now[t - 1] else "slack_"
+        table[t, d, 0, COL["file_" + kind + route]] = slot_of[(d, key)]
 
     def rings(pairs) -> tuple[tuple, tuple]:
         return tuple(tuple(sorted(x for x in pairs if _route(*x, p) == route))

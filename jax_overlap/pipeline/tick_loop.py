@@ -82,10 +82,8 @@ def _ring(out_btd, pairs, zeros_btd):
 
 
 def _file(pool, row, route: str, arrival):
-    """Files an arrival into the slot the table's column `route` (`file_down`...; given
-    without the `file_` prefix) names (`trash` when nothing came)."""
-    column = route if route in COL else "file_" + route
-    return set_at(pool, row[COL[column]], arrival)
+    """Files an arrival into the slot the table names (`trash` when nothing came)."""
+    return set_at(pool, row[COL["file_" + route]], arrival)
 
 
 class DeferredEmbedding(NamedTuple):

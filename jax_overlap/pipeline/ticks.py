@@ -66,6 +66,16 @@ def cell_lanes(cell: Any, paired: bool) -> tuple[tuple[int, Any], ...]:
     return tuple((lane_of(a.kind, paired), a) for a in acts)
 
 
+def _target(schedule: Any, stage: int, action: Any, stage_of: list[int]) -> int | None:
+    """The virtual stage an action's output goes to on another stage (an ``F``'s next, a
+    ``B``'s previous), or None: a W, the ends of the model, a hand-off on the same stage."""
+    vs = schedule.virtual_stage(stage, action.chunk)
+    target = vs + 1 if action.kind == "F" else vs - 1 if action.kind == "B" else None
+    if target is None or not 0 <= target < len(stage_of) or stage_of[target] == stage:
+        return None
+    return target
+
+
 def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     """Per lane, per stage: the stages it exchanges data with on that lane's rings.
 
@@ -82,7 +92,6 @@ def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
     """
     s = schedule
     lanes = s.lanes
-    n_vs = s.stages * s.virtual_stages
     stage_of = [pos[0] for pos in s.placement]
     out = [[set() for _ in range(s.stages)] for _ in range(lanes)]
     seen = set()
@@ -93,9 +102,8 @@ def lane_partners(schedule: Any) -> tuple[tuple[frozenset[int], ...], ...]:
                 if key in seen:
                     continue
                 seen.add(key)
-                vs = s.virtual_stage(d, a.chunk)
-                target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
-                if target is None or not 0 <= target < n_vs or stage_of[target] == d:
+                target = _target(s, d, a, stage_of)
+                if target is None:
                     continue
                 out[lane][d].add(stage_of[target])
                 out[lane][stage_of[target]].add(d)
@@ -147,17 +155,15 @@ def tick_transfers(schedule: Any, slack_ring: bool | None = None
       permute; the slack ring's pairs, empty without one).
     """
     s = schedule
-    n_vs = s.stages * s.virtual_stages
     stage_of = [pos[0] for pos in s.placement]
     tick_of: dict[tuple[str, int, int], int] = {}
     sends = []  # (tick, src, the reader's task)
     for d, row in enumerate(s.grid):
         for t, cell in enumerate(row):
             for a in _cell_actions(cell):
-                vs = s.virtual_stage(d, a.chunk)
-                tick_of[(a.kind, a.microbatch, vs)] = t
-                target = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
-                if target is not None and 0 <= target < n_vs and stage_of[target] != d:
+                tick_of[(a.kind, a.microbatch, s.virtual_stage(d, a.chunk))] = t
+                target = _target(s, d, a, stage_of)
+                if target is not None:
                     sends.append((t, d, (a.kind, a.microbatch, target)))
     urgent: list[list[tuple[int, int]]] = [[] for _ in range(s.ticks)]
     every: list[list[tuple[int, int]]] = [[] for _ in range(s.ticks)]
@@ -170,11 +176,11 @@ def tick_transfers(schedule: Any, slack_ring: bool | None = None
         else:
             slack.add(pair)
     urgent, every = _bounded(urgent), _bounded(every)
-    if slack_ring is None:
-        slack_ring = bool(slack) and (
-            max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, urgent, slack)[0])
-            <= (1 - SLACK_RING_GAIN)
-            * max(_rendezvous_run(s, NOMINAL_COST, NOMINAL_TRANSFER, every, set())[0]))
+    if slack_ring is None and slack:
+        work = _lane_work(s, NOMINAL_COST)[0][0]
+        slack_ring = (max(_rendezvous_run(work, NOMINAL_TRANSFER, urgent, slack))
+                      <= (1 - SLACK_RING_GAIN)
+                      * max(_rendezvous_run(work, NOMINAL_TRANSFER, every, set())))
     return (urgent, frozenset(slack)) if slack_ring else (every, frozenset())
 
 
@@ -265,16 +271,28 @@ def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
     """`tick_clocks`, and the seconds of every action of the table summed (in the order of
     ``schedule.actions()``)."""
     s = schedule
-    cost = cost or UNIT_COST
+    work, spent = _lane_work(s, cost or UNIT_COST)
     if tick_rings(s):
-        return _rendezvous_clocks(s, cost, transfer)
+        return _rendezvous_run(work[0], transfer, *tick_transfers(s)), spent
     near = permute_partners(s)
     skew = skewed(s)
-    lanes = len(near)
+    group, alone = zip(*(_groups(partners) for partners in near))
+    clock = np.zeros(s.stages)
+    for t in range(s.ticks):
+        for lane in range(len(near)):
+            done = clock + work[lane, t]
+            meet = (clock if skew else done)[group[lane]].max(axis=1) + transfer
+            clock = np.where(alone[lane], done, np.maximum(done, meet))
+    return clock.tolist(), spent
+
+
+def _lane_work(schedule: Any, cost: Mapping[str, float]) -> tuple[np.ndarray, float]:
+    """(per lane, per tick, per stage: the seconds of the action that stage runs in that lane;
+    the seconds of every action of the table summed, in the order of ``schedule.actions()``)."""
+    s = schedule
     seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
-    # Per lane, per tick, per stage: the seconds of the action that stage runs in that lane
-    # (`cell_lanes`, unrolled: this runs over every entry of tables with millions).
-    work = np.zeros((lanes, s.ticks, s.stages))
+    # `cell_lanes`, unrolled: this runs over every entry of tables with millions.
+    work = np.zeros((s.lanes, s.ticks, s.stages))
     spent: list[float] = []  # every action's seconds, summed at the end as `sum` does
     for d, row in enumerate(s.grid):
         first, second = work[0, :, d], work[-1, :, d]
@@ -290,61 +308,41 @@ def _clocks_and_work(schedule: Any, cost: dict[str, float] | None,
                 a = seconds[cell[0]]
                 (first if cell[0] == "F" else second)[t] += a
                 spent.append(a)
-    # `lane_meet`'s rule over all stages at once: each stage's and its partners' clocks
-    # (a partner list padded with the stage itself); a stage without partners just runs.
-    width = max([len(near[lane][d]) for lane in range(lanes) for d in range(s.stages)] + [0])
-    group = np.array([[[d, *sorted(near[lane][d])] + [d] * (width - len(near[lane][d]))
-                       for d in range(s.stages)] for lane in range(lanes)], dtype=np.int64)
-    alone = np.array([[not near[lane][d] for d in range(s.stages)] for lane in range(lanes)])
-    clock = np.zeros(s.stages)
-    for t in range(s.ticks):
-        for lane in range(lanes):
-            done = clock + work[lane, t]
-            meet = (clock if skew else done)[group[lane]].max(axis=1) + transfer
-            clock = np.where(alone[lane], done, np.maximum(done, meet))
-    return clock.tolist(), sum(spent)
+    return work, sum(spent)
 
 
-def _rendezvous_clocks(schedule: Any, cost: dict[str, float],
-                       transfer: float) -> tuple[list[float], float]:
-    """`_clocks_and_work` of a :func:`tick_rings` table."""
-    return _rendezvous_run(schedule, cost, transfer, *tick_transfers(schedule))
+def _groups(partners: Sequence[frozenset[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """`lane_meet`'s rule over all stages at once: (per stage, itself and its partners, padded
+    with itself to one width; per stage, whether it has no partner and so just runs)."""
+    stages = len(partners)
+    width = max([len(x) for x in partners] + [0])
+    group = np.array([[d, *sorted(partners[d])] + [d] * (width - len(partners[d]))
+                      for d in range(stages)], dtype=np.int64).reshape(stages, width + 1)
+    return group, np.array([not x for x in partners])
 
 
-def _rendezvous_run(schedule: Any, cost: Mapping[str, float], transfer: float,
-                    urgent: list[list[tuple[int, int]]], slack) -> tuple[list[float], float]:
-    """Per stage, when an unpaired table ends, and its work: per tick, the slack ring
-    (`slack`'s pairs, issued before the action), then the tick's own permute (`urgent[t]`,
-    after it, only the stages trading on it)."""
-    s = schedule
-    seconds = {k: action_cost(k, s.split_backward, cost) for k in ("F", "B", "W")}
-    work = np.zeros((s.ticks, s.stages))
-    spent: list[float] = []
-    for d, row in enumerate(s.grid):
-        for t, cell in enumerate(row):
-            if cell is not None:
-                work[t, d] = seconds[cell[0]]
-                spent.append(work[t, d])
-    ring = _partners(slack, s.stages)
-    width = max([len(x) for x in ring] + [0])
-    group = np.array([[d, *sorted(ring[d])] + [d] * (width - len(ring[d]))
-                      for d in range(s.stages)], dtype=np.int64)
-    on_ring = np.array([bool(x) for x in ring])
-    clock = np.zeros(s.stages)
-    for t in range(s.ticks):
+def _rendezvous_run(work: np.ndarray, transfer: float, urgent: list[list[tuple[int, int]]],
+                    slack) -> list[float]:
+    """Per stage, when an unpaired table whose ticks take ``work`` (per tick, per stage) ends:
+    per tick, the slack ring (`slack`'s pairs, issued before the action), then the tick's own
+    permute (`urgent[t]`, after it, only the stages trading on it)."""
+    stages = work.shape[1]
+    group, alone = _groups(_partners(slack, stages))
+    clock = np.zeros(stages)
+    for t in range(work.shape[0]):
         done = clock + work[t]
-        if width:
-            done = np.where(on_ring, np.maximum(done, clock[group].max(axis=1) + transfer), done)
+        if slack:
+            done = np.where(alone, done, np.maximum(done, clock[group].max(axis=1) + transfer))
         if urgent[t]:
             src, dst = np.array(urgent[t]).T
             meet = done.copy()
             np.maximum.at(meet, src, done[dst])
             np.maximum.at(meet, dst, done[src])
-            touched = np.zeros(s.stages, bool)
+            touched = np.zeros(stages, bool)
             touched[src] = touched[dst] = True
             done = np.where(touched, meet + transfer, done)
         clock = done
-    return clock.tolist(), sum(spent)
+    return clock.tolist()
 
 
 def executed_bubble(schedule: Any, cost: dict[str, float] | None = None,
